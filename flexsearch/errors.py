@@ -1,0 +1,40 @@
+"""The exception types of flexsearch.
+
+Every error a user can cause is a :class:`FlexsearchError` whose message is one line
+naming the problem and the fix. The CLI prints that line and exits with code 2; an
+exception of any other type is an internal error (exit code 1).
+"""
+
+from __future__ import annotations
+
+
+class FlexsearchError(Exception):
+    """Base of every user-facing error: the message is one line, problem and fix."""
+
+
+class ModelLoadError(FlexsearchError):
+    """A model file (``path.py[:NAME]``) could not be loaded."""
+
+
+class TraceError(FlexsearchError):
+    """The model could not be lifted into an operator graph."""
+
+
+class UnsupportedOpError(TraceError):
+    """The graph holds an op that a requested stage cannot handle."""
+
+
+class ClusterSpecError(FlexsearchError):
+    """A hardware or cluster spec is unknown or malformed."""
+
+
+class PlanFileError(FlexsearchError):
+    """A plan file is damaged, of a newer version, or made for another model."""
+
+
+class InfeasiblePlanError(FlexsearchError):
+    """No plan fits the devices' memory."""
+
+
+class ProfileError(FlexsearchError):
+    """A profile file is damaged or a measurement could not be made."""

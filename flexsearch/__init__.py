@@ -1,0 +1,34 @@
+"""flexsearch: find the fastest way to train a PyTorch model on many devices.
+
+Public API (DESIGN section 1): :func:`load_model`, :func:`trace`, and the error types.
+"""
+
+from flexsearch.errors import (
+    ClusterSpecError,
+    FlexsearchError,
+    InfeasiblePlanError,
+    ModelLoadError,
+    PlanFileError,
+    ProfileError,
+    TraceError,
+    UnsupportedOpError,
+)
+from flexsearch.graph import OpGraph, OpNode, trace
+from flexsearch.model_files import load_model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ClusterSpecError",
+    "FlexsearchError",
+    "InfeasiblePlanError",
+    "ModelLoadError",
+    "OpGraph",
+    "OpNode",
+    "PlanFileError",
+    "ProfileError",
+    "TraceError",
+    "UnsupportedOpError",
+    "load_model",
+    "trace",
+]

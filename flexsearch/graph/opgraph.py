@@ -1,0 +1,237 @@
+"""The operator graph: the immutable IR every later stage reads.
+
+An :class:`OpGraph` is a list of :class:`OpNode` in topological order. Each node is one
+operator of the forward pass (a standard layer such as ``nn.Linear`` kept whole, or a
+tensor function), with its measured forward and backward FLOPs, the bytes it moves,
+the parameters it owns, its output shapes and its parallelizable dimensions in SOAP
+terms (:class:`ParallelDims`). Identical repeated blocks (transformer layers) are
+recorded as :class:`BlockGroup` values so searches can share one decision per block.
+
+Everything here is a frozen pydantic model: graphs are values, they serialise to JSON
+(``to_json``/``from_json``) and have a content :attr:`OpGraph.fingerprint`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from functools import cached_property
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+DimKind = Literal["sample", "attribute", "parameter"]
+
+NodeKind = Literal[
+    "input",
+    "output",
+    "param",
+    "linear",
+    "conv",
+    "embedding",
+    "norm",
+    "rnn",
+    "attention",
+    "matmul",
+    "elementwise",
+    "activation",
+    "softmax",
+    "reduction",
+    "pool",
+    "view",
+    "dropout",
+    "loss",
+    "opaque",
+]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TensorMeta(_Frozen):
+    """Shape and dtype of one tensor (``dtype`` as ``str(torch.dtype)`` minus ``torch.``)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_size(self.dtype)
+
+
+class OutputDim(_Frozen):
+    """One splittable dimension of a node's first output.
+
+    ``kind`` is the SOAP role: ``sample`` (the batch), ``attribute`` (another
+    non-parameter dimension: sequence, height, width, heads), ``parameter`` (a dimension
+    that indexes the node's parameters: out features, out channels, embedding columns).
+    """
+
+    dim: int
+    kind: DimKind
+    size: int
+
+
+class ReducedDim(_Frozen):
+    """A dimension the node sums over; splitting it leaves partial sums to be reduced.
+
+    ``name`` says which (``in_features``, ``in_channels``, ``k``, ``vocab``);
+    ``parameter`` is true when splitting it also splits the node's parameters.
+    """
+
+    name: str
+    size: int
+    parameter: bool
+
+
+class ParallelDims(_Frozen):
+    """A node's SOAP dimensions: the output dims it may be split along and the reduced
+    input dims it may be split along (partial sums). An opaque node has neither."""
+
+    output: tuple[OutputDim, ...] = ()
+    reduced: tuple[ReducedDim, ...] = ()
+
+    def of_kind(self, kind: DimKind) -> tuple[OutputDim, ...]:
+        return tuple(d for d in self.output if d.kind == kind)
+
+
+class BlockRef(_Frozen):
+    """Where a node sits in a repeated block: group id, instance index, position."""
+
+    group: int
+    instance: int
+    position: int
+
+
+class OpNode(_Frozen):
+    """One operator of the forward pass."""
+
+    name: str
+    kind: NodeKind
+    target: str
+    inputs: tuple[str, ...]
+    outputs: tuple[TensorMeta, ...]
+    flops: int
+    backward_flops: int
+    bytes_read: int
+    bytes_written: int
+    params: tuple[str, ...] = ()
+    num_params: int = 0
+    param_bytes: int = 0
+    dims: ParallelDims = ParallelDims()
+    opaque: bool = False
+    module: str = ""
+    source: str = ""
+    block: BlockRef | None = None
+
+    @property
+    def output_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(t.shape for t in self.outputs)
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(t.nbytes for t in self.outputs)
+
+
+class BlockGroup(_Frozen):
+    """A set of identical blocks: ``instances[i]`` lists instance i's node names, in the
+    same order for every instance, so ``instances[i][k]`` and ``instances[j][k]`` are the
+    same operator of different copies."""
+
+    id: int
+    module_type: str
+    modules: tuple[str, ...]
+    instances: tuple[tuple[str, ...], ...]
+
+
+class OpGraph(_Frozen):
+    """The operator graph of one model's forward pass, nodes in topological order."""
+
+    model: str
+    via: Literal["fx", "export"]
+    nodes: tuple[OpNode, ...]
+    blocks: tuple[BlockGroup, ...] = ()
+    unused_params: int = 0
+
+    @cached_property
+    def by_name(self) -> dict[str, OpNode]:
+        return {n.name: n for n in self.nodes}
+
+    def node(self, name: str) -> OpNode:
+        return self.by_name[name]
+
+    @cached_property
+    def consumers(self) -> dict[str, tuple[str, ...]]:
+        out: dict[str, list[str]] = {n.name: [] for n in self.nodes}
+        for n in self.nodes:
+            for i in n.inputs:
+                out[i].append(n.name)
+        return {k: tuple(v) for k, v in out.items()}
+
+    @property
+    def num_params(self) -> int:
+        return sum(n.num_params for n in self.nodes)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(n.param_bytes for n in self.nodes)
+
+    @property
+    def flops(self) -> int:
+        """Total forward FLOPs."""
+        return sum(n.flops for n in self.nodes)
+
+    @property
+    def backward_flops(self) -> int:
+        return sum(n.backward_flops for n in self.nodes)
+
+    @property
+    def opaque_nodes(self) -> tuple[OpNode, ...]:
+        return tuple(n for n in self.nodes if n.opaque)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """A hash of the graph's structure (names, kinds, targets, edges, shapes, params),
+        independent of cost numbers, so a plan can tell which model it was made for."""
+        h = hashlib.sha256()
+        for n in self.nodes:
+            h.update(repr((n.name, n.kind, n.target, n.inputs, n.output_shapes, n.params)).encode())
+        return h.hexdigest()[:16]
+
+    def to_json(self, indent: int | None = None) -> str:
+        return self.model_dump_json(indent=indent, exclude={"by_name", "consumers", "fingerprint"})
+
+    @classmethod
+    def from_json(cls, text: str) -> OpGraph:
+        return cls.model_validate_json(text)
+
+
+_DTYPE_SIZES = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "complex64": 8,
+    "complex128": 16,
+}
+
+
+def dtype_size(dtype: str) -> int:
+    """Bytes per element of a dtype named as in :class:`TensorMeta`."""
+    try:
+        return _DTYPE_SIZES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}") from None

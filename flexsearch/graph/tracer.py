@@ -1,0 +1,515 @@
+"""The tracer: ``trace(model, example_inputs) -> OpGraph``.
+
+1. Lift: ``torch.fx`` symbolic tracing, standard ``torch.nn`` layers kept as single
+   nodes; if that fails (Python control flow, Hugging Face-style code), ``torch.export``
+   (non-strict, ATen-level graph); if both fail, a one-line :class:`TraceError` naming
+   the offending source line.
+2. Measure (:class:`_Measure`, an ``fx.Interpreter``): every node runs on fake tensors
+   (``FakeTensorMode``; parameters and buffers are swapped for fakes with
+   ``torch.func.functional_call``), so no real memory is used. Each op runs on fresh
+   leaf inputs under ``FlopCounterMode``: its forward FLOPs, then the FLOPs of its
+   backward (``torch.autograd.grad`` of its outputs w.r.t. its inputs and parameters).
+   Bytes read are the tensor inputs plus the parameters used, bytes written the
+   outputs; an output that aliases an input (a view) moves no bytes.
+3. Label: the op registry gives each node its kind and SOAP dims; the batch dim is
+   followed from the inputs (dim 0 of every example input).
+4. Find repeated blocks (:mod:`flexsearch.graph.blocks`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import FlopCounterMode
+
+from flexsearch.errors import TraceError
+from flexsearch.graph import registry
+from flexsearch.graph.blocks import find_blocks
+from flexsearch.graph.opgraph import OpGraph, OpNode, ParallelDims, TensorMeta
+
+_TORCH_DIR = str(Path(torch.__file__).parent)
+_OWN_DIR = str(Path(__file__).parent.parent)
+_VIEW_TARGETS = {"getitem", "size", "dim"}
+
+
+def trace(model: nn.Module, example_inputs: tuple | Any, *, name: str | None = None) -> OpGraph:
+    """Lift ``model`` called on ``example_inputs`` into an :class:`OpGraph`.
+
+    ``example_inputs`` is a tuple of positional arguments (a single tensor is accepted);
+    a trailing ``dict`` is taken as keyword arguments. Dim 0 of every input tensor is
+    the batch. Real, meta or fake tensors all work; nothing is computed for real.
+    """
+    if not isinstance(model, nn.Module):
+        raise TraceError(f"trace() needs an nn.Module, got {type(model).__name__}; pass the model object")
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    kwargs: dict[str, Any] = {}
+    if args and isinstance(args[-1], dict):
+        args, kwargs = args[:-1], dict(args[-1])
+    was_training = model.training
+    model.train()
+    try:
+        gm, via, inputs = _lift(model, args, kwargs)
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        measure = _Measure(gm, model, fake_mode, via=via)
+        with fake_mode:
+            fake_inputs = [_fake_like(x) for x in inputs]
+        measure.run_all(fake_inputs)
+    finally:
+        model.train(was_training)
+    nodes = tuple(measure.nodes)
+    used = set(measure.owner_of)
+    unused = sum(p.numel() for n, p in model.named_parameters() if n not in used)
+    blocks, refs = find_blocks(nodes, measure.signature, measure.module_types)
+    return OpGraph(
+        model=name or type(model).__name__,
+        via=via,
+        nodes=tuple(n.model_copy(update={"block": refs[n.name]}) if n.name in refs else n for n in nodes),
+        blocks=blocks,
+        unused_params=unused,
+    )
+
+
+# ----------------------------------------------------------------------------- lifting
+
+
+class _Tracer(fx.Tracer):
+    """Symbolic tracer keeping every ``torch.nn`` layer whole and recording source lines."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.record_stack_traces = True
+
+
+def _lift(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, str, list]:
+    """The graph module, how it was made, and the flat list of its placeholder values."""
+    try:
+        tracer = _Tracer()
+        graph = tracer.trace(model)
+        gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        values = list(args)
+        for ph in placeholders[len(args) :]:
+            if ph.target in kwargs:
+                values.append(kwargs[ph.target])
+            elif ph.args:
+                values.append(ph.args[0])  # the default value
+            else:
+                raise TypeError(f"forward() argument {ph.target!r} has no example input")
+        return gm, "fx", values
+    except Exception as fx_error:
+        try:
+            ep = torch.export.export(model, args, kwargs or None, strict=False)
+        except Exception as export_error:
+            raise TraceError(_failure_line(fx_error, export_error)) from export_error
+        return ep.graph_module, "export", _export_inputs(ep, model, args, kwargs)
+
+
+def _export_inputs(ep, model: nn.Module, args: tuple, kwargs: dict) -> list:
+    """Values for the exported graph's placeholders: parameters, buffers, constants and
+    the user inputs, in the order of the graph signature."""
+    from torch.export.graph_signature import InputKind
+
+    state = dict(model.named_parameters(remove_duplicate=False))
+    state.update(model.named_buffers(remove_duplicate=False))
+    user = iter(tree_flatten((args, kwargs))[0])
+    values = []
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind == InputKind.USER_INPUT:
+            values.append(next(user))
+        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            values.append(state[spec.target])
+        else:
+            values.append(ep.constants[spec.target])
+    return values
+
+
+def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """The deepest frame of a traceback that is the user's code, not torch's or ours."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    mine = [
+        f
+        for f in frames
+        if not f.filename.startswith((_TORCH_DIR, _OWN_DIR)) and not f.filename.startswith("<")
+    ]
+    return mine[-1] if mine else None
+
+
+def _failure_line(fx_error: Exception, export_error: Exception) -> str:
+    frame = _user_frame(fx_error) or _user_frame(export_error)
+    where = f"{frame.filename}:{frame.lineno} `{(frame.line or '').strip()}`" if frame else "the model's forward"
+    reason = _short(export_error) or _short(fx_error)
+    return (
+        f"cannot trace the model at {where}: {reason}; neither torch.fx nor torch.export can "
+        "follow control flow that depends on tensor values — compute both branches and "
+        "select with torch.where, or move the decision out of forward()"
+    )
+
+
+def _short(exc: Exception) -> str:
+    text = " ".join(str(exc).split())
+    text = re.sub(r"\s*\(.*?see.*?\)\s*", " ", text)
+    return f"{type(exc).__name__}: {text[:160]}" if text else type(exc).__name__
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def _fake_like(x: Any) -> Any:
+    """A fake CPU tensor with x's shape, stride and dtype (inside an active FakeTensorMode)."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    return torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device="cpu")
+
+
+def _meta(t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(shape=tuple(int(s) for s in t.shape), dtype=str(t.dtype).removeprefix("torch."))
+
+
+def _target_name(node: fx.Node, module: nn.Module | None) -> str:
+    if module is not None:
+        cls = type(module)
+        return f"{cls.__module__}.{cls.__qualname__}".replace("torch.nn.modules.", "torch.nn.").replace(
+            ".linear.", "."
+        )
+    if node.op == "call_method":
+        return f"Tensor.{node.target}"
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return str(t)
+    mod = getattr(t, "__module__", None) or ""
+    return f"{mod}.{getattr(t, '__qualname__', getattr(t, '__name__', str(t)))}".lstrip(".")
+
+
+def _source(node: fx.Node) -> str:
+    st = node.meta.get("stack_trace") or ""
+    found = re.findall(r'File "([^"]+)", line (\d+)', st)
+    user = [f for f in found if not f[0].startswith((_TORCH_DIR, _OWN_DIR)) and not f[0].startswith("<")]
+    if not user:
+        return ""
+    file, line = user[-1]
+    return f"{file}:{line}"
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if node.op == "call_module":
+        return str(node.target)
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    # torch.export prefixes paths with "L['self']." style names in some versions.
+    return re.sub(r"^L\['self'\]\.?", "", str(path))
+
+
+class _Measure(fx.Interpreter):
+    """Runs the graph on fake tensors and records one :class:`OpNode` per op."""
+
+    def __init__(self, gm: fx.GraphModule, model: nn.Module, fake_mode: FakeTensorMode, *, via: str):
+        super().__init__(gm, garbage_collect_values=False)
+        self.model = model
+        self.fake_mode = fake_mode
+        self.via = via
+        self.nodes: list[OpNode] = []
+        self.signature: dict[str, tuple] = {}
+        self.owner_of: dict[str, str] = {}  # canonical param name -> owning node
+        self.batch_of: dict[int, int | None] = {}  # id(fake tensor) -> batch dim
+        self.param_of: dict[int, str] = {}  # id(fake param) -> canonical name
+        self.stands_for: dict[str, tuple[str, ...]] = {}  # fx node -> op nodes it carries
+        self._cache: dict[tuple, tuple[int, int]] = {}
+        self.module_types: dict[str, str] = {}  # module path -> class name
+        canon: dict[int, str] = {}
+        for n, p in model.named_parameters():
+            canon.setdefault(id(p), n)
+        for n, b in model.named_buffers():
+            canon.setdefault(id(b), n)
+        self.canon = canon
+        self.fakes: dict[str, torch.Tensor] = {}
+        self.is_param: dict[str, bool] = {}
+        with fake_mode:
+            for n, p in model.named_parameters():
+                f = _fake_like(p).requires_grad_(p.requires_grad)
+                self.fakes[n] = f
+                self.is_param[n] = True
+                self.param_of[id(f)] = n
+            for n, b in model.named_buffers():
+                f = _fake_like(b)
+                self.fakes[n] = f
+                self.is_param[n] = False
+                self.param_of[id(f)] = n
+        if via == "export":  # parameters come in as placeholders: map them to fakes
+            self._placeholder_state = {
+                id(v): self.canon.get(id(v)) for v in list(model.parameters()) + list(model.buffers())
+            }
+
+    # -- running -------------------------------------------------------------------
+
+    def run_all(self, inputs: list) -> None:
+        # The math attention backend runs attention as matmuls FlopCounterMode counts
+        # (the CPU flash kernel has no FLOP formula registered in torch).
+        with self.fake_mode, sdpa_kernel([SDPBackend.MATH]), FlopCounterMode(display=False) as counter:
+            self.counter = counter
+            self.run(*inputs)
+
+    def run_node(self, n: fx.Node) -> Any:
+        for path, cls in (n.meta.get("nn_module_stack") or {}).values():
+            self.module_types.setdefault(re.sub(r"^L\['self'\]\.?", "", str(path)), getattr(cls, "__qualname__", str(cls)))
+        with self._rethrow(n):
+            count = len(self.nodes)
+            if n.op == "placeholder":
+                value = self._placeholder(n)
+            elif n.op == "get_attr":
+                value = self._get_attr(n)
+            elif n.op == "output":
+                value = self._output(n)
+            else:
+                value = self._op(n)
+        # An FX node that became an op node is a data edge; one that did not (sizes,
+        # shapes, parameters) carries no activation: shapes are static in the graph.
+        self.stands_for[n.name] = (n.name,) if len(self.nodes) > count else ()
+        return value
+
+    def _inputs_of(self, n: fx.Node) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(o for i in n.all_input_nodes for o in self.stands_for.get(i.name, ())))
+
+    @contextlib.contextmanager
+    def _rethrow(self, n: fx.Node) -> Iterator[None]:
+        try:
+            yield
+        except TraceError:
+            raise
+        except Exception as exc:
+            src = _source(n)
+            where = f" ({src})" if src else ""
+            raise TraceError(
+                f"cannot run op {n.name} ({n.op} {_target_name(n, None) if n.op != 'call_module' else n.target})"
+                f"{where} on fake tensors: {_short(exc)}; make it shape-only "
+                "(no .item(), .tolist(), data-dependent shapes) or report the op"
+            ) from exc
+
+    def _placeholder(self, n: fx.Node) -> Any:
+        value = super().run_node(n)
+        if self.via == "export":
+            name = self._placeholder_state.get(id(value))
+            if name is not None:  # a parameter or buffer: use its fake
+                return self.fakes[name]
+        if isinstance(value, torch.Tensor):
+            with self.fake_mode:
+                fake = _fake_like(value) if not isinstance(value, torch._subclasses.FakeTensor) else value
+            self.batch_of[id(fake)] = 0 if fake.dim() > 0 else None
+            self._record(n, fake, kind="input", dims=registry.Ruling("input", out_batch=0))
+            return fake
+        return value
+
+    def _get_attr(self, n: fx.Node) -> Any:
+        name = str(n.target)
+        real = self.fetch_attr(name)
+        canon = self.canon.get(id(real))
+        if canon is not None:
+            return self.fakes[canon]
+        if isinstance(real, torch.Tensor):  # a constant tensor attribute
+            with self.fake_mode:
+                return _fake_like(real)
+        return real
+
+    def _output(self, n: fx.Node) -> Any:
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        value = args[0]
+        inputs = self._inputs_of(n)
+        metas = [_meta(t) for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+        self.nodes.append(
+            OpNode(
+                name="output", kind="output", target="output", inputs=inputs, outputs=tuple(metas),
+                flops=0, backward_flops=0, bytes_read=0, bytes_written=0,
+            )  # fmt: skip
+        )
+        return value
+
+    def _op(self, n: fx.Node) -> Any:
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        module = self.fetch_attr(n.target) if n.op == "call_module" else None
+        key: Any = type(module) if module is not None else n.target
+        if n.op == "call_method":
+            key = n.target
+        flat_in = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        mod_params: dict[str, torch.Tensor] = {}
+        if module is not None:
+            for local, real in list(module.named_parameters(remove_duplicate=False)) + list(
+                module.named_buffers(remove_duplicate=False)
+            ):
+                mod_params[local] = self.fakes[self.canon[id(real)]]
+
+        name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+        if name in _VIEW_TARGETS or not flat_in and not mod_params and n.op != "call_function":
+            out = super().run_node(n)  # pure data movement: no leaves, no counting
+            fwd = bwd = 0
+        else:
+            out, fwd, bwd = self._measured_call(n, module, mod_params, args, kwargs)
+
+        flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if not flat_out:  # sizes, shapes, Python scalars: not an op
+            return out
+
+        # Parameters used: module's own, plus fakes passed as arguments.
+        used = [self.canon[id(r)] for r in (module.parameters(recurse=True) if module is not None else ())]
+        used += [self.param_of[id(t)] for t in flat_in if id(t) in self.param_of and self.is_param[self.param_of[id(t)]]]
+        used = list(dict.fromkeys(used))
+        acts = [t for t in flat_in if id(t) not in self.param_of]
+        call = registry.Call(
+            in_shapes=tuple(tuple(t.shape) for t in flat_in),
+            in_batch=tuple(self.batch_of.get(id(t)) for t in flat_in),
+            out_shape=tuple(flat_out[0].shape),
+            args=tuple(a if not isinstance(a, torch.Tensor) else None for a in args),
+            kwargs={k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)},
+            module=module,
+        )
+        ruling = registry.rule_for(key, call)
+        self._label_outputs(flat_out, ruling.out_batch)
+
+        alias = all(any(torch._C._is_alias_of(o, i) for i in flat_in) for o in flat_out)
+        bytes_written = 0 if alias else sum(t.numel() * t.element_size() for t in flat_out)
+        param_bytes_used = sum(self.fakes[p].numel() * self.fakes[p].element_size() for p in used)
+        if not ruling.reads_params:  # a lookup reads the rows it gathers, not the table
+            param_bytes_used = min(param_bytes_used, bytes_written)
+        bytes_read = 0 if alias else sum(t.numel() * t.element_size() for t in acts) + param_bytes_used
+        owned = [p for p in used if p not in self.owner_of]
+        for p in owned:
+            self.owner_of[p] = n.name
+        inputs = self._inputs_of(n)
+        self._record(
+            n,
+            out,
+            kind=ruling.kind,
+            dims=ruling,
+            module=module,
+            inputs=inputs,
+            flops=fwd,
+            backward_flops=bwd,
+            bytes_read=bytes_read,
+            bytes_written=bytes_written,
+            params=tuple(used),
+            owned=owned,
+        )
+        return out
+
+    def _label_outputs(self, flat_out: list[torch.Tensor], batch: int | None) -> None:
+        """Batch dim of every output: the ruling's for the first; for others the same
+        index if the size matches, else the first dim of that size."""
+        if not flat_out:
+            return
+        first = flat_out[0]
+        self.batch_of.setdefault(id(first), batch)
+        size = first.shape[batch] if batch is not None and batch < first.dim() else None
+        for t in flat_out[1:]:
+            if id(t) in self.batch_of:
+                continue
+            b = None
+            if size is not None:
+                if batch < t.dim() and t.shape[batch] == size:
+                    b = batch
+                else:
+                    b = next((d for d, s in enumerate(t.shape) if s == size), None)
+            self.batch_of[id(t)] = b
+
+    def _measured_call(self, n: fx.Node, module, mod_params, args, kwargs) -> tuple[Any, int, int]:
+        """Run the op on fresh leaf inputs; count forward and backward FLOPs."""
+        leaves: list[torch.Tensor] = []
+
+        def leafify(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor) or id(x) in self.param_of:
+                if isinstance(x, torch.Tensor) and x.requires_grad:
+                    leaves.append(x)
+                return x
+            if x.is_floating_point():
+                leaf = x.detach().requires_grad_(True)
+                leaves.append(leaf)
+                return leaf.clone()  # in-place ops (ReLU(inplace=True), +=) need a non-leaf
+            return x
+
+        largs, lkwargs = tree_map(leafify, (args, kwargs))
+        leaves += [p for p in mod_params.values() if p.requires_grad]
+        sig = self._signature(n, module, args, kwargs)
+        cached = self._cache.get(sig)
+        before = self.counter.get_total_flops()
+        if module is not None:
+            out = torch.func.functional_call(module, mod_params, tuple(largs), lkwargs, strict=False)
+        elif n.op == "call_method":
+            self_obj, *rest = largs
+            out = getattr(self_obj, n.target)(*rest, **lkwargs)
+        else:
+            out = n.target(*largs, **lkwargs)
+        fwd = self.counter.get_total_flops() - before
+        bwd = 0
+        if cached is not None:
+            bwd = cached[1]
+        else:
+            grads_of = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+            if grads_of and leaves:
+                before = self.counter.get_total_flops()
+                torch.autograd.grad(
+                    grads_of,
+                    leaves,
+                    grad_outputs=[torch.ones_like(t) for t in grads_of],
+                    allow_unused=True,
+                )
+                bwd = self.counter.get_total_flops() - before
+            self._cache[sig] = (fwd, bwd)
+        self.signature[n.name] = sig
+        return out, fwd, bwd
+
+    def _signature(self, n: fx.Node, module, args, kwargs) -> tuple:
+        """Identity of an op call up to names: target, configuration, shapes, constants."""
+
+        def norm(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                return ("T", tuple(x.shape), str(x.dtype), id(x) in self.param_of)
+            if isinstance(x, (int, float, bool, str, type(None), torch.dtype, torch.device)):
+                return x
+            return type(x).__name__
+
+        config = ""
+        if module is not None:
+            config = (type(module).__qualname__, module.extra_repr(), module.training)
+            shapes = tuple((k, tuple(v.shape), str(v.dtype)) for k, v in module.state_dict(keep_vars=True).items())
+            config = (config, shapes)
+        target = n.target if isinstance(n.target, str) else getattr(n.target, "__qualname__", repr(n.target))
+        return (n.op, target if module is None else "", config, tree_map(norm, (args, kwargs)))
+
+    def _record(self, n: fx.Node, out: Any, *, kind: str, dims: registry.Ruling, module=None,
+                inputs=(), flops=0, backward_flops=0, bytes_read=0, bytes_written=0,
+                params=(), owned=()) -> None:  # fmt: skip
+        flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        self.nodes.append(
+            OpNode(
+                name=n.name,
+                kind=kind,
+                target=_target_name(n, module) if n.op != "placeholder" else "input",
+                inputs=tuple(inputs),
+                outputs=tuple(_meta(t) for t in flat_out),
+                flops=int(flops),
+                backward_flops=int(backward_flops),
+                bytes_read=int(bytes_read),
+                bytes_written=int(bytes_written),
+                params=tuple(params),
+                num_params=sum(self.fakes[p].numel() for p in owned),
+                param_bytes=sum(self.fakes[p].numel() * self.fakes[p].element_size() for p in owned),
+                dims=dims.dims if isinstance(dims.dims, ParallelDims) else ParallelDims(),
+                opaque=dims.opaque,
+                module=_module_path(n),
+                source=_source(n),
+            )
+        )
+        if n.op != "placeholder":
+            self.signature.setdefault(n.name, (n.op, str(n.target)))
+        else:
+            self.signature[n.name] = ("input", tuple(flat_out[0].shape) if flat_out else ())

@@ -29,27 +29,27 @@ class AlexNet(nn.Module):
         super().__init__()
         self.features = nn.Sequential(
             nn.Conv2d(3, 64, kernel_size=11, stride=4, padding=2),
-            nn.ReLU(inplace=True),
+            nn.ReLU(),
             nn.MaxPool2d(kernel_size=3, stride=2),
             nn.Conv2d(64, 192, kernel_size=5, padding=2),
-            nn.ReLU(inplace=True),
+            nn.ReLU(),
             nn.MaxPool2d(kernel_size=3, stride=2),
             nn.Conv2d(192, 384, kernel_size=3, padding=1),
-            nn.ReLU(inplace=True),
+            nn.ReLU(),
             nn.Conv2d(384, 256, kernel_size=3, padding=1),
-            nn.ReLU(inplace=True),
+            nn.ReLU(),
             nn.Conv2d(256, 256, kernel_size=3, padding=1),
-            nn.ReLU(inplace=True),
+            nn.ReLU(),
             nn.MaxPool2d(kernel_size=3, stride=2),
         )
         self.avgpool = nn.AdaptiveAvgPool2d((6, 6))
         self.classifier = nn.Sequential(
             nn.Dropout(p=dropout),
             nn.Linear(256 * 6 * 6, 4096),
-            nn.ReLU(inplace=True),
+            nn.ReLU(),
             nn.Dropout(p=dropout),
             nn.Linear(4096, 4096),
-            nn.ReLU(inplace=True),
+            nn.ReLU(),
             nn.Linear(4096, num_classes),
         )
 
@@ -97,8 +97,10 @@ def alexnet(batch_size: int = FLEXFLOW_PER_GPU_BATCH * FLEXFLOW_GPUS, dropout: f
     (Jia, Zaharia, Aiken, "Beyond Data and Model Parallelism for Deep Neural Networks",
     SysML 2019). Batch: 64 per GPU x 16 GPUs (approx.). Real CPU weights.
     """
-    model = AlexNet(dropout=dropout)
-    x = torch.randn(batch_size, 3, 224, 224)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AlexNet(dropout=dropout)
+        x = torch.randn(batch_size, 3, 224, 224)
     return model, (x,)
 
 

@@ -17,8 +17,8 @@ training iteration. ``build_model()`` is the headline configuration (BERT-large)
 Self-contained on purpose (files are loaded by path): imports only torch/dataclasses.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: with string annotations, @dataclass looks the
+# module up in sys.modules, which a file loaded by path with importlib may not be in.
 from dataclasses import dataclass
 
 import torch

@@ -14,8 +14,8 @@ device (no memory). ``build_model()`` is the headline configuration (GPT-2 small
 Self-contained on purpose (files are loaded by path): imports only torch/dataclasses.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: with string annotations, @dataclass looks the
+# module up in sys.modules, which a file loaded by path with importlib may not be in.
 from dataclasses import dataclass
 
 import torch

@@ -141,8 +141,10 @@ def resnet50(batch_size: int = 256):
 
     He et al. 2016 (section 3.4: SGD with a mini-batch of 256). Real CPU weights.
     """
-    model = ImageNetResNet((3, 4, 6, 3))
-    x = torch.randn(batch_size, 3, 224, 224)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = ImageNetResNet((3, 4, 6, 3))
+        x = torch.randn(batch_size, 3, 224, 224)
     return model, (x,)
 
 
@@ -152,8 +154,10 @@ def resnet101(batch_size: int = FLEXFLOW_PER_GPU_BATCH * FLEXFLOW_GPUS):
     He et al. 2016 architecture, as benchmarked by FlexFlow (Jia, Zaharia, Aiken, SysML
     2019): 64 per GPU x 16 GPUs (approx.). He et al. themselves used 256. Real CPU weights.
     """
-    model = ImageNetResNet((3, 4, 23, 3))
-    x = torch.randn(batch_size, 3, 224, 224)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = ImageNetResNet((3, 4, 23, 3))
+        x = torch.randn(batch_size, 3, 224, 224)
     return model, (x,)
 
 

@@ -33,7 +33,7 @@ def _features(cfg, in_channels: int) -> nn.Sequential:
             layers.append(nn.MaxPool2d(kernel_size=2, stride=2))
         else:
             layers.append(nn.Conv2d(c, v, kernel_size=3, padding=1))
-            layers.append(nn.ReLU(inplace=True))
+            layers.append(nn.ReLU())
             c = v
     return nn.Sequential(*layers)
 
@@ -53,10 +53,10 @@ class VGG(nn.Module):
         self.avgpool = nn.AdaptiveAvgPool2d((pool, pool))
         self.classifier = nn.Sequential(
             nn.Linear(last * pool * pool, hidden),
-            nn.ReLU(inplace=True),
+            nn.ReLU(),
             nn.Dropout(p=dropout),
             nn.Linear(hidden, hidden),
-            nn.ReLU(inplace=True),
+            nn.ReLU(),
             nn.Dropout(p=dropout),
             nn.Linear(hidden, num_classes),
         )

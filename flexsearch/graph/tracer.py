@@ -19,9 +19,12 @@
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
 import re
 import traceback
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -109,26 +112,50 @@ def _lift(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, 
         return gm, "fx", values
     except Exception as fx_error:
         try:
-            ep = torch.export.export(model, args, kwargs or None, strict=False)
+            with _quiet_torch_logs():
+                ep = torch.export.export(model, args, kwargs or None, strict=False)
         except Exception as export_error:
             raise TraceError(_failure_line(fx_error, export_error)) from export_error
         return ep.graph_module, "export", _export_inputs(ep, model, args, kwargs)
 
 
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """torch.export logs warnings and prints partial graphs to stderr on failure; the
+    user gets our one line instead."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        logging.disable(previous)
+
+
+@dataclass(frozen=True)
+class _State:
+    """Placeholder value standing for the model's parameter or buffer ``name``."""
+
+    name: str
+
+
 def _export_inputs(ep, model: nn.Module, args: tuple, kwargs: dict) -> list:
-    """Values for the exported graph's placeholders: parameters, buffers, constants and
-    the user inputs, in the order of the graph signature."""
+    """Values for the exported graph's placeholders in the order of its signature: the
+    user inputs, and :class:`_State` references for parameters and buffers."""
     from torch.export.graph_signature import InputKind
 
     state = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))
+    canon: dict[int, str] = {}
+    for n, t in list(model.named_parameters()) + list(model.named_buffers()):
+        canon.setdefault(id(t), n)
     user = iter(tree_flatten((args, kwargs))[0])
-    values = []
+    values: list = []
     for spec in ep.graph_signature.input_specs:
         if spec.kind == InputKind.USER_INPUT:
             values.append(next(user))
-        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
-            values.append(state[spec.target])
+        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER) and spec.target in state:
+            values.append(_State(canon[id(state[spec.target])]))
         else:
             values.append(ep.constants[spec.target])
     return values
@@ -157,9 +184,12 @@ def _failure_line(fx_error: Exception, export_error: Exception) -> str:
 
 
 def _short(exc: Exception) -> str:
+    """The exception's first sentence, on one line."""
     text = " ".join(str(exc).split())
-    text = re.sub(r"\s*\(.*?see.*?\)\s*", " ", text)
-    return f"{type(exc).__name__}: {text[:160]}" if text else type(exc).__name__
+    text = re.split(r"(?<=[.:])\s+(?=[A-Z(])", text)[0].rstrip(".:")
+    if text.count("(") > text.count(")"):
+        text = text[: text.rfind("(")].rstrip()
+    return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -299,10 +329,8 @@ class _Measure(fx.Interpreter):
 
     def _placeholder(self, n: fx.Node) -> Any:
         value = super().run_node(n)
-        if self.via == "export":
-            name = self._placeholder_state.get(id(value))
-            if name is not None:  # a parameter or buffer: use its fake
-                return self.fakes[name]
+        if isinstance(value, _State):  # export: a parameter or buffer comes in as input
+            return self.fakes[value.name]
         if isinstance(value, torch.Tensor):
             with self.fake_mode:
                 fake = _fake_like(value) if not isinstance(value, torch._subclasses.FakeTensor) else value

@@ -1,0 +1,3 @@
+from flexsearch.cli import entry
+
+entry()

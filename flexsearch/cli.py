@@ -1,0 +1,123 @@
+"""The ``flexsearch`` command line (DESIGN section 2): thin: parse, call, render.
+
+Exit codes: 0 success, 2 bad input (one line on stderr naming the problem and the fix,
+no traceback), 1 internal error.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from flexsearch.errors import FlexsearchError
+
+try:  # typer >= 0.20 vendors click
+    from typer._click.exceptions import ClickException, UsageError
+except ImportError:  # pragma: no cover - older typer on top of click
+    from click.exceptions import ClickException, UsageError
+
+app = typer.Typer(
+    name="flexsearch",
+    help="Find the fastest way to train a PyTorch model on many devices.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+ModelArg = Annotated[str, typer.Argument(help="Model file: path/to/file.py or path/to/file.py:NAME.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout and nothing else.")]
+
+
+def _si(x: float, unit: str = "") -> str:
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f} {prefix}{unit}"
+    return f"{x:.0f} {unit}".rstrip()
+
+
+@app.callback()
+def _root() -> None:
+    """flexsearch: plan, simulate and emit parallel training for PyTorch models."""
+
+
+@app.command()
+def trace(model: ModelArg, as_json: JsonOpt = False, top: Annotated[int, typer.Option(help="Rows in the table of heaviest ops.", min=1)] = 10) -> None:
+    """Trace MODEL into an operator graph: node count, parameters, FLOPs, heaviest ops."""
+    from flexsearch.graph import trace as trace_graph
+    from flexsearch.model_files import load_model
+
+    module, inputs = load_model(model)
+    graph = trace_graph(module, inputs, name=model)
+    summary = {
+        "model": model,
+        "via": graph.via,
+        "nodes": len(graph.nodes),
+        "num_params": graph.num_params,
+        "flops": graph.flops,
+        "backward_flops": graph.backward_flops,
+        "blocks": [{"module_type": b.module_type, "copies": len(b.instances)} for b in graph.blocks],
+        "opaque": [n.name for n in graph.opaque_nodes],
+        "fingerprint": graph.fingerprint,
+    }
+    if as_json:
+        summary["graph"] = json.loads(graph.to_json())
+        sys.stdout.write(json.dumps(summary) + "\n")
+        return
+    out.print(
+        f"[bold]{model}[/] traced via {graph.via}: {len(graph.nodes)} nodes, "
+        f"{_si(graph.num_params)} parameters, {_si(graph.flops, 'FLOP')} forward, "
+        f"{_si(graph.backward_flops, 'FLOP')} backward per iteration"
+    )
+    for b in graph.blocks:
+        out.print(f"repeated block: {len(b.instances)} x {b.module_type} ({len(b.instances[0])} ops each)")
+    if graph.opaque_nodes:
+        names = ", ".join(f"{n.name} ({n.target})" for n in graph.opaque_nodes[:8])
+        out.print(f"[yellow]opaque ops (costed, never split): {names}[/]")
+    table = Table(title=f"heaviest {top} ops by forward FLOPs")
+    for col in ("op", "kind", "target", "output", "fwd FLOPs", "params", "SOAP dims"):
+        table.add_column(col, justify="right" if col in ("fwd FLOPs", "params") else "left")
+    heavy = sorted(graph.nodes, key=lambda n: (n.flops, n.bytes_read), reverse=True)[:top]
+    for n in heavy:
+        dims = " ".join(f"{d.kind[0]}{d.dim}" for d in n.dims.output)
+        dims += "".join(f" r:{r.name}" for r in n.dims.reduced)
+        shape = "x".join(map(str, n.outputs[0].shape)) if n.outputs else ""
+        table.add_row(n.name, n.kind, n.target.rsplit(".", 1)[-1], shape, _si(n.flops), _si(n.num_params), dims or "-")
+    out.print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: run the app, turn user errors into one line and exit code 2."""
+    try:
+        app(args=argv, prog_name="flexsearch", standalone_mode=False)
+    except FlexsearchError as exc:
+        err.print(f"error: {exc}", markup=False, soft_wrap=True)
+        return 2
+    except typer.Abort:
+        err.print("aborted", soft_wrap=True)
+        return 130
+    except UsageError as exc:
+        ctx = getattr(exc, "ctx", None)
+        cmd = ctx.command_path if ctx is not None else "flexsearch"
+        err.print(f"error: {exc.format_message()} (see `{cmd} --help`)", markup=False, soft_wrap=True)
+        return 2
+    except ClickException as exc:
+        err.print(f"error: {exc.format_message()}", markup=False, soft_wrap=True)
+        return 2
+    except typer.Exit as exc:
+        return exc.exit_code
+    return 0
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

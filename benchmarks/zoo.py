@@ -34,9 +34,7 @@ _FLEXFLOW = (
     "FlexFlow (Jia, Zaharia, Aiken, 'Beyond Data and Model Parallelism for Deep Neural "
     "Networks', SysML 2019): 64 per GPU x 16 GPUs (approx.)"
 )
-_PIPEDREAM = (
-    "PipeDream (Narayanan et al., SOSP 2019): minibatch 64 per GPU x 16 GPUs (approx.)"
-)
+_PIPEDREAM = "PipeDream (Narayanan et al., SOSP 2019): minibatch 64 per GPU x 16 GPUs (approx.)"
 
 
 @dataclass(frozen=True)
@@ -77,18 +75,43 @@ ZOO: tuple[ZooEntry, ...] = (
     _e("mlp", "mlp", "medium", 1024, "synthetic 4 x 8192 square MLP (no paper); batch 1024 chosen"),
     _e("mlp", "mlp_tiny", "tiny", 16, "synthetic"),
     # --- gpt
-    _e("gpt", "gpt2_small", "medium", 512,
-       "GPT-2 paper (Radford et al. 2019): 124M, batch 512 x 1024 tokens"),
-    _e("gpt", "gpt2_medium", "medium", 512,
-       "GPT-2 paper (Radford et al. 2019): 355M, batch 512 x 1024 tokens"),
-    _e("gpt", "gpt2_xl", "medium", 512,
-       "GPT-2 paper (Radford et al. 2019): 1.5B, batch 512 x 1024 tokens"),
-    _e("gpt", "gpt3_175b", "large", 1536,
-       "GPT-3 paper (Brown et al. 2020, Table 2.1): 175B, batch 3.2M tokens ~ 1536 x 2048"),
+    _e(
+        "gpt",
+        "gpt2_small",
+        "medium",
+        512,
+        "GPT-2 paper (Radford et al. 2019): 124M, batch 512 x 1024 tokens",
+    ),
+    _e(
+        "gpt",
+        "gpt2_medium",
+        "medium",
+        512,
+        "GPT-2 paper (Radford et al. 2019): 355M, batch 512 x 1024 tokens",
+    ),
+    _e(
+        "gpt",
+        "gpt2_xl",
+        "medium",
+        512,
+        "GPT-2 paper (Radford et al. 2019): 1.5B, batch 512 x 1024 tokens",
+    ),
+    _e(
+        "gpt",
+        "gpt3_175b",
+        "large",
+        1536,
+        "GPT-3 paper (Brown et al. 2020, Table 2.1): 175B, batch 3.2M tokens ~ 1536 x 2048",
+    ),
     _e("gpt", "gpt_tiny", "tiny", 8, "synthetic"),
     # --- bert
-    _e("bert", "bert_large", "medium", 256,
-       "BERT paper (Devlin et al. 2019): BERT-large, batch 256 x 512 tokens"),
+    _e(
+        "bert",
+        "bert_large",
+        "medium",
+        256,
+        "BERT paper (Devlin et al. 2019): BERT-large, batch 256 x 512 tokens",
+    ),
     _e("bert", "bert_tiny", "tiny", 8, "synthetic"),
     # --- alexnet
     _e("alexnet", "alexnet", "small", 1024, _FLEXFLOW),
@@ -97,34 +120,63 @@ ZOO: tuple[ZooEntry, ...] = (
     _e("vgg", "vgg16", "medium", 1024, _PIPEDREAM),
     _e("vgg", "vgg_tiny", "tiny", 8, "synthetic"),
     # --- resnet
-    _e("resnet", "resnet50", "small", 256,
-       "ResNet paper (He et al. 2016, section 3.4): mini-batch 256"),
+    _e(
+        "resnet",
+        "resnet50",
+        "small",
+        256,
+        "ResNet paper (He et al. 2016, section 3.4): mini-batch 256",
+    ),
     _e("resnet", "resnet101", "small", 1024, _FLEXFLOW),
-    _e("resnet", "resnet20", "small", 128,
-       "D-PSGD (Lian et al., NeurIPS 2017) ResNet-20 on CIFAR-10; batch 128 as He et al. "
-       "2016 section 4.2 (approx.)"),
+    _e(
+        "resnet",
+        "resnet20",
+        "small",
+        128,
+        "D-PSGD (Lian et al., NeurIPS 2017) ResNet-20 on CIFAR-10; batch 128 as He et al. "
+        "2016 section 4.2 (approx.)",
+    ),
     _e("resnet", "resnet_tiny", "tiny", 8, "synthetic"),
     # --- inception
-    _e("inception", "inception_v3", "small", 1024,
-       _FLEXFLOW + "; auxiliary classifier omitted"),
+    _e("inception", "inception_v3", "small", 1024, _FLEXFLOW + "; auxiliary classifier omitted"),
     _e("inception", "inception_tiny", "tiny", 4, "synthetic (Inception-v3 blocks at width 1/16)"),
     # --- rnn
-    _e("rnn", "rnntc", "medium", 1024,
-       _FLEXFLOW + "; sizes (approx.) from FlexFlow's RNN artifact: hidden/embed 2048, 40 steps"),
-    _e("rnn", "rnnlm", "medium", 1024,
-       _FLEXFLOW + "; sizes (approx.) from FlexFlow's RNN artifact: hidden/embed 2048, 40 steps"),
+    _e(
+        "rnn",
+        "rnntc",
+        "medium",
+        1024,
+        _FLEXFLOW + "; sizes (approx.) from FlexFlow's RNN artifact: hidden/embed 2048, 40 steps",
+    ),
+    _e(
+        "rnn",
+        "rnnlm",
+        "medium",
+        1024,
+        _FLEXFLOW + "; sizes (approx.) from FlexFlow's RNN artifact: hidden/embed 2048, 40 steps",
+    ),
     _e("rnn", "rnntc_tiny", "tiny", 8, "synthetic"),
     _e("rnn", "rnnlm_tiny", "tiny", 8, "synthetic"),
     # --- nmt
-    _e("nmt", "nmt", "medium", 1024,
-       _FLEXFLOW + "; sizes (approx.) from FlexFlow's nmt.cc: hidden/embed 2048, vocab 20K"),
+    _e(
+        "nmt",
+        "nmt",
+        "medium",
+        1024,
+        _FLEXFLOW + "; sizes (approx.) from FlexFlow's nmt.cc: hidden/embed 2048, vocab 20K",
+    ),
     _e("nmt", "gnmt8", "medium", 1024, _PIPEDREAM + "; GNMT-8 = 4+4 LSTM layers of 1024"),
     _e("nmt", "gnmt16", "medium", 1024, _PIPEDREAM + "; GNMT-16 = 8+8 LSTM layers of 1024"),
     _e("nmt", "nmt_tiny", "tiny", 4, "synthetic (GNMT-style, 3+3 layers)"),
     # --- dlrm
-    _e("dlrm", "dlrm", "large", 2048,
-       "DLRM (Naumov et al. 2019) MLPerf Criteo Terabyte config; batch 2048 as the MLPerf "
-       "reference run (facebookresearch/dlrm bench/run_and_time.sh)"),
+    _e(
+        "dlrm",
+        "dlrm",
+        "large",
+        2048,
+        "DLRM (Naumov et al. 2019) MLPerf Criteo Terabyte config; batch 2048 as the MLPerf "
+        "reference run (facebookresearch/dlrm bench/run_and_time.sh)",
+    ),
     _e("dlrm", "dlrm_tiny", "tiny", 16, "synthetic"),
 )
 

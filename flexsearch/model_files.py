@@ -27,8 +27,9 @@ INPUT_NAMES = ("example_inputs", "get_inputs")
 
 def split_spec(spec: str) -> tuple[Path, str | None]:
     """``"a/b.py:NAME"`` -> (Path("a/b.py"), "NAME"); a bare path gives ``None``."""
-    path, sep, name = str(spec).rpartition(":")
-    if sep and path and name and not name.startswith(("\\", "/")):
+    spec = str(spec)
+    path, sep, name = spec.rpartition(":")
+    if sep and path and name.isidentifier() and not Path(spec).exists():
         return Path(path), name
     return Path(spec), None
 

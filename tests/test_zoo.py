@@ -171,6 +171,10 @@ HEADLINE = {
 }
 
 
+def test_every_family_has_a_headline():
+    assert set(HEADLINE) == set(zoo.FAMILIES)
+
+
 @pytest.mark.parametrize("family", sorted(HEADLINE))
 def test_build_model_is_the_headline(family):
     entry = zoo.get(HEADLINE[family])

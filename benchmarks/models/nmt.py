@@ -72,13 +72,18 @@ class Seq2Seq(nn.Module):
         enc = []
         for i in range(enc_layers):
             if i == 0:
-                enc.append(nn.LSTM(embed, hidden, batch_first=True, bidirectional=bidirectional_first))
+                enc.append(
+                    nn.LSTM(embed, hidden, batch_first=True, bidirectional=bidirectional_first)
+                )
             else:
                 cin = 2 * hidden if (i == 1 and bidirectional_first) else hidden
                 enc.append(nn.LSTM(cin, hidden, batch_first=True))
         self.encoder = nn.ModuleList(enc)
         self.decoder = nn.ModuleList(
-            [nn.LSTM(embed if i == 0 else hidden, hidden, batch_first=True) for i in range(dec_layers)]
+            [
+                nn.LSTM(embed if i == 0 else hidden, hidden, batch_first=True)
+                for i in range(dec_layers)
+            ]
         )
         first_res = residual_from if residual_from is not None else max(enc_layers, dec_layers) + 1
         # Residual layers must map hidden -> hidden.
@@ -149,8 +154,15 @@ def _gnmt(layers: int, batch_size: int, seq_len: int, vocab: int, hidden: int, d
     half = layers // 2
     with torch.device("meta"):
         model = Seq2Seq(
-            vocab, vocab, hidden, hidden, half, half,
-            bidirectional_first=True, residual_from=3, dropout=dropout,
+            vocab,
+            vocab,
+            hidden,
+            hidden,
+            half,
+            half,
+            bidirectional_first=True,
+            residual_from=3,
+            dropout=dropout,
         )
         inputs = _tokens(vocab, vocab, batch_size, seq_len, seq_len)
     return model, inputs

@@ -84,8 +84,9 @@ def vgg_tiny(batch_size: int = 8):
     10 classes, batch 8, no BN/dropout."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = VGG(cfg=(8, "M", 16, "M", 32, 32, "M"), num_classes=10, pool=2, hidden=64,
-                    dropout=0.0)
+        model = VGG(
+            cfg=(8, "M", 16, "M", 32, 32, "M"), num_classes=10, pool=2, hidden=64, dropout=0.0
+        )
         x = torch.randn(batch_size, 3, 32, 32)
     return model, (x,)
 

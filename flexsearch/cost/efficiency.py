@@ -17,7 +17,7 @@ from typing import get_args
 
 from pydantic import ValidationError, model_validator
 
-from flexsearch.cost.hardware import COSTMODELS_DIR, Fraction, _Frozen, _one_line, _read_json, _validation_message
+from flexsearch.cost.hardware import COSTMODELS_DIR, Fraction, _Frozen, _read_json, _validation_message
 from flexsearch.errors import ClusterSpecError
 from flexsearch.graph.opgraph import NodeKind
 
@@ -63,12 +63,14 @@ def _load_cached(path: str, _stamp: tuple[int, int]) -> EfficiencyTable:
 
 
 def load_efficiency(path: str | os.PathLike[str] | None = None) -> EfficiencyTable:
-    """Read and validate an efficiency file (default: the built-in one)."""
+    """Read and validate an efficiency file (default: the built-in one); cached until
+    the file's modification time or size changes."""
     p = Path(path if path is not None else EFFICIENCY_FILE).resolve()
     try:
         st = p.stat()
-    except FileNotFoundError:
-        raise ClusterSpecError(_one_line(f"efficiency file {p} not found; check the path")) from None
+    except OSError:
+        _read_json(p, "efficiency file")  # raises the one-line error
+        raise
     return _load_cached(str(p), (st.st_mtime_ns, st.st_size))
 
 

@@ -36,7 +36,7 @@ import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -213,19 +213,26 @@ def _validation_message(where: str, err: ValidationError) -> str:
     return _one_line(f"{where}: {msg}{more}")
 
 
-def _read_json(path: Path, what: str) -> Any:
+def _read_text(path: Path, what: str) -> str:
     try:
-        text = path.read_text()
+        return path.read_text()
     except FileNotFoundError:
         raise ClusterSpecError(f"{what} {path} not found; check the path") from None
     except OSError as e:
         raise ClusterSpecError(_one_line(f"{what} {path} cannot be read ({e.strerror}); check the path")) from None
+
+
+def _parse_json(text: str, path: Path, what: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise ClusterSpecError(
             f"{what} {path} is not valid JSON (line {e.lineno} column {e.colno}: {e.msg}); fix the syntax"
         ) from None
+
+
+def _read_json(path: Path, what: str) -> Any:
+    return _parse_json(_read_text(path, what), path, what)
 
 
 def _resolve_device(raw: Any, path: Path) -> Any:
@@ -250,24 +257,15 @@ def _resolve_device(raw: Any, path: Path) -> Any:
     )
 
 
-@lru_cache(maxsize=64)
-def _load_spec_cached(path: str, _stamp: tuple[int, int]) -> ClusterSpec:
-    p = Path(path)
+def load_cluster_spec(path: str | os.PathLike[str]) -> ClusterSpec:
+    """Read and validate one cluster file (read afresh every time: a profiler may
+    rewrite it)."""
+    p = Path(path).resolve()
     raw = _resolve_device(_read_json(p, "cluster file"), p)
     try:
         return ClusterSpec.model_validate(raw)
     except ValidationError as e:
         raise ClusterSpecError(_validation_message(f"cluster file {p}", e)) from None
-
-
-def load_cluster_spec(path: str | os.PathLike[str]) -> ClusterSpec:
-    """Read and validate one cluster file (cached until the file changes)."""
-    p = Path(path).resolve()
-    try:
-        st = p.stat()
-    except FileNotFoundError:
-        raise ClusterSpecError(f"cluster file {p} not found; check the path") from None
-    return _load_spec_cached(str(p), (st.st_mtime_ns, st.st_size))
 
 
 def save_cluster_spec(spec: ClusterSpec, path: str | os.PathLike[str]) -> None:

@@ -449,7 +449,38 @@ def _permute(c: Call) -> Ruling:
     return Ruling("view", ParallelDims(output=_dims(c.out_shape, b)), b)
 
 
-@rule(operator.getitem, "split", "chunk", torch.split, torch.chunk, "unbind", torch.unbind, "select",
+def _indexed_batch(batch: int | None, index: Any) -> int | None:
+    """Where the batch dim lands after ``tensor[index]``: ints drop a dim, ``None``
+    adds one, slices keep it; an index with ``...`` or tensors loses track."""
+    if batch is None:
+        return None
+    index = index if isinstance(index, tuple) else (index,)
+    out, src = 0, 0
+    for i in index:
+        if i is None:
+            out += 1
+        elif isinstance(i, int):
+            if src == batch:
+                return None
+            src += 1
+        elif isinstance(i, slice):
+            if src == batch:
+                return out
+            src, out = src + 1, out + 1
+        else:
+            return None
+    return out + (batch - src) if batch >= src else None
+
+
+@rule(operator.getitem)
+def _getitem(c: Call) -> Ruling:
+    b = None
+    if c.in_shapes and len(c.args) > 1 and c.args[0] is None:  # tensor[index]
+        b = _indexed_batch(c.in_batch[0], c.args[1])
+    return Ruling("view", ParallelDims(output=_dims(c.out_shape, b)), b)
+
+
+@rule("split", "chunk", torch.split, torch.chunk, "unbind", torch.unbind, "select",
       aten.split, aten.chunk, aten.slice, aten.select, aten.split_with_sizes, aten.unbind)
 def _select(c: Call) -> Ruling:
     b = _view_batch(c) if c.in_shapes else None

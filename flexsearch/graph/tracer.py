@@ -242,6 +242,18 @@ def _module_path(node: fx.Node) -> str:
     return re.sub(r"^L\['self'\]\.?", "", str(path))
 
 
+@contextlib.contextmanager
+def _native_rnn() -> Iterator[None]:
+    """Run RNNs through ATen's native kernels (matmuls and pointwise ops the FLOP
+    counter sees) instead of oneDNN's fused layer, which it cannot count."""
+    previous = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(previous)
+
+
 class _Measure(fx.Interpreter):
     """Runs the graph on fake tensors and records one :class:`OpNode` per op."""
 
@@ -287,7 +299,12 @@ class _Measure(fx.Interpreter):
     def run_all(self, inputs: list) -> None:
         # The math attention backend runs attention as matmuls FlopCounterMode counts
         # (the CPU flash kernel has no FLOP formula registered in torch).
-        with self.fake_mode, sdpa_kernel([SDPBackend.MATH]), FlopCounterMode(display=False) as counter:
+        with (
+            self.fake_mode,
+            sdpa_kernel([SDPBackend.MATH]),
+            _native_rnn(),
+            FlopCounterMode(display=False) as counter,
+        ):
             self.counter = counter
             self.run(*inputs)
 

@@ -1,0 +1,49 @@
+"""Shared fixtures: the repo root and helpers to write model files for tests."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def root() -> Path:
+    return ROOT
+
+
+@pytest.fixture
+def model_file(tmp_path):
+    """Write a model file from source text and return its path."""
+
+    def write(source: str, name: str = "model.py") -> Path:
+        path = tmp_path / name
+        path.write_text(textwrap.dedent(source))
+        return path
+
+    return write
+
+
+def reference_flops(model, inputs) -> int:
+    """FlopCounterMode over one whole forward, on meta copies of the state and inputs
+    (nothing is computed), with the math attention backend the tracer also counts."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def meta(t):
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") if torch.is_tensor(t) else t
+
+    state = {k: meta(v) for k, v in list(model.named_parameters()) + list(model.named_buffers())}
+    args = tuple(meta(x) for x in inputs)
+    was = model.training
+    model.train()
+    try:
+        with sdpa_kernel([SDPBackend.MATH]), FlopCounterMode(display=False) as counter:
+            torch.func.functional_call(model, state, args)
+    finally:
+        model.train(was)
+    return counter.get_total_flops()

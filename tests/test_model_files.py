@@ -1,0 +1,143 @@
+"""load_model: the model-file convention and each bad-input case of DESIGN section 3."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from flexsearch import ModelLoadError, load_model
+
+GOOD = """
+import torch
+from torch import nn
+
+def build_model():
+    return nn.Linear(4, 2), (torch.randn(3, 4),)
+
+def other():
+    return nn.Linear(4, 3)
+
+def example_inputs():
+    return torch.randn(5, 4)
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.fc(x)
+"""
+
+
+def test_default_name_and_inputs_from_builder(model_file):
+    model, inputs = load_model(str(model_file(GOOD)))
+    assert isinstance(model, nn.Linear) and model.out_features == 2
+    assert inputs[0].shape == (3, 4)
+
+
+def test_named_builder_takes_inputs_from_file(model_file):
+    model, inputs = load_model(f"{model_file(GOOD)}:other")
+    assert model.out_features == 3
+    assert inputs[0].shape == (5, 4)
+
+
+def test_module_class_constructed_without_arguments(model_file):
+    model, _ = load_model(f"{model_file(GOOD)}:Model")
+    assert model.fc.out_features == 1
+
+
+def test_default_names_order(model_file):
+    path = model_file(
+        """
+        import torch
+        from torch import nn
+        def get_model():
+            return nn.Linear(2, 7)
+        def get_inputs():
+            return (torch.zeros(1, 2),)
+        """
+    )
+    model, inputs = load_model(path)
+    assert model.out_features == 7 and isinstance(inputs, tuple)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(str(tmp_path / "absent.py"))
+
+
+def test_not_a_python_file(tmp_path):
+    (tmp_path / "m.txt").write_text("x")
+    with pytest.raises(ModelLoadError, match="not a .py file"):
+        load_model(str(tmp_path / "m.txt"))
+
+
+def test_import_failure_shows_error_and_line(model_file):
+    path = model_file(
+        """
+        import torch
+
+        x = 1
+        raise RuntimeError("boom in user code")
+        """
+    )
+    with pytest.raises(ModelLoadError) as info:
+        load_model(path)
+    msg = str(info.value)
+    assert "RuntimeError: boom in user code" in msg
+    assert f"{path}:5" in msg
+    assert "\n" not in msg
+
+
+def test_syntax_error_shows_line(model_file):
+    path = model_file("def build_model(:\n    pass\n")
+    with pytest.raises(ModelLoadError, match=r"SyntaxError.*:1"):
+        load_model(path)
+
+
+def test_no_model_found_lists_names(model_file):
+    path = model_file("import torch\nX = 1\n")
+    with pytest.raises(ModelLoadError) as info:
+        load_model(path)
+    for name in ("build_model", "get_model", "model", "Model"):
+        assert name in str(info.value)
+
+
+def test_unknown_name_lists_candidates(model_file):
+    with pytest.raises(ModelLoadError, match=r"has no 'nope'.*build_model.*other"):
+        load_model(f"{model_file(GOOD)}:nope")
+
+
+def test_missing_example_inputs(model_file):
+    path = model_file("from torch import nn\ndef build_model():\n    return nn.Linear(2, 2)\n")
+    with pytest.raises(ModelLoadError, match=r"no example inputs.*example_inputs\(\)"):
+        load_model(path)
+
+
+def test_builder_returning_garbage(model_file):
+    path = model_file("def build_model():\n    return 42\n")
+    with pytest.raises(ModelLoadError, match="not an nn.Module"):
+        load_model(path)
+
+
+def test_builder_raising_reports_its_line(model_file):
+    path = model_file("def build_model():\n    raise ValueError('bad config')\n")
+    with pytest.raises(ModelLoadError, match=r"ValueError: bad config.*:2"):
+        load_model(path)
+
+
+def test_inputs_without_tensors(model_file):
+    path = model_file("from torch import nn\ndef build_model():\n    return nn.Linear(2, 2), (3,)\n")
+    with pytest.raises(ModelLoadError, match="hold no tensor"):
+        load_model(path)
+
+
+def test_model_path_with_colon_in_directory(tmp_path):
+    d = tmp_path / "a:b"
+    d.mkdir()
+    (d / "m.py").write_text("import torch\nfrom torch import nn\ndef build_model():\n    return nn.Linear(1, 1), (torch.zeros(1, 1),)\n")
+    model, _ = load_model(str(d / "m.py"))
+    assert isinstance(model, nn.Linear)
+    assert torch.is_tensor(_[0])

@@ -1,0 +1,260 @@
+"""The tracer on hand-written models: shapes, FLOPs, params, SOAP dims, blocks, fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import reference_flops
+from pydantic import ValidationError
+from torch import nn
+
+from flexsearch import OpGraph, TraceError, trace
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.heads = heads
+
+    def forward(self, x):
+        b, t, c = x.size()
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, layers=3, d=32, heads=4, vocab=100, seq=16) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.h = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight  # tied, as GPT-2
+
+    def forward(self, idx):
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for blk in self.h:
+            x = blk(x)
+        return self.head(self.ln_f(x))
+
+
+def gpt_inputs(batch=4, seq=16):
+    return (torch.randint(0, 100, (batch, seq)),)
+
+
+def test_gpt_params_flops_and_tied_weights():
+    model = TinyGPT()
+    g = trace(model, gpt_inputs())
+    assert g.via == "fx"
+    assert g.num_params == sum(p.numel() for p in model.parameters())
+    assert g.unused_params == 0
+    assert g.flops == reference_flops(model, gpt_inputs())
+    assert g.backward_flops >= g.flops  # backward of a matmul costs two
+    head = g.node("head")
+    assert head.params == ("wte.weight",) and head.num_params == 0  # owned by wte
+    assert g.node("wte").num_params == 100 * 32
+
+
+def test_soap_dims_of_standard_layers():
+    g = trace(TinyGPT(), gpt_inputs())
+    qkv = g.node("h_0_qkv")
+    assert qkv.kind == "linear"
+    assert [(d.dim, d.kind) for d in qkv.dims.output] == [(0, "sample"), (1, "attribute"), (2, "parameter")]
+    assert [(r.name, r.size, r.parameter) for r in qkv.dims.reduced] == [("in_features", 32, True)]
+    ln = g.node("h_0_ln1")
+    assert ln.kind == "norm" and [d.dim for d in ln.dims.output] == [0, 1]
+    att = next(n for n in g.nodes if n.kind == "attention")
+    assert [(d.dim, d.kind) for d in att.dims.output] == [(0, "sample"), (1, "attribute"), (2, "attribute")]
+    assert att.flops > 0  # counted through the math backend
+    emb = g.node("wte")
+    assert emb.kind == "embedding" and emb.dims.reduced[0].name == "vocab"
+    assert emb.bytes_read < 100 * 32 * 4  # a lookup does not read the whole table
+    pos = g.node("wpe")  # positions carry no batch
+    assert all(d.kind != "sample" for d in pos.dims.output)
+
+
+def test_repeated_blocks_found():
+    g = trace(TinyGPT(layers=4), gpt_inputs())
+    assert len(g.blocks) == 1
+    group = g.blocks[0]
+    assert group.module_type == "Block"
+    assert group.modules == ("h.0", "h.1", "h.2", "h.3")
+    sizes = {len(i) for i in group.instances}
+    assert len(sizes) == 1 and sizes.pop() > 5
+    for i, inst in enumerate(group.instances):
+        for k, name in enumerate(inst):
+            ref = g.node(name).block
+            assert (ref.group, ref.instance, ref.position) == (0, i, k)
+    # the k-th op of every copy is the same op
+    for k in range(len(group.instances[0])):
+        assert len({g.node(inst[k]).target for inst in group.instances}) == 1
+
+
+def test_different_blocks_not_grouped():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+            self.b = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    assert trace(Net(), (torch.randn(2, 8),)).blocks == ()
+
+
+def test_graph_is_immutable_and_round_trips_json():
+    g = trace(TinyGPT(layers=2), gpt_inputs())
+    with pytest.raises(ValidationError):
+        g.nodes[0].flops = 3
+    again = OpGraph.from_json(g.to_json())
+    assert again == g
+    assert again.fingerprint == g.fingerprint
+    assert trace(TinyGPT(layers=2), gpt_inputs()).fingerprint == g.fingerprint
+    assert trace(TinyGPT(layers=3), gpt_inputs()).fingerprint != g.fingerprint
+
+
+def test_meta_model_uses_no_memory():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(50_000, 50_000), nn.ReLU(), nn.Linear(50_000, 50_000))
+        x = torch.empty(64, 50_000)
+    g = trace(model, (x,))
+    assert g.num_params == 2 * (50_000 * 50_000 + 50_000)
+    assert g.flops == 2 * 2 * 64 * 50_000 * 50_000
+
+
+def test_cnn_inplace_and_residual():
+    class Res(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 3, 3, padding=1)
+            self.bn = nn.BatchNorm2d(3)
+            self.relu = nn.ReLU(inplace=True)
+            self.pool = nn.AdaptiveAvgPool2d(1)
+            self.fc = nn.Linear(3, 5)
+
+        def forward(self, x):
+            out = self.bn(self.conv(x))
+            out += x
+            out = self.relu(out)
+            return self.fc(torch.flatten(self.pool(out), 1))
+
+    model = Res()
+    x = torch.randn(4, 3, 8, 8)
+    g = trace(model, (x,))
+    conv = g.node("conv")
+    assert conv.kind == "conv"
+    assert [(d.dim, d.kind) for d in conv.dims.output] == [(0, "sample"), (1, "parameter"), (2, "attribute"), (3, "attribute")]
+    assert g.node("bn").num_params == 6
+    assert g.num_params == sum(p.numel() for p in model.parameters())
+    assert g.flops == reference_flops(model, (x,))
+    fc = g.node("fc")
+    assert fc.dims.output[0].kind == "sample"
+    assert model.bn.running_mean.abs().sum() == 0  # the real buffers were not touched
+
+
+def test_lstm_batch_dim_follows_batch_first():
+    class Seq(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(20, 8)
+            self.rnn = nn.LSTM(8, 16, num_layers=2)  # time-major
+
+        def forward(self, tokens):
+            out, _ = self.rnn(self.emb(tokens).transpose(0, 1))
+            return out[-1]
+
+    g = trace(Seq(), (torch.randint(0, 20, (6, 10)),))
+    rnn = g.node("rnn")
+    assert rnn.kind == "rnn" and rnn.flops > 0
+    assert [(d.dim, d.kind) for d in rnn.dims.output] == [(1, "sample")]
+    last = g.nodes[-2]  # out[-1]: [batch, hidden]
+    assert last.dims.output[0].kind == "sample"
+
+
+def test_opaque_op_is_costed_not_split():
+    class Odd(nn.Module):
+        def forward(self, x):
+            return torch.cumsum(x, dim=1) * 2
+
+    g = trace(Odd(), (torch.randn(4, 8),))
+    cum = g.node("cumsum")
+    assert cum.opaque and cum.kind == "opaque" and cum.dims.output == ()
+    assert cum.bytes_read == 4 * 8 * 4 and cum.bytes_written == 4 * 8 * 4
+    assert g.opaque_nodes == (cum,)
+
+
+def test_shape_control_flow_falls_back_to_export():
+    class ShapeBranch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            if x.shape[0] > 2:  # fx cannot follow this; export specialises it
+                return self.a(x)
+            return self.b(x)
+
+    model = ShapeBranch()
+    g = trace(model, (torch.randn(4, 8),))
+    assert g.via == "export"
+    assert [n.kind for n in g.nodes] == ["input", "linear", "output"]
+    lin = g.nodes[1]
+    assert lin.params == ("a.weight", "a.bias") and lin.num_params == 72
+    assert lin.dims.output[-1].kind == "parameter"
+    # parameters of the branch not taken are reported, not silently counted
+    assert g.unused_params == 72
+
+
+def test_value_control_flow_is_one_line_trace_error():
+    class ValueBranch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.a(x)
+            if y.sum() > 0:
+                return y * 2
+            return y
+
+    with pytest.raises(TraceError) as info:
+        trace(ValueBranch(), (torch.randn(4, 8),))
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert "test_tracer.py" in msg and "if y.sum() > 0:" in msg
+    assert "torch.where" in msg  # what the user can do
+
+
+def test_hf_style_kwargs_and_dict_output():
+    class HF(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(50, 16)
+            self.fc = nn.Linear(16, 50)
+
+        def forward(self, input_ids, attention_mask=None):
+            h = self.emb(input_ids)
+            if attention_mask is not None:
+                h = h * attention_mask.unsqueeze(-1)
+            return {"logits": self.fc(h)}
+
+    ids = torch.randint(0, 50, (2, 7))
+    g = trace(HF(), (ids, {"attention_mask": torch.ones(2, 7)}))
+    assert g.node("fc").outputs[0].shape == (2, 7, 50)
+    assert g.nodes[-1].kind == "output"
+    mul = next(n for n in g.nodes if n.kind == "elementwise")
+    assert mul.dims.output[0].kind == "sample"
+
+
+def test_not_a_module():
+    with pytest.raises(TraceError, match="nn.Module"):
+        trace(lambda x: x, (torch.zeros(1),))

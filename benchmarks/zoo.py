@@ -7,8 +7,9 @@ path relative to the repository root), so ``flexsearch plan <spec>`` and
 resolve it with :func:`path`).
 
 Size classes: ``tiny`` = the ``*_tiny`` builders (real CPU weights, well under 1M
-parameters, for multi-process equivalence tests); ``small`` < 100M parameters (real CPU
-weights); ``medium`` 100M..2B and ``large`` > 2B (built on the meta device).
+parameters, for multi-process equivalence tests); ``small`` < 100M parameters; ``medium`` 100M..2B and ``large`` > 2B. Every
+configuration at a paper's full batch is built on the meta device (no memory); only the
+tiny ones and resnet20 hold real CPU weights.
 
 Batches marked "(approx.)" are a reading of the paper that could not be checked word for
 word. Where a paper trains with a fixed per-GPU batch and scales it with the GPU count

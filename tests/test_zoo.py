@@ -113,9 +113,11 @@ def test_builder(entry):
     lo, hi = PARAM_RANGE[entry.size]
     assert lo <= n < hi, f"{n:,} parameters outside the {entry.size} range"
 
-    on_meta = entry.size in ("medium", "large")
+    # Real weights only where the model is run for real (tiny, and resnet20 for D-PSGD);
+    # every paper-scale configuration is planned on the meta device.
+    on_meta = entry.size != "tiny" and entry.name != "resnet20"
     tensors = list(model.parameters()) + list(model.buffers()) + list(inputs)
-    assert all(t.is_meta == on_meta for t in tensors), "meta iff medium/large"
+    assert all(t.is_meta == on_meta for t in tensors), "meta iff not tiny"
     if not on_meta:
         assert all(t.device.type == "cpu" for t in tensors)
         assert all(p.dtype == torch.float32 for p in model.parameters())

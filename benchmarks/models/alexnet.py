@@ -95,10 +95,9 @@ def alexnet(batch_size: int = FLEXFLOW_PER_GPU_BATCH * FLEXFLOW_GPUS, dropout: f
 
     Krizhevsky 2014 ("One weird trick") single-tower layout, as benchmarked by FlexFlow
     (Jia, Zaharia, Aiken, "Beyond Data and Model Parallelism for Deep Neural Networks",
-    SysML 2019). Batch: 64 per GPU x 16 GPUs (approx.). Real CPU weights.
+    SysML 2019). Batch: 64 per GPU x 16 GPUs (approx.). Built on the meta device.
     """
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
+    with torch.device("meta"):  # no memory: planned, never run at this size
         model = AlexNet(dropout=dropout)
         x = torch.randn(batch_size, 3, 224, 224)
     return model, (x,)

@@ -215,10 +215,9 @@ def inception_v3(batch_size: int = FLEXFLOW_PER_GPU_BATCH * FLEXFLOW_GPUS, dropo
     classes, global batch 1024.
 
     Szegedy et al. 2016 architecture, as benchmarked by FlexFlow (Jia, Zaharia, Aiken,
-    SysML 2019): 64 per GPU x 16 GPUs (approx.). Real CPU weights.
+    SysML 2019): 64 per GPU x 16 GPUs (approx.). Built on the meta device.
     """
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
+    with torch.device("meta"):  # no memory: planned, never run at this size
         model = InceptionV3(dropout=dropout)
         x = torch.randn(batch_size, 3, 299, 299)
     return model, (x,)

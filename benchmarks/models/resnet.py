@@ -139,10 +139,9 @@ class CifarResNet(nn.Module):
 def resnet50(batch_size: int = 256):
     """ResNet-50, ImageNet 3x224x224, 1000 classes (25.6M parameters), batch 256.
 
-    He et al. 2016 (section 3.4: SGD with a mini-batch of 256). Real CPU weights.
+    He et al. 2016 (section 3.4: SGD with a mini-batch of 256). Built on the meta device.
     """
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
+    with torch.device("meta"):  # no memory: planned, never run at this size
         model = ImageNetResNet((3, 4, 6, 3))
         x = torch.randn(batch_size, 3, 224, 224)
     return model, (x,)
@@ -152,10 +151,9 @@ def resnet101(batch_size: int = FLEXFLOW_PER_GPU_BATCH * FLEXFLOW_GPUS):
     """ResNet-101, ImageNet 3x224x224, 1000 classes (44.5M parameters), global batch 1024.
 
     He et al. 2016 architecture, as benchmarked by FlexFlow (Jia, Zaharia, Aiken, SysML
-    2019): 64 per GPU x 16 GPUs (approx.). He et al. themselves used 256. Real CPU weights.
+    2019): 64 per GPU x 16 GPUs (approx.). He et al. themselves used 256. Built on the meta device.
     """
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
+    with torch.device("meta"):  # no memory: planned, never run at this size
         model = ImageNetResNet((3, 4, 23, 3))
         x = torch.randn(batch_size, 3, 224, 224)
     return model, (x,)

@@ -286,12 +286,14 @@ def collective(
         root = g[0]
     elif root not in g:
         raise ValueError(f"root {root} is not in the group {g}")
-    if len(g) == 1 or m == 0:
+    if algorithm is not None and algorithm not in ALGORITHMS[op]:
+        raise ValueError(f"{op} has no algorithm {algorithm!r}; use one of {', '.join(ALGORITHMS[op])}")
+    if len(g) == 1:
         return CommCost(op, "none", 0.0)
-    if algorithm is not None:
-        if algorithm not in ALGORITHMS[op]:
-            raise ValueError(f"{op} has no algorithm {algorithm!r}; use one of {', '.join(ALGORITHMS[op])}")
+    if algorithm is not None:  # raises ValueError when it does not apply to this group
         return _cost(op, algorithm, _cached_shape(cluster, op, algorithm, g, root), m)
+    if m == 0:
+        return CommCost(op, "none", 0.0)
     best: CommCost | None = None
     for name in ALGORITHMS[op]:
         try:

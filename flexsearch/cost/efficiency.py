@@ -17,7 +17,13 @@ from typing import get_args
 
 from pydantic import ValidationError, model_validator
 
-from flexsearch.cost.hardware import COSTMODELS_DIR, Fraction, _Frozen, _read_json, _validation_message
+from flexsearch.cost.hardware import (
+    COSTMODELS_DIR,
+    Fraction,
+    _Frozen,
+    _read_json,
+    _validation_message,
+)
 from flexsearch.errors import ClusterSpecError
 from flexsearch.graph.opgraph import NodeKind
 

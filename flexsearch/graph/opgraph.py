@@ -109,7 +109,12 @@ class BlockRef(_Frozen):
 
 
 class OpNode(_Frozen):
-    """One operator of the forward pass."""
+    """One operator of the forward pass.
+
+    ``signature`` identifies the op call up to names (target, layer configuration,
+    input and parameter shapes, constant arguments): identical layers share it, and
+    measured profiles are keyed by it.
+    """
 
     name: str
     kind: NodeKind
@@ -127,6 +132,7 @@ class OpNode(_Frozen):
     opaque: bool = False
     module: str = ""
     source: str = ""
+    signature: str = ""
     block: BlockRef | None = None
 
     @property

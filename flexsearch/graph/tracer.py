@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import logging
 import re
@@ -53,6 +54,38 @@ def trace(model: nn.Module, example_inputs: tuple | Any, *, name: str | None = N
     a trailing ``dict`` is taken as keyword arguments. Dim 0 of every input tensor is
     the batch. Real, meta or fake tensors all work; nothing is computed for real.
     """
+    return trace_calls(model, example_inputs, name=name)[0]
+
+
+@dataclass(frozen=True)
+class ArgTensor:
+    """A tensor argument of an op call: its shape, dtype, batch dim, and the canonical
+    name of the parameter or buffer it is (``None`` for activations)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    batch: int | None
+    state: str | None
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """How to call one op node again: the module (``call_module``), the function, or
+    the tensor method name, with its arguments as :class:`ArgTensor` specs."""
+
+    op: str  # "call_module" | "call_function" | "call_method"
+    target: Any
+    module: nn.Module | None
+    module_state: tuple[tuple[str, tuple[int, ...], torch.dtype, bool], ...]  # local name, shape, dtype, is parameter
+    args: tuple
+    kwargs: dict
+
+
+def trace_calls(
+    model: nn.Module, example_inputs: tuple | Any, *, name: str | None = None
+) -> tuple[OpGraph, dict[str, OpCall]]:
+    """:func:`trace`, plus for every op node an :class:`OpCall` to run it again (the
+    profiler runs ops alone at full and partitioned shapes with these)."""
     if not isinstance(model, nn.Module):
         raise TraceError(f"trace() needs an nn.Module, got {type(model).__name__}; pass the model object")
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
@@ -74,13 +107,14 @@ def trace(model: nn.Module, example_inputs: tuple | Any, *, name: str | None = N
     used = set(measure.owner_of)
     unused = sum(p.numel() for n, p in model.named_parameters() if n not in used)
     blocks, refs = find_blocks(nodes, measure.signature, measure.module_types)
-    return OpGraph(
+    graph = OpGraph(
         model=name or type(model).__name__,
         via=via,
         nodes=tuple(n.model_copy(update={"block": refs[n.name]}) if n.name in refs else n for n in nodes),
         blocks=blocks,
         unused_params=unused,
     )
+    return graph, measure.calls
 
 
 # ----------------------------------------------------------------------------- lifting
@@ -202,6 +236,10 @@ def _fake_like(x: Any) -> Any:
     return torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device="cpu")
 
 
+def _digest(signature: tuple) -> str:
+    return hashlib.sha1(repr(signature).encode()).hexdigest()[:16]
+
+
 def _meta(t: torch.Tensor) -> TensorMeta:
     return TensorMeta(shape=tuple(int(s) for s in t.shape), dtype=str(t.dtype).removeprefix("torch."))
 
@@ -270,6 +308,7 @@ class _Measure(fx.Interpreter):
         self.stands_for: dict[str, tuple[str, ...]] = {}  # fx node -> op nodes it carries
         self._cache: dict[tuple, tuple[int, int]] = {}
         self.module_types: dict[str, str] = {}  # module path -> class name
+        self.calls: dict[str, OpCall] = {}
         canon: dict[int, str] = {}
         for n, p in model.named_parameters():
             canon.setdefault(id(p), n)
@@ -431,6 +470,7 @@ class _Measure(fx.Interpreter):
         for p in owned:
             self.owner_of[p] = n.name
         inputs = self._inputs_of(n)
+        self.calls[n.name] = self._call_spec(n, module, args, kwargs)
         self._record(
             n,
             out,
@@ -446,6 +486,22 @@ class _Measure(fx.Interpreter):
             owned=owned,
         )
         return out
+
+    def _call_spec(self, n: fx.Node, module: nn.Module | None, args, kwargs) -> OpCall:
+        def spec(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            return ArgTensor(tuple(x.shape), x.dtype, self.batch_of.get(id(x)), self.param_of.get(id(x)))
+
+        state: tuple = ()
+        if module is not None:
+            state = tuple(
+                (local, tuple(real.shape), real.dtype, isinstance(real, nn.Parameter) and real.requires_grad)
+                for local, real in list(module.named_parameters(remove_duplicate=False))
+                + list(module.named_buffers(remove_duplicate=False))
+            )
+        sargs, skwargs = tree_map(spec, (args, kwargs))
+        return OpCall(n.op, n.target, module, state, tuple(sargs), dict(skwargs))
 
     def _label_outputs(self, flat_out: list[torch.Tensor], batch: int | None) -> None:
         """Batch dim of every output: the ruling's for the first; for others the same
@@ -534,6 +590,11 @@ class _Measure(fx.Interpreter):
                 inputs=(), flops=0, backward_flops=0, bytes_read=0, bytes_written=0,
                 params=(), owned=()) -> None:  # fmt: skip
         flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        shapes = tuple(tuple(t.shape) for t in flat_out)
+        if n.op == "placeholder":
+            self.signature[n.name] = ("input", shapes)
+        else:  # measured ops have theirs; data movement is identified by target and shapes
+            self.signature.setdefault(n.name, (n.op, str(n.target), shapes))
         self.nodes.append(
             OpNode(
                 name=n.name,
@@ -552,9 +613,6 @@ class _Measure(fx.Interpreter):
                 opaque=dims.opaque,
                 module=_module_path(n),
                 source=_source(n),
+                signature=_digest(self.signature[n.name]),
             )
         )
-        if n.op != "placeholder":
-            self.signature.setdefault(n.name, (n.op, str(n.target)))
-        else:
-            self.signature[n.name] = ("input", tuple(flat_out[0].shape) if flat_out else ())

@@ -1,0 +1,642 @@
+"""Measure this machine for the ``cpu`` preset (``flexsearch profile --comm``).
+
+The ``cpu`` preset models torch.distributed **gloo** processes on one host, one device
+per process. This module measures what such processes achieve and writes it into
+``costmodels/clusters/cpu.json``:
+
+- :func:`measure_gloo`: spawns ``world_size`` gloo processes on 127.0.0.1 and times, per
+  message size, a point-to-point ping-pong between ranks 0 and 1 (one-way time = round
+  trip / 2) and a float32 ``all_reduce`` over all ranks (median of repeats, the slowest
+  rank per repeat, a barrier before each timed repeat);
+- :func:`fit_alpha_beta`: a least-squares fit of ``t = alpha + n / B`` to (size, time);
+  the p2p fit gives the intra-node link's latency ``alpha`` and bandwidth ``B``;
+- :func:`measure_compute`: the achieved FLOP/s of a large square matmul (float32, and
+  bfloat16 where it runs) and the achieved memory bandwidth of a large ``copy_`` in one
+  process with a given number of threads;
+- :func:`write_cpu_preset`: replaces the preset's intra-node bandwidth and latency and
+  the device's float32 (bfloat16) peak and memory bandwidth by the measured values, each
+  with a source saying how and when it was measured, and stores the raw measurements
+  (a :class:`MeasurementFile`) in ``costmodels/measurements/cpu-gloo.json``;
+- :func:`profile_machine`: all of the above, returning a small summary for the CLI.
+
+The "peak" numbers written are *achieved* rates (a large GEMM, a large copy), the best
+a process of this kind reaches, not the vector units' theoretical peak.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import os
+import platform
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from flexsearch.cost.hardware import (
+    COSTMODELS_DIR,
+    PRESETS_DIR,
+    ClusterSpec,
+    load_cluster_spec,
+    save_cluster_spec,
+)
+from flexsearch.errors import ProfileError
+
+MEASUREMENTS_DIR = COSTMODELS_DIR / "measurements"
+"""Where raw measurements are kept (``cpu-gloo.json``), for later fidelity checks."""
+
+CPU_PRESET_PATH = PRESETS_DIR / "cpu.json"
+DEFAULT_MEASUREMENTS_PATH = MEASUREMENTS_DIR / "cpu-gloo.json"
+
+COMMAND = "flexsearch profile --comm"
+
+DEFAULT_SIZES: tuple[int, ...] = tuple(4**k for k in range(1, 14))
+"""Message sizes in bytes: 4 B, 16 B, ..., 16 MiB, 64 MiB (powers of 4)."""
+
+_MIN_LATENCY_S = 1e-9
+"""The floor :func:`fit_alpha_beta` clamps a non-positive intercept to (1 ns)."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+# --------------------------------------------------------------------------- host
+
+
+class HostInfo(_Model):
+    """What the measurement ran on."""
+
+    cpu_model: str
+    logical_cores: Annotated[int, Field(ge=1)]
+    platform: str
+    torch_version: str
+
+
+def cpu_model() -> str:
+    """The CPU's ``model name`` from /proc/cpuinfo (else :func:`platform.processor`)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                return " ".join(value.split())
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def host_info() -> HostInfo:
+    import torch
+
+    return HostInfo(
+        cpu_model=cpu_model(),
+        logical_cores=os.cpu_count() or 1,
+        platform=platform.platform(),
+        torch_version=torch.__version__,
+    )
+
+
+def _today() -> str:
+    return _dt.date.today().isoformat()
+
+
+# --------------------------------------------------------------------------- models
+
+
+class GlooMeasurement(_Model):
+    """Raw gloo timings on one host: per message size (bytes, float32 tensors of
+    ``size / 4`` elements) the p2p one-way time (ping-pong round trip / 2 between ranks 0
+    and 1) and the all-reduce time (slowest rank), each the median of ``repeats[i]``
+    timed repeats, in seconds."""
+
+    date: str
+    host: HostInfo
+    backend: Literal["gloo"] = "gloo"
+    world_size: Annotated[int, Field(ge=2)]
+    threads_per_rank: Annotated[int, Field(ge=1)]
+    sizes: tuple[Annotated[int, Field(ge=4)], ...]
+    repeats: tuple[Annotated[int, Field(ge=1)], ...]
+    p2p_one_way_s: tuple[PositiveFloat, ...]
+    all_reduce_s: tuple[PositiveFloat, ...]
+
+    @model_validator(mode="after")
+    def _same_lengths(self) -> GlooMeasurement:
+        n = len(self.sizes)
+        if n == 0:
+            raise ValueError("a gloo measurement needs at least one message size")
+        if not (len(self.repeats) == len(self.p2p_one_way_s) == len(self.all_reduce_s) == n):
+            raise ValueError("sizes, repeats, p2p_one_way_s and all_reduce_s must have the same length")
+        return self
+
+    def fit_p2p(self) -> tuple[float, float]:
+        """``(latency_s, bandwidth_Bps)`` of ``t = alpha + n / B`` fitted to the p2p times."""
+        return fit_alpha_beta(self.sizes, self.p2p_one_way_s)
+
+
+class ComputeMeasurement(_Model):
+    """Achieved rates of one process with ``threads`` threads: FLOP/s of an ``n x n``
+    matmul (``2 n^3`` FLOP, median of ``repeats``), bfloat16 where it ran, and the
+    memory bandwidth of a ``copy_`` of ``copy_bytes`` (bytes read + written / time)."""
+
+    date: str
+    host: HostInfo
+    threads: Annotated[int, Field(ge=1)]
+    repeats: Annotated[int, Field(ge=1)]
+    matmul_n: Annotated[int, Field(ge=1)]
+    matmul_float32_flops: PositiveFloat
+    matmul_bfloat16_n: Annotated[int, Field(ge=1)] | None = None
+    matmul_bfloat16_flops: PositiveFloat | None = None
+    copy_bytes: Annotated[int, Field(ge=1)]
+    memory_bandwidth_Bps: PositiveFloat
+
+
+class AlphaBetaFit(_Model):
+    """``t = latency_s + n / bandwidth_Bps`` fitted to the p2p one-way times."""
+
+    formula: Literal["t = alpha + n / B"] = "t = alpha + n / B"
+    latency_s: PositiveFloat
+    bandwidth_Bps: PositiveFloat
+    sizes_used: Annotated[int, Field(ge=2)]
+
+
+class MeasurementFile(_Model):
+    """``costmodels/measurements/cpu-gloo.json``: what ``profile --comm`` measured."""
+
+    version: Literal[1] = 1
+    command: str = COMMAND
+    preset: str
+    gloo: GlooMeasurement
+    p2p_fit: AlphaBetaFit
+    compute: ComputeMeasurement | None = None
+
+
+def load_measurements(path: str | os.PathLike[str] = DEFAULT_MEASUREMENTS_PATH) -> MeasurementFile:
+    """Read a measurement file; a missing or damaged file is a one-line ProfileError."""
+    p = Path(path)
+    try:
+        return MeasurementFile.model_validate_json(p.read_text())
+    except FileNotFoundError:
+        raise ProfileError(f"measurement file {p} not found; run `{COMMAND}` first") from None
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "(top level)"
+        raise ProfileError(
+            f"measurement file {p} is damaged ({where}: {first['msg']}); run `{COMMAND}` again"
+        ) from None
+
+
+# --------------------------------------------------------------------------- fit
+
+
+def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
+    """Fit ``t = alpha + n / B`` (n bytes, t seconds) by least squares; return
+    ``(alpha, B)`` = (latency in s, bandwidth in bytes/s).
+
+    The residuals are relative, ``(alpha + beta * n - t) / t`` with ``beta = 1 / B``
+    (``numpy.linalg.lstsq`` on the rows divided by ``t``): sizes spanning bytes to
+    megabytes then weigh alike, so the small messages fix ``alpha`` and the large ones
+    ``B``. Data on an exact line are recovered exactly under any weighting.
+
+    Clamping: a negative intercept is refitted with ``alpha = 0`` (``t = beta * n``)
+    and reported as 1 ns, so both results are positive. A slope ``beta <= 0`` (times not
+    growing with size) leaves no bandwidth to fit and raises ValueError."""
+    n = np.asarray(sizes, dtype=float)
+    t = np.asarray(times, dtype=float)
+    if n.ndim != 1 or n.shape != t.shape:
+        raise ValueError("sizes and times must be 1-D sequences of the same length")
+    if len(n) < 2 or len(np.unique(n)) < 2:
+        raise ValueError("fitting t = alpha + n / B needs at least two distinct sizes")
+    if not (np.all(np.isfinite(n)) and np.all(np.isfinite(t)) and np.all(t > 0) and np.all(n >= 0)):
+        raise ValueError("sizes must be finite and >= 0, times finite and > 0")
+    w = 1.0 / t
+    a = np.stack([np.ones_like(n), n], axis=1) * w[:, None]
+    b = t * w
+    (alpha, beta), *_ = np.linalg.lstsq(a, b, rcond=None)
+    if alpha <= 0:
+        (beta,), *_ = np.linalg.lstsq((n * w)[:, None], b, rcond=None)
+        alpha = _MIN_LATENCY_S
+    if not beta > 0:
+        raise ValueError(
+            "message times do not grow with size, so no bandwidth can be fitted; measure larger messages"
+        )
+    return float(max(alpha, _MIN_LATENCY_S)), float(1.0 / beta)
+
+
+# --------------------------------------------------------------------------- gloo
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _repeats_for(nbytes: int, repeats: int) -> int:
+    """Fewer repeats for big messages (``repeats`` up to 1 MiB, then proportionally
+    fewer, never under ``min(repeats, 5)``), to bound the run time."""
+    scaled = int(repeats * (1 << 20) / max(nbytes, 1))
+    return max(min(repeats, 5), min(repeats, scaled))
+
+
+def _gloo_worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    sizes: tuple[int, ...],
+    repeats: tuple[int, ...],
+    warmup: int,
+    threads: int,
+    timeout_s: float,
+    out_path: str,
+) -> None:
+    """One rank of :func:`measure_gloo` (run in a spawned process)."""
+    import json
+
+    if Path("/sys/class/net/lo").exists():
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=_dt.timedelta(seconds=timeout_s),
+    )
+    try:
+        p2p: list[float] = []
+        allreduce: list[float] = []
+        for nbytes, reps in zip(sizes, repeats):
+            buf = torch.ones(nbytes // 4, dtype=torch.float32)
+            # point-to-point ping-pong between ranks 0 and 1 (others only join barriers)
+            times = []
+            for i in range(warmup + reps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                if rank == 0:
+                    dist.send(buf, dst=1)
+                    dist.recv(buf, src=1)
+                elif rank == 1:
+                    dist.recv(buf, src=0)
+                    dist.send(buf, dst=0)
+                dt = time.perf_counter() - t0
+                if i >= warmup:
+                    times.append(dt / 2)
+            p2p.append(statistics.median(times))
+            # all-reduce over every rank: per repeat, the slowest rank's time
+            mine = []
+            for i in range(warmup + reps):
+                buf.fill_(1.0)
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(buf)
+                dt = time.perf_counter() - t0
+                if i >= warmup:
+                    mine.append(dt)
+            slowest = torch.tensor(mine, dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            allreduce.append(statistics.median(slowest.tolist()))
+            if abs(float(buf[0]) - world_size) > 1e-3:
+                raise RuntimeError(f"all_reduce gave {float(buf[0])}, expected {world_size}")
+        dist.barrier()
+        if rank == 0:
+            Path(out_path).write_text(json.dumps({"p2p": p2p, "all_reduce": allreduce}))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_gloo(
+    world_size: int = 2,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    repeats: int = 15,
+    threads_per_rank: int = 1,
+    timeout_s: float = 120.0,
+    warmup: int = 1,
+) -> GlooMeasurement:
+    """Time gloo p2p and all-reduce on this host; see :class:`GlooMeasurement`.
+
+    Spawns ``world_size`` processes (``torch.multiprocessing``, start method "spawn")
+    that join a gloo process group on 127.0.0.1 (a free port found by binding port 0),
+    each with ``torch.set_num_threads(threads_per_rank)``. ``sizes`` are bytes,
+    multiples of 4 (float32 elements). Each size runs ``warmup`` untimed and up to
+    ``repeats`` timed repetitions (fewer above 1 MiB, at least ``min(repeats, 5)``).
+
+    ``timeout_s`` bounds both the process group's collective timeout and the whole run:
+    a rank that fails or hangs ends the run with a ProfileError instead of a hang.
+    The default run takes ~15-30 s on a 2-core machine."""
+    import torch.multiprocessing as mp
+
+    sizes_t = tuple(int(s) for s in sizes)
+    if world_size < 2:
+        raise ValueError("measure_gloo needs world_size >= 2 (p2p runs between ranks 0 and 1)")
+    if not sizes_t or any(s < 4 or s % 4 for s in sizes_t):
+        raise ValueError(f"sizes must be a non-empty list of byte counts >= 4 and multiples of 4 (got {sizes_t})")
+    if repeats < 1 or threads_per_rank < 1 or warmup < 0 or timeout_s <= 0:
+        raise ValueError("repeats and threads_per_rank must be >= 1, warmup >= 0, timeout_s > 0")
+    reps = tuple(_repeats_for(s, repeats) for s in sizes_t)
+    info = host_info()
+
+    last_error = ""
+    for _attempt in range(3):  # the free port can be taken between finding and binding it
+        with tempfile.TemporaryDirectory(prefix="flexsearch-gloo-") as tmp:
+            out = Path(tmp) / "result.json"
+            args = (world_size, _free_port(), sizes_t, reps, warmup, threads_per_rank, float(timeout_s), str(out))
+            ctx = mp.start_processes(_gloo_worker, args=args, nprocs=world_size, join=False, start_method="spawn")
+            deadline = time.monotonic() + timeout_s + 30.0  # + process start-up
+            try:
+                while not ctx.join(timeout=0.5):
+                    if time.monotonic() > deadline:
+                        raise ProfileError(
+                            f"gloo measurement did not finish within {timeout_s:g} s; "
+                            "check that the machine is idle or raise timeout_s"
+                        )
+            except mp.ProcessRaisedException as e:
+                last_error = " ".join(str(e).split())[-400:]
+                if "address already in use" in last_error.lower():
+                    continue
+                raise ProfileError(f"gloo measurement failed: {last_error}") from None
+            except mp.ProcessExitedException as e:
+                raise ProfileError(f"a gloo rank exited unexpectedly ({e}); run again") from None
+            finally:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.terminate()
+                for p in ctx.processes:
+                    p.join(timeout=5)
+            import json
+
+            raw = json.loads(out.read_text())
+            return GlooMeasurement(
+                date=_today(),
+                host=info,
+                world_size=world_size,
+                threads_per_rank=threads_per_rank,
+                sizes=sizes_t,
+                repeats=reps,
+                p2p_one_way_s=tuple(raw["p2p"]),
+                all_reduce_s=tuple(raw["all_reduce"]),
+            )
+    raise ProfileError(f"gloo measurement failed: {last_error}")
+
+
+# --------------------------------------------------------------------------- compute
+
+
+def _median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_compute(
+    threads: int = 1,
+    matmul_n: int = 2048,
+    copy_bytes: int = 256 << 20,
+    repeats: int = 5,
+    bfloat16: bool = True,
+) -> ComputeMeasurement:
+    """Achieved float32 (and bfloat16) matmul FLOP/s and ``copy_`` bandwidth of this
+    process with ``torch.set_num_threads(threads)`` (restored afterwards).
+
+    Matmul: ``n x n @ n x n``, ``2 n^3`` FLOP, median of ``repeats`` after a warm-up.
+    Copy: ``dst.copy_(src)`` of ``copy_bytes`` float32 bytes, ``2 * copy_bytes`` moved
+    (read + write) per copy. bfloat16 is skipped (None) if it fails; if one bfloat16
+    matmul takes over 2 s it is re-measured at ``n / 2``."""
+    import torch
+
+    if threads < 1 or matmul_n < 1 or copy_bytes < 4 or repeats < 1:
+        raise ValueError("threads, matmul_n and repeats must be >= 1 and copy_bytes >= 4")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            g = torch.Generator().manual_seed(0)
+            a = torch.randn(matmul_n, matmul_n, generator=g)
+            b = torch.randn(matmul_n, matmul_n, generator=g)
+            t32 = _median_time(lambda: torch.mm(a, b), repeats)
+            f32 = 2.0 * matmul_n**3 / t32
+
+            bf_n: int | None = None
+            fbf: float | None = None
+            if bfloat16:
+                try:
+                    bf_n = matmul_n
+                    ab, bb = a.to(torch.bfloat16), b.to(torch.bfloat16)
+                    t0 = time.perf_counter()
+                    torch.mm(ab, bb)
+                    if time.perf_counter() - t0 > 2.0:
+                        bf_n = max(1, matmul_n // 2)
+                        ab, bb = ab[:bf_n, :bf_n].contiguous(), bb[:bf_n, :bf_n].contiguous()
+                    tbf = _median_time(lambda: torch.mm(ab, bb), repeats)
+                    fbf = 2.0 * bf_n**3 / tbf
+                except (RuntimeError, NotImplementedError):
+                    bf_n, fbf = None, None
+            del a, b
+
+            numel = copy_bytes // 4
+            src = torch.ones(numel, dtype=torch.float32)
+            dst = torch.empty_like(src)
+            tcopy = _median_time(lambda: dst.copy_(src), repeats)
+            bw = 2.0 * numel * 4 / tcopy
+            del src, dst
+    finally:
+        torch.set_num_threads(before)
+    return ComputeMeasurement(
+        date=_today(),
+        host=host_info(),
+        threads=threads,
+        repeats=repeats,
+        matmul_n=matmul_n,
+        matmul_float32_flops=f32,
+        matmul_bfloat16_n=bf_n,
+        matmul_bfloat16_flops=fbf,
+        copy_bytes=numel * 4,
+        memory_bandwidth_Bps=bw,
+    )
+
+
+# --------------------------------------------------------------------------- preset
+
+
+def _host_words(host: HostInfo) -> str:
+    return f"{host.cpu_model}, {host.logical_cores} cores"
+
+
+def write_cpu_preset(
+    gloo: GlooMeasurement,
+    compute: ComputeMeasurement | None,
+    path: str | os.PathLike[str] | None = None,
+    measurements_path: str | os.PathLike[str] | None = None,
+) -> tuple[Path, Path]:
+    """Rewrite a ``cpu``-style preset with measured numbers; return (preset, measurements).
+
+    Replaced: ``intra_node.bandwidth`` and ``intra_node.latency`` (the p2p fit of
+    :func:`fit_alpha_beta`) and, when ``compute`` is given, ``device.peak_flops.float32``
+    (``bfloat16`` if measured) and ``device.memory_bandwidth``, each with a source saying
+    when, on what and how it was measured. Every other field is kept as it was.
+
+    ``path`` defaults to the built-in ``costmodels/clusters/cpu.json``. The raw
+    measurements (a :class:`MeasurementFile`) go to ``measurements_path``, by default
+    ``costmodels/measurements/cpu-gloo.json`` for the built-in preset and
+    ``<stem>-gloo.measurements.json`` next to any other ``path``."""
+    preset = Path(path) if path is not None else CPU_PRESET_PATH
+    if measurements_path is not None:
+        mpath = Path(measurements_path)
+    elif path is None:
+        mpath = DEFAULT_MEASUREMENTS_PATH
+    else:
+        mpath = preset.with_name(f"{preset.stem}-gloo.measurements.json")
+    spec: ClusterSpec = load_cluster_spec(preset)
+
+    alpha, bandwidth = gloo.fit_p2p()
+    how = (
+        f"measured by `{COMMAND}` on {gloo.date}, {_host_words(gloo.host)}, "
+        f"gloo {gloo.world_size} ranks x {gloo.threads_per_rank} threads, torch {gloo.host.torch_version}"
+    )
+    fit = (
+        f"; fit t = alpha + n/B over {len(gloo.sizes)} sizes "
+        f"({gloo.sizes[0]} B..{gloo.sizes[-1]} B) of p2p one-way times (ping-pong / 2); raw data in "
+        f"costmodels/measurements/{mpath.name}"
+    )
+    bw_type = type(spec.intra_node.bandwidth)
+    lat_type = type(spec.intra_node.latency)
+    intra = spec.intra_node.model_copy(
+        update={
+            "bandwidth": bw_type(value=bandwidth, source=how + fit + "; one transfer at a time"),
+            "latency": lat_type(value=alpha, source=how + fit),
+        }
+    )
+    update: dict[str, Any] = {"intra_node": intra}
+
+    if compute is not None:
+        chow = (
+            f"measured by `{COMMAND}` on {compute.date}, {_host_words(compute.host)}, "
+            f"1 process x {compute.threads} threads, torch {compute.host.torch_version}"
+        )
+        peak_type = type(spec.device.peak_flops.float32)
+        flops_update = {
+            "float32": peak_type(
+                value=compute.matmul_float32_flops,
+                source=f"{chow}; achieved, median of {compute.repeats} float32 "
+                f"{compute.matmul_n}x{compute.matmul_n} matmuls (2 n^3 FLOP each)",
+            )
+        }
+        if compute.matmul_bfloat16_flops is not None:
+            flops_update["bfloat16"] = peak_type(
+                value=compute.matmul_bfloat16_flops,
+                source=f"{chow}; achieved, median of {compute.repeats} bfloat16 "
+                f"{compute.matmul_bfloat16_n}x{compute.matmul_bfloat16_n} matmuls (2 n^3 FLOP each)",
+            )
+        mem_type = type(spec.device.memory_bandwidth)
+        device = spec.device.model_copy(
+            update={
+                "peak_flops": spec.device.peak_flops.model_copy(update=flops_update),
+                "memory_bandwidth": mem_type(
+                    value=compute.memory_bandwidth_Bps,
+                    source=f"{chow}; achieved, median of {compute.repeats} copy_ of "
+                    f"{compute.copy_bytes} float32 bytes (bytes read + written / time)",
+                ),
+            }
+        )
+        update["device"] = device
+
+    new = spec.model_copy(update=update)
+    # validate the whole result again (model_copy does not) before anything is written
+    new = ClusterSpec.model_validate(new.model_dump())
+    record = MeasurementFile(
+        preset=spec.name,
+        gloo=gloo,
+        p2p_fit=AlphaBetaFit(latency_s=alpha, bandwidth_Bps=bandwidth, sizes_used=len(gloo.sizes)),
+        compute=compute,
+    )
+    mpath.parent.mkdir(parents=True, exist_ok=True)
+    mpath.write_text(record.model_dump_json(indent=2) + "\n")
+    save_cluster_spec(new, preset)
+    return preset, mpath
+
+
+# --------------------------------------------------------------------------- all
+
+
+def profile_machine(
+    world_size: int = 2,
+    threads_per_rank: int = 1,
+    write: bool = True,
+    progress: Callable[[str], None] | None = None,
+    path: str | os.PathLike[str] | None = None,
+) -> dict[str, Any]:
+    """Measure gloo p2p/all-reduce and one process's compute, fit the link, and (with
+    ``write``) rewrite the ``cpu`` preset (``path``, default the built-in one).
+
+    Returns ``{"latency_s", "bandwidth_Bps", "float32_flops", "bfloat16_flops",
+    "memory_bandwidth_Bps", "sizes", "p2p_one_way_s", "all_reduce_s", "preset_path",
+    "measurements_path", "seconds"}`` (paths None without ``write``)."""
+    say = progress or (lambda _msg: None)
+    start = time.perf_counter()
+    say(f"measuring gloo p2p and all_reduce: {world_size} ranks x {threads_per_rank} threads, "
+        f"{len(DEFAULT_SIZES)} sizes {DEFAULT_SIZES[0]} B..{DEFAULT_SIZES[-1] >> 20} MiB")
+    gloo = measure_gloo(world_size=world_size, threads_per_rank=threads_per_rank)
+    alpha, bandwidth = gloo.fit_p2p()
+    say(f"link fit t = alpha + n/B: alpha = {alpha * 1e6:.1f} us, B = {bandwidth / 1e9:.2f} GB/s")
+    say(f"measuring compute: one process x {threads_per_rank} threads (matmul, copy)")
+    compute = measure_compute(threads=threads_per_rank)
+    say(
+        f"float32 matmul {compute.matmul_float32_flops / 1e9:.1f} GFLOP/s, "
+        + (
+            f"bfloat16 {compute.matmul_bfloat16_flops / 1e9:.1f} GFLOP/s, "
+            if compute.matmul_bfloat16_flops
+            else "bfloat16 not measured, "
+        )
+        + f"copy {compute.memory_bandwidth_Bps / 1e9:.2f} GB/s"
+    )
+    preset_path = measurements_path = None
+    if write:
+        preset_path, measurements_path = write_cpu_preset(gloo, compute, path=path)
+        say(f"wrote {preset_path} and {measurements_path}")
+    return {
+        "latency_s": alpha,
+        "bandwidth_Bps": bandwidth,
+        "float32_flops": compute.matmul_float32_flops,
+        "bfloat16_flops": compute.matmul_bfloat16_flops,
+        "memory_bandwidth_Bps": compute.memory_bandwidth_Bps,
+        "sizes": list(gloo.sizes),
+        "p2p_one_way_s": list(gloo.p2p_one_way_s),
+        "all_reduce_s": list(gloo.all_reduce_s),
+        "preset_path": str(preset_path) if preset_path else None,
+        "measurements_path": str(measurements_path) if measurements_path else None,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+__all__ = [
+    "AlphaBetaFit",
+    "ComputeMeasurement",
+    "GlooMeasurement",
+    "HostInfo",
+    "MeasurementFile",
+    "fit_alpha_beta",
+    "load_measurements",
+    "measure_compute",
+    "measure_gloo",
+    "profile_machine",
+    "write_cpu_preset",
+]
+
+_ = math  # kept for callers doing math on the results in doctests

@@ -1,0 +1,405 @@
+"""The op profiler: measure each op's forward and backward time on the local device, at
+its full shape and at the partitioned shapes the search may ask for, and cache them.
+
+**What is measured.** Every distinct op of the graph (identical layers share one
+``OpNode.signature``, so a 96-layer transformer is measured once per distinct op) is
+run alone on real tensors of its input shapes: forward time, then the time of
+``torch.autograd.grad`` of its outputs w.r.t. its float inputs and parameters. On a GPU
+with CUDA events; on a CPU with ``time.perf_counter`` and a fixed thread count. Each
+after ``warmup`` runs, the median of ``repeats``.
+
+**Partitions** (:func:`partitions_of`): the whole op, and degrees 2, 4, 8 along each
+SOAP role the node has: ``sample`` divides the batch dim of every activation input;
+``attribute`` divides the input dim aligned (from the right) with the node's first
+attribute output dim; ``parameter`` divides the parameter dim that indexes the output
+(dim 0 of Linear/Conv weights and biases, dim 1 of embedding tables; for BatchNorm the
+channel of the input too); ``reduce`` divides the summed dim (in_features of a Linear
+and dim 1 of its weight, in_channels of a Conv, embedding rows, ``k`` of a matmul).
+
+**Cache.** ``profiles/<device>.json`` (:class:`ProfileFile`, pydantic), one entry per
+key ``signature|partition|dtype|device|torch-<version>`` (DESIGN section 4). The file is
+rewritten atomically every few seconds and when the run ends or is interrupted, so an
+interrupted run keeps what it measured and the next run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
+from torch.utils._pytree import tree_flatten, tree_map
+
+from flexsearch.cost.compute import Partition
+from flexsearch.errors import ProfileError
+from flexsearch.graph.opgraph import OpGraph, OpNode
+from flexsearch.graph.tracer import ArgTensor, OpCall, trace_calls
+
+PROFILE_VERSION = 1
+DEGREES = (2, 4, 8)
+SKIP_KINDS = frozenset({"input", "output", "param"})
+
+
+class ProfileEntry(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    forward_s: float
+    backward_s: float
+    repeats: int
+    target: str = ""
+
+
+class ProfileFile(BaseModel):
+    """A cache of measured op times for one device."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = PROFILE_VERSION
+    device: str
+    entries: dict[str, ProfileEntry] = {}
+
+
+def local_device(threads: int | None = None) -> str:
+    """Name of this process's device: the CUDA device's name, else ``cpu-<N>t`` with the
+    torch thread count (CPU times depend on it)."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name().replace(" ", "-")
+    return f"cpu-{threads or torch.get_num_threads()}t"
+
+
+def partition_text(p: Partition) -> str:
+    return f"s{p.sample}a{p.attribute}p{p.parameter}r{p.reduce}"
+
+
+def profile_key(node: OpNode, partition: Partition, dtype: str, device: str, torch_version: str | None = None) -> str:
+    """The cache key: (op signature, partition, dtype, device, torch version)."""
+    version = torch_version or torch.__version__
+    return f"{node.signature}|{partition_text(partition)}|{dtype}|{device}|torch-{version}"
+
+
+def _dtype_of(node: OpNode) -> str:
+    return next((t.dtype for t in node.outputs if t.dtype.startswith(("float", "bfloat"))), "float32")
+
+
+class ProfileDB:
+    """Measured times loaded from a profile file; a ``MeasuredCosts`` for the cost model."""
+
+    def __init__(self, data: ProfileFile, path: Path | None = None) -> None:
+        self.data = data
+        self.path = path
+
+    @classmethod
+    def load(cls, path: str | Path, device: str | None = None) -> ProfileDB:
+        path = Path(path)
+        if not path.exists():
+            return cls(ProfileFile(device=device or path.stem), path)
+        try:
+            data = ProfileFile.model_validate_json(path.read_text())
+        except (ValidationError, ValueError) as exc:
+            first = str(exc).splitlines()[0]
+            raise ProfileError(f"profile {path} is damaged ({first}); delete it and run `flexsearch profile` again") from exc
+        if data.version > PROFILE_VERSION:
+            raise ProfileError(f"profile {path} has version {data.version}, newer than this flexsearch ({PROFILE_VERSION}); upgrade flexsearch")
+        if device is not None and data.device != device:
+            raise ProfileError(f"profile {path} is for device {data.device!r}, not {device!r}; pass the matching --out file")
+        return cls(data, path)
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        tmp.write_text(self.data.model_dump_json(indent=1))
+        os.replace(tmp, self.path)
+
+    def get(self, key: str) -> ProfileEntry | None:
+        return self.data.entries.get(key)
+
+    def put(self, key: str, entry: ProfileEntry) -> None:
+        self.data.entries[key] = entry
+
+    def lookup(self, node: OpNode, partition: Partition, device_name: str, dtype: str) -> tuple[float, float] | None:
+        """``(forward_s, backward_s)`` measured for this node and partition, or None."""
+        entry = self.data.entries.get(profile_key(node, partition, dtype, device_name))
+        return None if entry is None else (entry.forward_s, entry.backward_s)
+
+    def __len__(self) -> int:
+        return len(self.data.entries)
+
+
+# ----------------------------------------------------------------------------- partitions
+
+
+def partitions_of(node: OpNode, degrees: Iterable[int] = DEGREES) -> list[Partition]:
+    """The whole op and each single-role split the search may ask for."""
+    out = [Partition()]
+    roles = {d.kind for d in node.dims.output}
+    for role in ("sample", "attribute", "parameter"):
+        if role not in roles:
+            continue
+        size = min(d.size for d in node.dims.output if d.kind == role)
+        out += [Partition(**{role: k}) for k in degrees if k <= size]
+    if node.dims.reduced:
+        size = node.dims.reduced[0].size
+        out += [Partition(reduce=k) for k in degrees if k <= size]
+    return out
+
+
+def _split(shape: tuple[int, ...], dim: int | None, k: int) -> tuple[int, ...]:
+    if dim is None or k == 1 or not shape:
+        return shape
+    dim %= len(shape)
+    s = list(shape)
+    s[dim] = max(1, math.ceil(s[dim] / k))
+    return tuple(s)
+
+
+def partitioned_call(node: OpNode, call: OpCall, p: Partition) -> OpCall:
+    """The call one task of partition ``p`` makes: every argument shrunk per the rules
+    in the module docstring."""
+    out_nd = len(node.outputs[0].shape) if node.outputs else 0
+    attr = next((d for d in node.dims.output if d.kind == "attribute"), None)
+    kind = node.kind
+
+    def act(t: ArgTensor, position: int) -> ArgTensor:
+        shape = _split(t.shape, t.batch, p.sample)
+        if attr is not None and p.attribute > 1:
+            d = attr.dim - (out_nd - len(shape))
+            if 0 <= d < len(shape) and shape[d] == attr.size and d != t.batch:
+                shape = _split(shape, d, p.attribute)
+        if p.reduce > 1:
+            if kind == "linear":
+                shape = _split(shape, -1, p.reduce)
+            elif kind == "conv":
+                shape = _split(shape, 1, p.reduce)
+            elif kind == "matmul":
+                shape = _split(shape, -1 if position == 0 else -2, p.reduce)
+        if p.parameter > 1 and kind == "norm" and len(shape) > 1:
+            shape = _split(shape, 1, p.parameter)
+        return ArgTensor(shape, t.dtype, t.batch, t.state)
+
+    def param_shape(shape: tuple[int, ...], name: str) -> tuple[int, ...]:
+        weight = name.endswith("weight")
+        if p.parameter > 1:
+            shape = _split(shape, 1 if kind == "embedding" else 0, p.parameter)
+        if p.reduce > 1 and weight and len(shape) >= 2:
+            shape = _split(shape, 0 if kind == "embedding" else 1, p.reduce)
+        return shape
+
+    position = iter(range(1_000_000))
+
+    def shrink(x: Any) -> Any:
+        if not isinstance(x, ArgTensor):
+            return x
+        if x.state is not None:
+            return ArgTensor(param_shape(x.shape, x.state), x.dtype, None, x.state)
+        return act(x, next(position))
+
+    args, kwargs = tree_map(shrink, (call.args, call.kwargs))
+    state = tuple(
+        (local, param_shape(shape, local) if shape else shape, dtype, grad)
+        for local, shape, dtype, grad in call.module_state
+    )
+    return replace(call, args=tuple(args), kwargs=dict(kwargs), module_state=state)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def _materialize(spec: Any, device: torch.device, leaves: list[torch.Tensor]) -> Any:
+    if not isinstance(spec, ArgTensor):
+        return spec
+    if spec.dtype.is_floating_point:
+        leaf = torch.randn(spec.shape, dtype=spec.dtype, device=device).requires_grad_(True)
+        leaves.append(leaf)
+        return leaf if spec.state is not None else leaf.clone()
+    if spec.dtype == torch.bool:
+        return torch.zeros(spec.shape, dtype=torch.bool, device=device)
+    return torch.zeros(spec.shape, dtype=spec.dtype, device=device)
+
+
+def _nbytes(call: OpCall) -> int:
+    total = 0
+    for x in tree_flatten((call.args, call.kwargs))[0]:
+        if isinstance(x, ArgTensor):
+            total += math.prod(x.shape) * x.dtype.itemsize
+    for _, shape, dtype, _ in call.module_state:
+        total += math.prod(shape) * dtype.itemsize
+    return total
+
+
+class _Timer:
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def time(self, fn: Callable[[], Any]) -> tuple[float, Any]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / 1e3, out
+        t0 = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - t0, out
+
+
+def measure_call(call: OpCall, *, device: torch.device | str = "cpu", warmup: int = 2, repeats: int = 5) -> tuple[float, float]:
+    """Median forward and backward seconds of one op call on real tensors."""
+    device = torch.device(device)
+    timer = _Timer(device)
+    leaves: list[torch.Tensor] = []
+    args, kwargs = tree_map(lambda s: _materialize(s, device, leaves), (call.args, call.kwargs))
+    state: dict[str, torch.Tensor] = {}
+    for local, shape, dtype, grad in call.module_state:
+        if dtype.is_floating_point:
+            t = torch.randn(shape, dtype=dtype, device=device).requires_grad_(grad)
+            if grad:
+                leaves.append(t)
+        else:
+            t = torch.zeros(shape, dtype=dtype, device=device)
+        state[local] = t
+
+    def forward() -> Any:
+        a = tuple(x.clone() if isinstance(x, torch.Tensor) and x.requires_grad and not x.is_leaf else x for x in args)
+        if call.op == "call_module":
+            return torch.func.functional_call(call.module, state, a, kwargs, strict=False)
+        if call.op == "call_method":
+            return getattr(a[0], call.target)(*a[1:], **kwargs)
+        return call.target(*a, **kwargs)
+
+    for _ in range(warmup):
+        forward()
+    fwd = statistics.median(timer.time(forward)[0] for _ in range(repeats))
+
+    def grads_of(out: Any) -> list[torch.Tensor]:
+        return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+
+    bwd_times = []
+    for i in range(warmup + repeats):
+        outs = grads_of(forward())
+        if not outs or not leaves:
+            break
+        ones = [torch.ones_like(t) for t in outs]
+        seconds, _ = timer.time(lambda o=outs, g=ones: torch.autograd.grad(o, leaves, g, allow_unused=True))
+        if i >= warmup:
+            bwd_times.append(seconds)
+    return fwd, statistics.median(bwd_times) if bwd_times else 0.0
+
+
+def profile_graph(
+    graph: OpGraph,
+    calls: dict[str, OpCall],
+    db: ProfileDB,
+    *,
+    device: torch.device | str = "cpu",
+    device_name: str | None = None,
+    degrees: Iterable[int] = DEGREES,
+    warmup: int = 2,
+    repeats: int = 5,
+    max_bytes: int = 2 << 30,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> dict[str, int]:
+    """Measure every distinct (op, partition) not yet in ``db``; save after each.
+
+    Returns counts: ``measured``, ``cached`` (hits), ``skipped`` (over ``max_bytes`` of
+    tensors, or an op that cannot run alone).
+    """
+    name = device_name or local_device()
+    todo: list[tuple[str, OpNode, Partition]] = []
+    seen: set[str] = set()
+    for node in graph.nodes:
+        if node.kind in SKIP_KINDS or node.name not in calls or (node.bytes_read == 0 and node.flops == 0):
+            continue
+        for p in partitions_of(node, degrees):
+            key = profile_key(node, p, _dtype_of(node), name)
+            if key not in seen:
+                seen.add(key)
+                todo.append((key, node, p))
+    counts = {"measured": 0, "cached": 0, "skipped": 0}
+    last_save = time.monotonic()
+    try:
+        for i, (key, node, p) in enumerate(todo):
+            if progress is not None:
+                progress(i, len(todo), f"{node.name} {partition_text(p)}")
+            if db.get(key) is not None:
+                counts["cached"] += 1
+                continue
+            call = partitioned_call(node, calls[node.name], p)
+            if _nbytes(call) > max_bytes:
+                counts["skipped"] += 1
+                continue
+            try:
+                fwd, bwd = measure_call(call, device=device, warmup=warmup, repeats=repeats)
+            except (RuntimeError, ValueError, TypeError, IndexError):  # cannot run alone at this shape
+                counts["skipped"] += 1
+                continue
+            db.put(key, ProfileEntry(forward_s=fwd, backward_s=bwd, repeats=repeats, target=node.target))
+            counts["measured"] += 1
+            if time.monotonic() - last_save > 2.0:
+                db.save()
+                last_save = time.monotonic()
+    finally:  # an interrupted run keeps what it measured
+        db.save()
+    if progress is not None:
+        progress(len(todo), len(todo), "done")
+    return counts
+
+
+def profile_model(
+    model: torch.nn.Module,
+    example_inputs: tuple,
+    *,
+    out: str | Path | None = None,
+    threads: int = 1,
+    repeats: int = 5,
+    warmup: int = 2,
+    degrees: Iterable[int] = DEGREES,
+    max_bytes: int = 2 << 30,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> tuple[ProfileDB, dict[str, int]]:
+    """Trace ``model`` and profile its ops into ``out`` (default ``profiles/<device>.json``)."""
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    previous = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(threads)
+    try:
+        name = local_device(threads if device.type == "cpu" else None)
+        path = Path(out) if out is not None else default_profile_path(name)
+        db = ProfileDB.load(path, device=name)
+        graph, calls = trace_calls(model, example_inputs)
+        counts = profile_graph(
+            graph, calls, db, device=device, device_name=name, degrees=degrees,
+            warmup=warmup, repeats=repeats, max_bytes=max_bytes, progress=progress,
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(previous)
+    return db, counts
+
+
+def default_profile_path(device: str) -> Path:
+    """``profiles/<device>.json`` under the current directory."""
+    return Path("profiles") / f"{device}.json"
+
+
+def host_info() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__}
+
+

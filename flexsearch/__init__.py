@@ -1,8 +1,10 @@
 """flexsearch: find the fastest way to train a PyTorch model on many devices.
 
-Public API (DESIGN section 1): :func:`load_model`, :func:`trace`, and the error types.
+Public API (DESIGN section 1): :func:`load_model`, :func:`trace`, :class:`Cluster`, and
+the error types.
 """
 
+from flexsearch.cost.hardware import Cluster
 from flexsearch.errors import (
     ClusterSpecError,
     FlexsearchError,
@@ -19,6 +21,7 @@ from flexsearch.model_files import load_model
 __version__ = "0.1.0"
 
 __all__ = [
+    "Cluster",
     "ClusterSpecError",
     "FlexsearchError",
     "InfeasiblePlanError",

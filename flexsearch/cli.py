@@ -28,7 +28,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
-out = Console(highlight=False)
+stdout = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
 ModelArg = Annotated[str, typer.Argument(help="Model file: path/to/file.py or path/to/file.py:NAME.")]
@@ -70,16 +70,16 @@ def trace(model: ModelArg, as_json: JsonOpt = False, top: Annotated[int, typer.O
         summary["graph"] = json.loads(graph.to_json())
         sys.stdout.write(json.dumps(summary) + "\n")
         return
-    out.print(
+    stdout.print(
         f"[bold]{model}[/] traced via {graph.via}: {len(graph.nodes)} nodes, "
         f"{_si(graph.num_params)} parameters, {_si(graph.flops, 'FLOP')} forward, "
         f"{_si(graph.backward_flops, 'FLOP')} backward per iteration"
     )
     for b in graph.blocks:
-        out.print(f"repeated block: {len(b.instances)} x {b.module_type} ({len(b.instances[0])} ops each)")
+        stdout.print(f"repeated block: {len(b.instances)} x {b.module_type} ({len(b.instances[0])} ops each)")
     if graph.opaque_nodes:
         names = ", ".join(f"{n.name} ({n.target})" for n in graph.opaque_nodes[:8])
-        out.print(f"[yellow]opaque ops (costed, never split): {names}[/]")
+        stdout.print(f"[yellow]opaque ops (costed, never split): {names}[/]")
     table = Table(title=f"heaviest {top} ops by forward FLOPs")
     for col in ("op", "kind", "target", "output", "fwd FLOPs", "params", "SOAP dims"):
         table.add_column(col, justify="right" if col in ("fwd FLOPs", "params") else "left")
@@ -89,7 +89,50 @@ def trace(model: ModelArg, as_json: JsonOpt = False, top: Annotated[int, typer.O
         dims += "".join(f" r:{r.name}" for r in n.dims.reduced)
         shape = "x".join(map(str, n.outputs[0].shape)) if n.outputs else ""
         table.add_row(n.name, n.kind, n.target.rsplit(".", 1)[-1], shape, _si(n.flops), _si(n.num_params), dims or "-")
-    out.print(table)
+    stdout.print(table)
+
+
+@app.command()
+def profile(
+    model: Annotated[str | None, typer.Argument(help="Model file: path/to/file.py[:NAME]. Optional with --comm.")] = None,
+    out: Annotated[str | None, typer.Option(help="Profile file (default profiles/<device>.json); measured entries are added to it.")] = None,
+    threads: Annotated[int, typer.Option(help="CPU threads per process while measuring.", min=1)] = 1,
+    repeats: Annotated[int, typer.Option(help="Timed runs per op (the median is kept).", min=1)] = 5,
+    warmup: Annotated[int, typer.Option(help="Untimed runs per op before timing.", min=0)] = 2,
+    comm: Annotated[bool, typer.Option("--comm", help="Measure this machine's gloo links and compute peak; rewrite the cpu preset.")] = False,
+    ranks: Annotated[int, typer.Option(help="gloo processes for --comm.", min=2)] = 2,
+) -> None:
+    """Measure each op's forward and backward time on this device (full and partitioned
+    shapes), cached in profiles/<device>.json; with --comm, measure gloo links."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if model is None and not comm:
+        raise typer.BadParameter("give a MODEL to profile, or --comm to measure the links", param_hint="MODEL")
+    if comm:
+        from flexsearch.cost.machine import profile_machine
+
+        summary = profile_machine(world_size=ranks, threads_per_rank=threads, write=True, progress=lambda m: err.print(m, markup=False))
+        stdout.print(" ".join(f"{k}={v}" for k, v in summary.items()))
+    if model is None:
+        return
+    from flexsearch.cost.profiler import profile_model
+    from flexsearch.model_files import load_model
+
+    module, inputs = load_model(model)
+    with Progress(
+        TextColumn("profiling"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("{task.description}"), console=err, transient=True,
+    ) as bar:  # fmt: skip
+        task = bar.add_task("tracing", total=None)
+
+        def report(done: int, total: int, what: str) -> None:
+            bar.update(task, completed=done, total=total, description=what)
+
+        db, counts = profile_model(module, inputs, out=out, threads=threads, repeats=repeats, warmup=warmup, progress=report)
+    stdout.print(
+        f"{db.path}: {counts['measured']} measured, {counts['cached']} already cached, "
+        f"{counts['skipped']} skipped; {len(db)} entries for {db.data.device}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,6 @@ a process of this kind reaches, not the vector units' theoretical peak.
 from __future__ import annotations
 
 import datetime as _dt
-import math
 import os
 import platform
 import socket
@@ -243,9 +242,9 @@ def _free_port() -> int:
 
 def _repeats_for(nbytes: int, repeats: int) -> int:
     """Fewer repeats for big messages (``repeats`` up to 1 MiB, then proportionally
-    fewer, never under ``min(repeats, 5)``), to bound the run time."""
+    fewer, never under ``min(repeats, 7)``), to bound the run time."""
     scaled = int(repeats * (1 << 20) / max(nbytes, 1))
-    return max(min(repeats, 5), min(repeats, scaled))
+    return max(min(repeats, 7), min(repeats, scaled))
 
 
 def _gloo_worker(
@@ -276,13 +275,17 @@ def _gloo_worker(
         timeout=_dt.timedelta(seconds=timeout_s),
     )
     try:
-        p2p: list[float] = []
-        allreduce: list[float] = []
-        for nbytes, reps in zip(sizes, repeats):
-            buf = torch.ones(nbytes // 4, dtype=torch.float32)
-            # point-to-point ping-pong between ranks 0 and 1 (others only join barriers)
-            times = []
-            for i in range(warmup + reps):
+        bufs = [torch.ones(nbytes // 4, dtype=torch.float32) for nbytes in sizes]
+        p2p: list[list[float]] = [[] for _ in sizes]
+        mine: list[list[float]] = [[] for _ in sizes]
+        # Rounds over all sizes (a warm-up round first), not all repeats of one size in
+        # a row: a burst of load from elsewhere then spoils one sample of many sizes
+        # instead of every sample of one size.
+        for r in range(-warmup, max(repeats)):
+            for k, buf in enumerate(bufs):
+                if r >= repeats[k]:
+                    continue
+                # point-to-point ping-pong between ranks 0 and 1 (others join barriers)
                 dist.barrier()
                 t0 = time.perf_counter()
                 if rank == 0:
@@ -292,27 +295,27 @@ def _gloo_worker(
                     dist.recv(buf, src=0)
                     dist.send(buf, dst=0)
                 dt = time.perf_counter() - t0
-                if i >= warmup:
-                    times.append(dt / 2)
-            p2p.append(statistics.median(times))
-            # all-reduce over every rank: per repeat, the slowest rank's time
-            mine = []
-            for i in range(warmup + reps):
+                if r >= 0:
+                    p2p[k].append(dt / 2)
+                # all-reduce over every rank
                 buf.fill_(1.0)
                 dist.barrier()
                 t0 = time.perf_counter()
                 dist.all_reduce(buf)
                 dt = time.perf_counter() - t0
-                if i >= warmup:
-                    mine.append(dt)
-            slowest = torch.tensor(mine, dtype=torch.float64)
+                if r >= 0:
+                    mine[k].append(dt)
+                if abs(float(buf[0]) - world_size) > 1e-3:
+                    raise RuntimeError(f"all_reduce gave {float(buf[0])}, expected {world_size}")
+        allreduce = []
+        for times in mine:  # per repeat, the slowest rank's time
+            slowest = torch.tensor(times, dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             allreduce.append(statistics.median(slowest.tolist()))
-            if abs(float(buf[0]) - world_size) > 1e-3:
-                raise RuntimeError(f"all_reduce gave {float(buf[0])}, expected {world_size}")
         dist.barrier()
         if rank == 0:
-            Path(out_path).write_text(json.dumps({"p2p": p2p, "all_reduce": allreduce}))
+            result = {"p2p": [statistics.median(t) for t in p2p], "all_reduce": allreduce}
+            Path(out_path).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
 
@@ -320,7 +323,7 @@ def _gloo_worker(
 def measure_gloo(
     world_size: int = 2,
     sizes: Sequence[int] = DEFAULT_SIZES,
-    repeats: int = 15,
+    repeats: int = 30,
     threads_per_rank: int = 1,
     timeout_s: float = 120.0,
     warmup: int = 1,
@@ -330,8 +333,10 @@ def measure_gloo(
     Spawns ``world_size`` processes (``torch.multiprocessing``, start method "spawn")
     that join a gloo process group on 127.0.0.1 (a free port found by binding port 0),
     each with ``torch.set_num_threads(threads_per_rank)``. ``sizes`` are bytes,
-    multiples of 4 (float32 elements). Each size runs ``warmup`` untimed and up to
-    ``repeats`` timed repetitions (fewer above 1 MiB, at least ``min(repeats, 5)``).
+    multiples of 4 (float32 elements). The sizes are timed in rounds (one p2p and one
+    all-reduce of every size per round), ``warmup`` untimed rounds then up to
+    ``repeats`` timed ones (sizes above 1 MiB take part in fewer rounds, at least
+    ``min(repeats, 7)``); each time is the median over its rounds.
 
     ``timeout_s`` bounds both the process group's collective timeout and the whole run:
     a rank that fails or hangs ends the run with a ProfileError instead of a hang.
@@ -638,5 +643,3 @@ __all__ = [
     "profile_machine",
     "write_cpu_preset",
 ]
-
-_ = math  # kept for callers doing math on the results in doctests

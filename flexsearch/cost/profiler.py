@@ -38,7 +38,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 from torch.utils._pytree import tree_flatten, tree_map
 
-from flexsearch.cost.compute import Partition
+from flexsearch.cost.compute import Partition, node_dtype
 from flexsearch.errors import ProfileError
 from flexsearch.graph.opgraph import OpGraph, OpNode
 from flexsearch.graph.tracer import ArgTensor, OpCall, trace_calls
@@ -83,10 +83,6 @@ def profile_key(node: OpNode, partition: Partition, dtype: str, device: str, tor
     """The cache key: (op signature, partition, dtype, device, torch version)."""
     version = torch_version or torch.__version__
     return f"{node.signature}|{partition_text(partition)}|{dtype}|{device}|torch-{version}"
-
-
-def _dtype_of(node: OpNode) -> str:
-    return next((t.dtype for t in node.outputs if t.dtype.startswith(("float", "bfloat"))), "float32")
 
 
 class ProfileDB:
@@ -321,7 +317,7 @@ def profile_graph(
         if node.kind in SKIP_KINDS or node.name not in calls or (node.bytes_read == 0 and node.flops == 0):
             continue
         for p in partitions_of(node, degrees):
-            key = profile_key(node, p, _dtype_of(node), name)
+            key = profile_key(node, p, node_dtype(node), name)
             if key not in seen:
                 seen.add(key)
                 todo.append((key, node, p))

@@ -1,0 +1,92 @@
+"""The command line: output, --json, and bad input as one line on stderr with exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+TINY = str(ROOT / "benchmarks/models/gpt.py:gpt_tiny")
+
+
+def run(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flexsearch", *args], capture_output=True, text=True, cwd=cwd or ROOT, timeout=300)
+
+
+def test_trace_prints_summary_and_table():
+    r = run("trace", TINY)
+    assert r.returncode == 0, r.stderr
+    assert "traced via fx" in r.stdout and "parameters" in r.stdout
+    assert "repeated block: 2 x Block" in r.stdout
+    assert "heaviest" in r.stdout and "linear" in r.stdout
+
+
+def test_trace_json_is_one_object():
+    r = run("trace", TINY, "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["nodes"] == len(data["graph"]["nodes"])
+    assert data["num_params"] > 0 and data["flops"] > 0 and data["fingerprint"]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["trace", "nope/absent.py"], "does not exist"),
+        (["trace", "benchmarks/models/gpt.py:no_such"], "has no 'no_such'"),
+        (["trace", TINY, "--bogus"], "No such option"),
+        (["trace", TINY, "--top", "0"], "--top"),
+        (["trace"], "Missing argument"),
+        (["profile"], "MODEL"),
+        (["frobnicate"], "No such command"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(args, needle):
+    r = run(*args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert needle in lines[0] and "Traceback" not in r.stderr
+
+
+def test_model_file_errors_through_cli(model_file):
+    broken = model_file("import torch\nraise ImportError('needs foo')\n", name="broken.py")
+    r = run("trace", str(broken))
+    assert r.returncode == 2
+    assert "ImportError: needs foo" in r.stderr and f"{broken}:2" in r.stderr
+    control = model_file(
+        """
+        import torch
+        from torch import nn
+
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 4)
+
+            def forward(self, x):
+                if x.mean() > 0:
+                    return self.fc(x)
+                return x
+
+        def build_model():
+            return M(), (torch.randn(2, 4),)
+        """,
+        name="control.py",
+    )
+    r = run("trace", str(control))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "control.py:11" in r.stderr and "if x.mean() > 0:" in r.stderr
+
+
+def test_profile_writes_cache(tmp_path):
+    out = tmp_path / "prof.json"
+    spec = str(ROOT / "benchmarks/models/mlp.py:mlp_tiny")
+    r = run("profile", spec, "--out", str(out), "--repeats", "1", "--warmup", "0")
+    assert r.returncode == 0, r.stderr
+    assert out.exists() and "measured" in r.stdout
+    again = run("profile", spec, "--out", str(out), "--repeats", "1", "--warmup", "0")
+    assert " 0 measured" in again.stdout

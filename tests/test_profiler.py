@@ -1,0 +1,138 @@
+"""The op profiler: partitioned shapes, measurement, cache keys, resume, bad files."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from flexsearch import ProfileError
+from flexsearch.cost.compute import Partition, op_cost
+from flexsearch.cost.hardware import Cluster
+from flexsearch.cost.profiler import (
+    ProfileDB,
+    local_device,
+    measure_call,
+    partitioned_call,
+    partitions_of,
+    profile_key,
+    profile_model,
+)
+from flexsearch.graph.tracer import ArgTensor, trace_calls
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+        self.fc = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 8)
+
+    def forward(self, idx):
+        return self.fc2(torch.relu(self.fc(self.emb(idx))))
+
+
+def traced():
+    return trace_calls(Net(), (torch.randint(0, 64, (8, 4)),))
+
+
+def shapes(call):
+    return [a.shape for a in call.args if isinstance(a, ArgTensor)], {n: s for n, s, _, _ in call.module_state}
+
+
+def test_partitions_of_linear():
+    g, _ = traced()
+    parts = partitions_of(g.node("fc"))
+    assert Partition() in parts
+    assert {p.sample for p in parts} == {1, 2, 4, 8}
+    assert Partition(attribute=4) in parts and Partition(parameter=8) in parts and Partition(reduce=8) in parts
+    assert Partition(attribute=8) not in parts or g.node("fc").outputs[0].shape[1] >= 8
+
+
+def test_partitioned_shapes_follow_the_rules():
+    g, calls = traced()
+    fc = g.node("fc")
+    assert shapes(partitioned_call(fc, calls["fc"], Partition()))[0] == [(8, 4, 16)]
+    assert shapes(partitioned_call(fc, calls["fc"], Partition(sample=2)))[0] == [(4, 4, 16)]
+    assert shapes(partitioned_call(fc, calls["fc"], Partition(attribute=2)))[0] == [(8, 2, 16)]
+    acts, state = shapes(partitioned_call(fc, calls["fc"], Partition(parameter=4)))
+    assert acts == [(8, 4, 16)] and state == {"weight": (8, 16), "bias": (8,)}
+    acts, state = shapes(partitioned_call(fc, calls["fc"], Partition(reduce=2)))
+    assert acts == [(8, 4, 8)] and state["weight"] == (32, 8) and state["bias"] == (32,)
+    emb = g.node("emb")
+    _, state = shapes(partitioned_call(emb, calls["emb"], Partition(parameter=2)))
+    assert state == {"weight": (64, 8)}  # embedding columns
+    _, state = shapes(partitioned_call(emb, calls["emb"], Partition(reduce=2)))
+    assert state == {"weight": (32, 16)}  # vocabulary rows
+
+
+def test_measure_call_runs_partitions():
+    g, calls = traced()
+    for p in partitions_of(g.node("fc")):
+        fwd, bwd = measure_call(partitioned_call(g.node("fc"), calls["fc"], p), repeats=2, warmup=1)
+        assert fwd > 0 and bwd > 0
+
+
+def test_cache_hit_and_miss(tmp_path):
+    path = tmp_path / "prof.json"
+    model, inputs = Net(), (torch.randint(0, 64, (8, 4)),)
+    db, counts = profile_model(model, inputs, out=path, repeats=2, warmup=0)
+    assert counts["measured"] > 0 and counts["cached"] == 0 and counts["skipped"] == 0
+    assert path.exists()
+    db2, counts2 = profile_model(model, inputs, out=path, repeats=2, warmup=0)
+    assert counts2 == {"measured": 0, "cached": counts["measured"], "skipped": 0}
+    g, _ = traced()
+    node = g.node("fc")
+    device = local_device(1)
+    hit = db2.lookup(node, Partition(sample=2), device, "float32")
+    assert hit is not None and hit[0] > 0
+    assert db2.lookup(node, Partition(sample=2), "other-device", "float32") is None
+    assert db2.lookup(node, Partition(sample=3), device, "float32") is None
+    key = profile_key(node, Partition(), "float32", device)
+    assert key != profile_key(node, Partition(), "float32", device, torch_version="0.0.1")
+    assert key != profile_key(node, Partition(), "bfloat16", device)
+    # a bigger layer is a different op: no hit
+    g2, _ = trace_calls(nn.Sequential(nn.Linear(16, 64)), (torch.zeros(8, 4, 16),))
+    assert db2.lookup(g2.nodes[1], Partition(), device, "float32") is None
+
+
+def test_measured_time_overrides_roofline(tmp_path):
+    model, inputs = Net(), (torch.randint(0, 64, (8, 4)),)
+    db, _ = profile_model(model, inputs, out=tmp_path / "p.json", repeats=2, warmup=0)
+    g, _ = traced()
+    cluster = Cluster.preset("cpu", devices=1)
+    device = cluster.device.model_copy(update={"name": local_device(1)})
+    measured = op_cost(g.node("fc"), device, Partition(sample=2), measured=db)
+    assert measured.source == "measured"
+    assert (measured.forward_s, measured.backward_s) == db.lookup(g.node("fc"), Partition(sample=2), device.name, "float32")
+
+
+def test_interrupted_run_resumes(tmp_path):
+    path = tmp_path / "prof.json"
+    model, inputs = Net(), (torch.randint(0, 64, (8, 4)),)
+
+    def stop_after(done, total, what):
+        if done == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        profile_model(model, inputs, out=path, repeats=1, warmup=0, progress=stop_after)
+    kept = len(ProfileDB.load(path))
+    assert kept == 5
+    _, counts = profile_model(model, inputs, out=path, repeats=1, warmup=0)
+    assert counts["cached"] == 5 and counts["measured"] > 0
+
+
+def test_damaged_and_foreign_profile(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ProfileError, match="damaged"):
+        ProfileDB.load(bad)
+    other = tmp_path / "other.json"
+    other.write_text('{"version": 1, "device": "NVIDIA-H200", "entries": {}}')
+    with pytest.raises(ProfileError, match="NVIDIA-H200"):
+        ProfileDB.load(other, device="cpu-1t")
+    newer = tmp_path / "newer.json"
+    newer.write_text('{"version": 99, "device": "cpu-1t", "entries": {}}')
+    with pytest.raises(ProfileError, match="newer"):
+        ProfileDB.load(newer)

@@ -26,6 +26,7 @@ a process of this kind reaches, not the vector units' theoretical peak.
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import platform
 import socket
@@ -134,7 +135,9 @@ class GlooMeasurement(_Model):
         if n == 0:
             raise ValueError("a gloo measurement needs at least one message size")
         if not (len(self.repeats) == len(self.p2p_one_way_s) == len(self.all_reduce_s) == n):
-            raise ValueError("sizes, repeats, p2p_one_way_s and all_reduce_s must have the same length")
+            raise ValueError(
+                "sizes, repeats, p2p_one_way_s and all_reduce_s must have the same length"
+            )
         return self
 
     def fit_p2p(self) -> tuple[float, float]:
@@ -259,8 +262,6 @@ def _gloo_worker(
     out_path: str,
 ) -> None:
     """One rank of :func:`measure_gloo` (run in a spawned process)."""
-    import json
-
     if Path("/sys/class/net/lo").exists():
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch
@@ -340,14 +341,16 @@ def measure_gloo(
 
     ``timeout_s`` bounds both the process group's collective timeout and the whole run:
     a rank that fails or hangs ends the run with a ProfileError instead of a hang.
-    The default run takes ~15-30 s on a 2-core machine."""
+    The default run takes ~5-10 s on a 2-core machine."""
     import torch.multiprocessing as mp
 
     sizes_t = tuple(int(s) for s in sizes)
     if world_size < 2:
         raise ValueError("measure_gloo needs world_size >= 2 (p2p runs between ranks 0 and 1)")
     if not sizes_t or any(s < 4 or s % 4 for s in sizes_t):
-        raise ValueError(f"sizes must be a non-empty list of byte counts >= 4 and multiples of 4 (got {sizes_t})")
+        raise ValueError(
+            f"sizes must be a non-empty list of byte counts >= 4 and multiples of 4 (got {sizes_t})"
+        )
     if repeats < 1 or threads_per_rank < 1 or warmup < 0 or timeout_s <= 0:
         raise ValueError("repeats and threads_per_rank must be >= 1, warmup >= 0, timeout_s > 0")
     reps = tuple(_repeats_for(s, repeats) for s in sizes_t)
@@ -357,8 +360,19 @@ def measure_gloo(
     for _attempt in range(3):  # the free port can be taken between finding and binding it
         with tempfile.TemporaryDirectory(prefix="flexsearch-gloo-") as tmp:
             out = Path(tmp) / "result.json"
-            args = (world_size, _free_port(), sizes_t, reps, warmup, threads_per_rank, float(timeout_s), str(out))
-            ctx = mp.start_processes(_gloo_worker, args=args, nprocs=world_size, join=False, start_method="spawn")
+            args = (
+                world_size,
+                _free_port(),
+                sizes_t,
+                reps,
+                warmup,
+                threads_per_rank,
+                float(timeout_s),
+                str(out),
+            )
+            ctx = mp.start_processes(
+                _gloo_worker, args=args, nprocs=world_size, join=False, start_method="spawn"
+            )
             deadline = time.monotonic() + timeout_s + 30.0  # + process start-up
             try:
                 while not ctx.join(timeout=0.5):
@@ -380,8 +394,6 @@ def measure_gloo(
                         p.terminate()
                 for p in ctx.processes:
                     p.join(timeout=5)
-            import json
-
             raw = json.loads(out.read_text())
             return GlooMeasurement(
                 date=_today(),
@@ -399,13 +411,16 @@ def measure_gloo(
 # --------------------------------------------------------------------------- compute
 
 
-def _median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+def _median_time(
+    fn: Callable[..., Any], args: tuple[Any, ...], repeats: int, warmup: int = 1
+) -> float:
+    """Median wall time of ``fn(*args)`` over ``repeats`` calls after ``warmup`` calls."""
     for _ in range(warmup):
-        fn()
+        fn(*args)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        fn()
+        fn(*args)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -435,7 +450,7 @@ def measure_compute(
             g = torch.Generator().manual_seed(0)
             a = torch.randn(matmul_n, matmul_n, generator=g)
             b = torch.randn(matmul_n, matmul_n, generator=g)
-            t32 = _median_time(lambda: torch.mm(a, b), repeats)
+            t32 = _median_time(torch.mm, (a, b), repeats)
             f32 = 2.0 * matmul_n**3 / t32
 
             bf_n: int | None = None
@@ -449,7 +464,7 @@ def measure_compute(
                     if time.perf_counter() - t0 > 2.0:
                         bf_n = max(1, matmul_n // 2)
                         ab, bb = ab[:bf_n, :bf_n].contiguous(), bb[:bf_n, :bf_n].contiguous()
-                    tbf = _median_time(lambda: torch.mm(ab, bb), repeats)
+                    tbf = _median_time(torch.mm, (ab, bb), repeats)
                     fbf = 2.0 * bf_n**3 / tbf
                 except (RuntimeError, NotImplementedError):
                     bf_n, fbf = None, None
@@ -458,7 +473,7 @@ def measure_compute(
             numel = copy_bytes // 4
             src = torch.ones(numel, dtype=torch.float32)
             dst = torch.empty_like(src)
-            tcopy = _median_time(lambda: dst.copy_(src), repeats)
+            tcopy = _median_time(dst.copy_, (src,), repeats)
             bw = 2.0 * numel * 4 / tcopy
             del src, dst
     finally:
@@ -595,8 +610,10 @@ def profile_machine(
     "measurements_path", "seconds"}`` (paths None without ``write``)."""
     say = progress or (lambda _msg: None)
     start = time.perf_counter()
-    say(f"measuring gloo p2p and all_reduce: {world_size} ranks x {threads_per_rank} threads, "
-        f"{len(DEFAULT_SIZES)} sizes {DEFAULT_SIZES[0]} B..{DEFAULT_SIZES[-1] >> 20} MiB")
+    say(
+        f"measuring gloo p2p and all_reduce: {world_size} ranks x {threads_per_rank} threads, "
+        f"{len(DEFAULT_SIZES)} sizes {DEFAULT_SIZES[0]} B..{DEFAULT_SIZES[-1] >> 20} MiB"
+    )
     gloo = measure_gloo(world_size=world_size, threads_per_rank=threads_per_rank)
     alpha, bandwidth = gloo.fit_p2p()
     say(f"link fit t = alpha + n/B: alpha = {alpha * 1e6:.1f} us, B = {bandwidth / 1e9:.2f} GB/s")

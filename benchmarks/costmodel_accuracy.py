@@ -9,6 +9,13 @@ and 90th-percentile |relative error| = |predicted - measured| / measured, forwar
 backward, and the worst ops.
 
     python benchmarks/costmodel_accuracy.py [--threads 1] [--repeats 3] [--cluster cpu]
+    python benchmarks/costmodel_accuracy.py --fit    # calibrate, then evaluate held out
+
+``--fit`` calibrates the device's per-class efficiency factors on half of the distinct
+ops (every other op of each class, ordered by size; the binding factor *= median
+(predicted / measured) of the class's forward times, at most 1), writes them to
+``costmodels/efficiency.json`` with this command as their source, and computes the
+error table on the other, held-out half only.
 
 Last line: ``matmul_class_median_error=... matmul_class_p90_error=... all_median_error=...``
 (matmul class = linear, matmul, conv; the target is a median within 0.25).
@@ -17,6 +24,8 @@ Last line: ``matmul_class_median_error=... matmul_class_p90_error=... all_median
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import statistics
 import sys
 import tempfile
@@ -43,6 +52,36 @@ CASES = (
     ("rnnlm", {"batch_size": 8}),
 )
 MATMUL_CLASS = ("linear", "matmul", "conv")
+COMPUTE_BOUND = ("linear", "matmul", "conv", "attention", "rnn")
+EFFICIENCY = Path(__file__).resolve().parent.parent / "costmodels" / "efficiency.json"
+
+
+def fit(rows: list[tuple], device_name: str, measured_on: str) -> None:
+    """Scale each class's binding factor (FLOP/s for matmul-like classes, bandwidth for
+    the rest) by median(predicted / measured) of its forward times, at most 1.0."""
+    data = json.loads(EFFICIENCY.read_text())
+    table = data.setdefault("devices", {}).setdefault(device_name, {})
+    by_kind: dict[str, list[float]] = {}
+    for r in rows:
+        by_kind.setdefault(r[2], []).append(r[3] / r[4])
+    today = datetime.date.today().isoformat()
+    for kind, ratios in sorted(by_kind.items()):
+        factor = statistics.median(ratios)
+        what = "flops" if kind in COMPUTE_BOUND else "bandwidth"
+        entry = table.setdefault(kind, dict(data["default"][kind]))
+        old = entry[what]["value"]
+        entry[what] = {
+            "value": round(min(1.0, old * factor), 4),
+            "source": f"fitted by `python benchmarks/costmodel_accuracy.py --fit` on {today} "
+            f"({measured_on}, median over {len(ratios)} distinct {kind} ops of the zoo models in CASES)",
+        }
+        print(f"fit {kind:<12} {what:<9} {old:.3f} -> {entry[what]['value']:.3f}")
+    EFFICIENCY.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _row(builder: str, node, measured: tuple[float, float], device) -> tuple:
+    predicted = op_cost(node, device, WHOLE)
+    return (builder, node.name, node.kind, predicted.forward_s, measured[0], predicted.backward_s, measured[1], node.flops)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -56,6 +95,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cluster", default="cpu")
     ap.add_argument("--models", nargs="*", default=[c[0] for c in CASES])
+    ap.add_argument("--fit", action="store_true", help="calibrate efficiency factors, evaluate held out")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -78,13 +118,19 @@ def main() -> None:
                 measured = db.lookup(node, WHOLE, name, "float32")
                 if measured is None:
                     continue
-                predicted = op_cost(node, device, WHOLE)
-                rows.append((builder, node.name, node.kind, predicted.forward_s, measured[0], predicted.backward_s, measured[1], node.flops))
+                rows.append((builder, node, measured))
+
+    if args.fit:  # alternate distinct ops of each class, by size: half fit, half held out
+        ordered = sorted(rows, key=lambda r: (r[1].kind, r[1].flops, r[1].bytes_read))
+        calib, rows = ordered[0::2], ordered[1::2]
+        fit([_row(b, n, m, device) for b, n, m in calib], device.name, name)
+    rows = [_row(b, n, m, device) for b, n, m in rows]
 
     def err(p: float, m: float) -> float:
         return abs(p - m) / m
 
-    print(f"device spec {device.name!r} (cluster {args.cluster}); measured on {name}, {len(rows)} distinct ops")
+    held = " (held out)" if args.fit else ""
+    print(f"device spec {device.name!r} (cluster {args.cluster}); measured on {name}, {len(rows)} distinct ops{held}")
     print(f"{'class':<12} {'ops':>4} {'fwd median':>11} {'fwd p90':>8} {'bwd median':>11} {'bwd p90':>8}")
     by_kind: dict[str, list[tuple]] = {}
     for r in rows:

@@ -135,6 +135,45 @@ def profile(
     )
 
 
+@app.command()
+def cluster(
+    name: Annotated[str | None, typer.Argument(help="Preset name or cluster JSON file; omit to list the presets.")] = None,
+    devices: Annotated[int | None, typer.Option(help="Devices to take (as many nodes as needed).", min=1)] = None,
+) -> None:
+    """Show a cluster (device, links, each number's source), or list the presets."""
+    from flexsearch.cost.hardware import Cluster
+
+    if name is None:
+        for preset in Cluster.available_presets():
+            c = Cluster.preset(preset)
+            stdout.print(f"{preset:<14} {c.device.name:<26} {c.devices_per_node} per node  {c.spec.description}", soft_wrap=True)
+        return
+    c = Cluster.resolve(name, devices)
+    spec = c.spec
+    table = Table(title=f"{spec.name}: {c.devices} devices on {c.num_nodes} node(s)")
+    for col in ("what", "value", "source"):
+        table.add_column(col)
+    rows = [
+        ("device", spec.device.name, ""),
+        ("peak float32", _si(spec.device.peak_flops.float32.value, "FLOP/s"), spec.device.peak_flops.float32.source),
+        ("peak bfloat16", _si(spec.device.peak_flops.bfloat16.value, "FLOP/s"), spec.device.peak_flops.bfloat16.source),
+        ("memory bandwidth", _si(spec.device.memory_bandwidth.value, "B/s"), spec.device.memory_bandwidth.source),
+        ("memory", _si(spec.device.memory_capacity.value, "B"), spec.device.memory_capacity.source),
+        (f"intra-node {spec.intra_node.kind} ({spec.intra_node.topology})", _si(spec.intra_node.bandwidth.value, "B/s"), spec.intra_node.bandwidth.source),
+        ("intra-node latency", f"{spec.intra_node.latency.value * 1e6:.1f} us", spec.intra_node.latency.source),
+    ]
+    if spec.inter_node is not None:
+        inter = spec.inter_node
+        rows += [
+            (f"inter-node {inter.kind} per NIC", _si(inter.bandwidth.value, "B/s"), inter.bandwidth.source),
+            ("inter-node latency", f"{inter.latency.value * 1e6:.1f} us", inter.latency.source),
+            ("NICs per node", str(inter.nics_per_node.value), inter.nics_per_node.source),
+        ]
+    for row in rows:
+        table.add_row(*row)
+    stdout.print(table)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run the app, turn user errors into one line and exit code 2."""
     try:

@@ -90,3 +90,24 @@ def test_profile_writes_cache(tmp_path):
     assert out.exists() and "measured" in r.stdout
     again = run("profile", spec, "--out", str(out), "--repeats", "1", "--warmup", "0")
     assert " 0 measured" in again.stdout
+
+
+def test_cluster_lists_and_shows_presets():
+    r = run("cluster")
+    assert r.returncode == 0 and "dgx-h100" in r.stdout and "flexflow-k80" in r.stdout
+    r = run("cluster", "pipedream-a", "--devices", "8")
+    assert r.returncode == 0 and "8 devices on 2 node(s)" in r.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["cluster", "nope"], "use one of: commodity"),
+        (["cluster", "flexflow-k80", "--devices", "100"], "at most 64 devices"),
+        (["cluster", "dgx-h100", "--devices", "0"], "--devices"),
+    ],
+)
+def test_cluster_bad_input(args, needle):
+    r = run(*args)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert needle in r.stderr

@@ -247,9 +247,9 @@ def _meta(t: torch.Tensor) -> TensorMeta:
 def _target_name(node: fx.Node, module: nn.Module | None) -> str:
     if module is not None:
         cls = type(module)
-        return f"{cls.__module__}.{cls.__qualname__}".replace("torch.nn.modules.", "torch.nn.").replace(
-            ".linear.", "."
-        )
+        if cls.__module__.startswith("torch.nn.modules."):
+            return f"torch.nn.{cls.__qualname__}"
+        return f"{cls.__module__}.{cls.__qualname__}"
     if node.op == "call_method":
         return f"Tensor.{node.target}"
     t = node.target

@@ -97,7 +97,7 @@ def trace_calls(
     try:
         gm, via, inputs = _lift(model, args, kwargs)
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        measure = _Measure(gm, model, fake_mode, via=via)
+        measure = _Measure(gm, model, fake_mode)
         with fake_mode:
             fake_inputs = [_fake_like(x) for x in inputs]
         measure.run_all(fake_inputs)
@@ -153,6 +153,19 @@ def _lift(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, 
         return ep.graph_module, "export", _export_inputs(ep, model, args, kwargs)
 
 
+def _canonical_names(model: nn.Module) -> dict[int, str]:
+    """id(parameter or buffer) -> its first qualified name (tied weights share one)."""
+    canon: dict[int, str] = {}
+    for n, t in list(model.named_parameters()) + list(model.named_buffers()):
+        canon.setdefault(id(t), n)
+    return canon
+
+
+def _clean_path(path: str) -> str:
+    """A module path without the ``L['self'].`` prefix some torch.export versions add."""
+    return re.sub(r"^L\['self'\]\.?", "", str(path))
+
+
 @contextlib.contextmanager
 def _quiet_torch_logs() -> Iterator[None]:
     """torch.export logs warnings and prints partial graphs to stderr on failure; the
@@ -180,9 +193,7 @@ def _export_inputs(ep, model: nn.Module, args: tuple, kwargs: dict) -> list:
 
     state = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))
-    canon: dict[int, str] = {}
-    for n, t in list(model.named_parameters()) + list(model.named_buffers()):
-        canon.setdefault(id(t), n)
+    canon = _canonical_names(model)
     user = iter(tree_flatten((args, kwargs))[0])
     values: list = []
     for spec in ep.graph_signature.input_specs:
@@ -275,9 +286,7 @@ def _module_path(node: fx.Node) -> str:
         return str(node.target)
     if not stack:
         return ""
-    path = list(stack.values())[-1][0]
-    # torch.export prefixes paths with "L['self']." style names in some versions.
-    return re.sub(r"^L\['self'\]\.?", "", str(path))
+    return _clean_path(list(stack.values())[-1][0])
 
 
 @contextlib.contextmanager
@@ -295,26 +304,19 @@ def _native_rnn() -> Iterator[None]:
 class _Measure(fx.Interpreter):
     """Runs the graph on fake tensors and records one :class:`OpNode` per op."""
 
-    def __init__(self, gm: fx.GraphModule, model: nn.Module, fake_mode: FakeTensorMode, *, via: str):
+    def __init__(self, gm: fx.GraphModule, model: nn.Module, fake_mode: FakeTensorMode):
         super().__init__(gm, garbage_collect_values=False)
-        self.model = model
         self.fake_mode = fake_mode
-        self.via = via
         self.nodes: list[OpNode] = []
         self.signature: dict[str, tuple] = {}
         self.owner_of: dict[str, str] = {}  # canonical param name -> owning node
         self.batch_of: dict[int, int | None] = {}  # id(fake tensor) -> batch dim
         self.param_of: dict[int, str] = {}  # id(fake param) -> canonical name
         self.stands_for: dict[str, tuple[str, ...]] = {}  # fx node -> op nodes it carries
-        self._cache: dict[tuple, tuple[int, int]] = {}
+        self._backward_flops: dict[tuple, int] = {}  # op signature -> backward FLOPs
         self.module_types: dict[str, str] = {}  # module path -> class name
         self.calls: dict[str, OpCall] = {}
-        canon: dict[int, str] = {}
-        for n, p in model.named_parameters():
-            canon.setdefault(id(p), n)
-        for n, b in model.named_buffers():
-            canon.setdefault(id(b), n)
-        self.canon = canon
+        self.canon = _canonical_names(model)
         self.fakes: dict[str, torch.Tensor] = {}
         self.is_param: dict[str, bool] = {}
         with fake_mode:
@@ -328,10 +330,6 @@ class _Measure(fx.Interpreter):
                 self.fakes[n] = f
                 self.is_param[n] = False
                 self.param_of[id(f)] = n
-        if via == "export":  # parameters come in as placeholders: map them to fakes
-            self._placeholder_state = {
-                id(v): self.canon.get(id(v)) for v in list(model.parameters()) + list(model.buffers())
-            }
 
     # -- running -------------------------------------------------------------------
 
@@ -349,7 +347,7 @@ class _Measure(fx.Interpreter):
 
     def run_node(self, n: fx.Node) -> Any:
         for path, cls in (n.meta.get("nn_module_stack") or {}).values():
-            self.module_types.setdefault(re.sub(r"^L\['self'\]\.?", "", str(path)), getattr(cls, "__qualname__", str(cls)))
+            self.module_types.setdefault(_clean_path(path), getattr(cls, "__qualname__", str(cls)))
         with self._rethrow(n):
             count = len(self.nodes)
             if n.op == "placeholder":
@@ -444,10 +442,9 @@ class _Measure(fx.Interpreter):
         if not flat_out:  # sizes, shapes, Python scalars: not an op
             return out
 
-        # Parameters used: module's own, plus fakes passed as arguments.
-        used = [self.canon[id(r)] for r in (module.parameters(recurse=True) if module is not None else ())]
-        used += [self.param_of[id(t)] for t in flat_in if id(t) in self.param_of and self.is_param[self.param_of[id(t)]]]
-        used = list(dict.fromkeys(used))
+        # Parameters used: the module's own, plus fakes passed as arguments.
+        state = [self.param_of[id(t)] for t in [*mod_params.values(), *flat_in] if id(t) in self.param_of]
+        used = list(dict.fromkeys(p for p in state if self.is_param[p]))
         acts = [t for t in flat_in if id(t) not in self.param_of]
         call = registry.Call(
             in_shapes=tuple(tuple(t.shape) for t in flat_in),
@@ -470,7 +467,7 @@ class _Measure(fx.Interpreter):
         for p in owned:
             self.owner_of[p] = n.name
         inputs = self._inputs_of(n)
-        self.calls[n.name] = self._call_spec(n, module, args, kwargs)
+        self.calls[n.name] = self._call_spec(n, module, mod_params, args, kwargs)
         self._record(
             n,
             out,
@@ -487,19 +484,13 @@ class _Measure(fx.Interpreter):
         )
         return out
 
-    def _call_spec(self, n: fx.Node, module: nn.Module | None, args, kwargs) -> OpCall:
+    def _call_spec(self, n: fx.Node, module: nn.Module | None, mod_params: dict[str, torch.Tensor], args, kwargs) -> OpCall:
         def spec(x: Any) -> Any:
             if not isinstance(x, torch.Tensor):
                 return x
             return ArgTensor(tuple(x.shape), x.dtype, self.batch_of.get(id(x)), self.param_of.get(id(x)))
 
-        state: tuple = ()
-        if module is not None:
-            state = tuple(
-                (local, tuple(real.shape), real.dtype, isinstance(real, nn.Parameter) and real.requires_grad)
-                for local, real in list(module.named_parameters(remove_duplicate=False))
-                + list(module.named_buffers(remove_duplicate=False))
-            )
+        state = tuple((local, tuple(t.shape), t.dtype, t.requires_grad) for local, t in mod_params.items())
         sargs, skwargs = tree_map(spec, (args, kwargs))
         return OpCall(n.op, n.target, module, state, tuple(sargs), dict(skwargs))
 
@@ -540,7 +531,6 @@ class _Measure(fx.Interpreter):
         largs, lkwargs = tree_map(leafify, (args, kwargs))
         leaves += [p for p in mod_params.values() if p.requires_grad]
         sig = self._signature(n, module, args, kwargs)
-        cached = self._cache.get(sig)
         before = self.counter.get_total_flops()
         if module is not None:
             out = torch.func.functional_call(module, mod_params, tuple(largs), lkwargs, strict=False)
@@ -550,10 +540,8 @@ class _Measure(fx.Interpreter):
         else:
             out = n.target(*largs, **lkwargs)
         fwd = self.counter.get_total_flops() - before
-        bwd = 0
-        if cached is not None:
-            bwd = cached[1]
-        else:
+        bwd = self._backward_flops.get(sig, 0)
+        if sig not in self._backward_flops:
             grads_of = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
             if grads_of and leaves:
                 before = self.counter.get_total_flops()
@@ -564,7 +552,7 @@ class _Measure(fx.Interpreter):
                     allow_unused=True,
                 )
                 bwd = self.counter.get_total_flops() - before
-            self._cache[sig] = (fwd, bwd)
+            self._backward_flops[sig] = bwd
         self.signature[n.name] = sig
         return out, fwd, bwd
 

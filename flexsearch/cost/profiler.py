@@ -216,7 +216,7 @@ def _materialize(spec: Any, device: torch.device, leaves: list[torch.Tensor]) ->
     if spec.dtype.is_floating_point:
         leaf = torch.randn(spec.shape, dtype=spec.dtype, device=device).requires_grad_(True)
         leaves.append(leaf)
-        return leaf if spec.state is not None else leaf.clone()
+        return leaf
     if spec.dtype == torch.bool:
         return torch.zeros(spec.shape, dtype=torch.bool, device=device)
     return torch.zeros(spec.shape, dtype=spec.dtype, device=device)
@@ -265,24 +265,32 @@ def measure_call(call: OpCall, *, device: torch.device | str = "cpu", warmup: in
             t = torch.zeros(shape, dtype=dtype, device=device)
         state[local] = t
 
-    def forward() -> Any:
-        a = tuple(x.clone() if isinstance(x, torch.Tensor) and x.requires_grad and not x.is_leaf else x for x in args)
+    def fresh() -> tuple[tuple, dict]:
+        """Non-leaf copies of the float inputs (in-place ops such as ReLU(inplace=True)
+        cannot write to a leaf), made outside the timed region."""
+        return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) and x.requires_grad else x, (args, kwargs))
+
+    def run(a: tuple, k: dict) -> Any:
         if call.op == "call_module":
-            return torch.func.functional_call(call.module, state, a, kwargs, strict=False)
+            return torch.func.functional_call(call.module, state, a, k, strict=False)
         if call.op == "call_method":
-            return getattr(a[0], call.target)(*a[1:], **kwargs)
-        return call.target(*a, **kwargs)
+            return getattr(a[0], call.target)(*a[1:], **k)
+        return call.target(*a, **k)
 
     for _ in range(warmup):
-        forward()
-    fwd = statistics.median(timer.time(forward)[0] for _ in range(repeats))
+        run(*fresh())
+    fwd_times = []
+    for _ in range(repeats):
+        a, k = fresh()
+        fwd_times.append(timer.time(lambda a=a, k=k: run(a, k))[0])
+    fwd = statistics.median(fwd_times)
 
     def grads_of(out: Any) -> list[torch.Tensor]:
         return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
 
     bwd_times = []
     for i in range(warmup + repeats):
-        outs = grads_of(forward())
+        outs = grads_of(run(*fresh()))
         if not outs or not leaves:
             break
         ones = [torch.ones_like(t) for t in outs]

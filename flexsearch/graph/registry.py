@@ -477,6 +477,10 @@ def _getitem(c: Call) -> Ruling:
     b = None
     if c.in_shapes and len(c.args) > 1 and c.args[0] is None:  # tensor[index]
         b = _indexed_batch(c.in_batch[0], c.args[1])
+    elif len(c.args) > 1 and isinstance(c.args[0], (tuple, list)) and isinstance(c.args[1], int):
+        # one output of a multi-output op (split, chunk, LSTM): its batch dim as it was
+        i = c.args[1]
+        b = c.in_batch[i] if -len(c.in_batch) <= i < len(c.in_batch) else None
     return Ruling("view", ParallelDims(output=_dims(c.out_shape, b)), b)
 
 

@@ -1,0 +1,326 @@
+"""The task graph of one training iteration: (graph, configuration per node, cluster)
+to tasks on devices and links.
+
+Per node ``n`` with configuration ``c`` (:class:`~flexsearch.search.space.Config`) a
+:class:`Fragment` holds:
+
+- a forward and a backward **compute task** per partition, on its device, costed by
+  :func:`~flexsearch.cost.compute.op_cost` for the partition's degrees;
+- for every input edge ``p -> n`` and every partition, the region of ``p``'s output it
+  needs (:func:`~flexsearch.graph.regions.input_region`), intersected with the
+  *tiles* ``p`` produced (a tile = one distinct output region and the devices holding
+  it). An overlap held on the partition's own device is a local dependency; otherwise
+  one **transfer** per (source, destination) pair carries the overlap's bytes over the
+  links of the path (the source: a holder on the same node if any, else spread over
+  the holders). Backward mirrors it: a tile held once gets its gradient pieces sent
+  back by every remote reader (the holder sums them); a tile replicated on several
+  devices gets an all-gather (readers took disjoint pieces) or an all-reduce (they
+  overlap) among holders and readers;
+- a reduce split leaves partial sums: an **all-reduce** of the output over each group
+  of ``t`` partitions follows the forward;
+- **gradient synchronisation**: an all-reduce of the node's (owned) parameter
+  gradients over each group of devices holding the same parameter shard;
+- memory terms: parameter shard, activations kept for the backward pass (outputs of
+  non-view ops and received inputs).
+
+Dependencies are symbolic keys resolved when fragments are assembled in program
+order (forward in topological order, backward in reverse, then the optimizer update):
+``("f", n, d)`` raw forward on device d, ``("F", n, d)`` output ready on d (after the
+partial-sum all-reduce), ``("b", n, d)`` backward, ``("G", n, d)`` the gradient of
+``n``'s output has arrived on d (several tasks).
+
+A fragment depends only on the node's configuration and its producers', so a
+simulator can keep fragments across changes (:mod:`flexsearch.sim.simulator`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flexsearch.cost import comm
+from flexsearch.cost.compute import FREE_KINDS, MeasuredCosts, Partition, op_cost
+from flexsearch.cost.efficiency import EfficiencyTable, load_efficiency
+from flexsearch.cost.hardware import Cluster
+from flexsearch.graph.opgraph import OpNode, dtype_size
+from flexsearch.graph.regions import Region, input_region, intersect, split_interval, volume
+from flexsearch.search.space import Config, is_source, sample_dim
+
+Key = tuple
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """One task: ``kind`` in fwd/bwd/xfer/coll/update; ``resources`` are device ids
+    (``< devices``) and link indexes (``devices + i``); ``deps`` symbolic keys;
+    ``defines`` the keys this task satisfies (``G`` keys accumulate)."""
+
+    kind: str
+    name: str
+    duration: float
+    resources: tuple[int, ...]
+    deps: tuple[Key, ...]
+    defines: tuple[Key, ...] = ()
+    nbytes: float = 0.0
+    detail: str = ""
+
+
+@dataclass
+class Fragment:
+    """The tasks and memory terms one node contributes (module docstring)."""
+
+    forward: list[Task] = field(default_factory=list)
+    backward: list[Task] = field(default_factory=list)
+    aliases: list[tuple[Key, Key]] = field(default_factory=list)  # ("F",n,d) -> ("f",n,d)
+    grad_local: list[tuple[Key, Key]] = field(default_factory=list)  # G key += b key
+    params: dict[int, float] = field(default_factory=dict)  # device -> parameter bytes
+    activations: dict[int, float] = field(default_factory=dict)  # device -> bytes kept
+    sync: list[tuple[int, Key]] = field(default_factory=list)  # (device, task key) before update
+
+
+class CostContext:
+    """What costing needs besides the graph: the cluster, measured op times (optional),
+    efficiency table (default: :func:`~flexsearch.cost.efficiency.load_efficiency`) and
+    a dtype override (``"tf32"`` for TF32 matmuls). Memoises op and collective costs."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        measured: MeasuredCosts | None = None,
+        efficiency: EfficiencyTable | None = None,
+        dtype: str | None = None,
+    ):
+        self.cluster = cluster
+        self.measured = measured
+        self.efficiency = efficiency if efficiency is not None else load_efficiency()
+        self.dtype = dtype
+        self.links = {link.id: cluster.devices + i for i, link in enumerate(cluster.links)}
+        self._ops: dict[tuple[str, Config], tuple[float, float]] = {}
+        self._colls: dict[tuple, comm.CommCost] = {}
+
+    def op_cost(self, node: OpNode, c: Config) -> tuple[float, float]:
+        """(forward, backward) seconds of one task of ``node`` under ``c``."""
+        key = (node.name, c.s, c.kind, c.t)
+        hit = self._ops.get(key)
+        if hit is None:
+            if node.kind in FREE_KINDS:
+                hit = (0.0, 0.0)
+            else:
+                cost = op_cost(node, self.cluster.device, partition_of(c), dtype=self.dtype,
+                               efficiency=self.efficiency, measured=self.measured)
+                hit = (cost.forward_s, cost.backward_s)
+            self._ops[key] = hit
+        return hit
+
+    def collective(self, op: str, group: tuple[int, ...], nbytes: float) -> comm.CommCost:
+        key = (op, group, nbytes)
+        hit = self._colls.get(key)
+        if hit is None:
+            hit = self._colls[key] = comm.collective(op, self.cluster, group, nbytes)
+        return hit
+
+
+def partition_of(c: Config) -> Partition:
+    """The cost model's degrees for one task of configuration ``c``."""
+    return Partition(
+        sample=c.s,
+        attribute=c.t if c.kind == "a" else 1,
+        parameter=c.t if c.kind == "p" else 1,
+        reduce=c.t if c.kind == "r" else 1,
+    )
+
+
+def out_region(node: OpNode, c: Config, i_s: int, i_t: int) -> Region:
+    """The region of ``node``'s first output computed by partition ``(i_s, i_t)``."""
+    shape = node.outputs[0].shape
+    reg = [(0, s) for s in shape]
+    if c.s > 1:
+        sd = sample_dim(node)
+        assert sd is not None
+        reg[sd] = split_interval(shape[sd], c.s, i_s)
+    if c.kind in ("a", "p"):
+        reg[c.dim] = split_interval(shape[c.dim], c.t, i_t)
+    return tuple(reg)
+
+
+def tasks_of(c: Config) -> list[tuple[int, int, int]]:
+    """``(i_s, i_t, device)`` for every partition of ``c``."""
+    return [(i, j, c.device(i, j)) for i in range(c.s) for j in range(c.t)]
+
+
+def tiles(node: OpNode, c: Config) -> dict[Region, list[int]]:
+    """Distinct output regions of ``node`` under ``c`` and the devices holding each
+    (after the partial-sum all-reduce, a reduce split holds full regions)."""
+    out: dict[Region, list[int]] = {}
+    for i, j, d in tasks_of(c):
+        out.setdefault(out_region(node, c, i, j), []).append(d)
+    return out
+
+
+def _link_resources(ctx: CostContext, links) -> tuple[int, ...]:
+    return tuple(sorted({ctx.links[link.id] for link in links}))
+
+
+def _collective(ctx: CostContext, op: str, group: list[int], nbytes: float, name: str,
+                deps: tuple[Key, ...], defines: tuple[Key, ...], detail: str) -> Task:
+    cost = ctx.collective(op, tuple(sorted(set(group))), nbytes)
+    res = _link_resources(ctx, [link for link, _ in cost.loads])
+    return Task("coll", name, cost.time_s, res, deps, defines, nbytes, f"{detail} {op}/{cost.algorithm}")
+
+
+def _transfer(ctx: CostContext, src: int, dst: int, nbytes: float, name: str,
+              deps: tuple[Key, ...], defines: tuple[Key, ...], detail: str) -> Task:
+    path = ctx.cluster.path(src, dst)
+    return Task(
+        "xfer", name, comm.p2p_time(ctx.cluster, src, dst, nbytes), _link_resources(ctx, path),
+        deps, defines, nbytes, f"{detail} d{src}->d{dst}",
+    )
+
+
+def edge_tasks(
+    node: OpNode, c: Config, k: int, p: OpNode, pc: Config, ctx: CostContext, frag: Fragment
+) -> tuple[list[Task], list[Task], dict[int, list[Key]]]:
+    """The tasks of edge ``p -> node`` (input ``k``): forward transfers, backward
+    gradient tasks, and per device of ``node`` the keys its forward waits for. Local
+    gradient contributions and received bytes are recorded on ``frag``."""
+    forward: list[Task] = []
+    backward: list[Task] = []
+    needs: dict[int, list[Key]] = {}
+    if is_source(p):
+        return forward, backward, needs
+    n = node.name
+    cl = ctx.cluster
+    parts = tasks_of(c)
+    esize = dtype_size(p.outputs[0].dtype)
+    ptiles = tiles(p, pc)
+    readers: dict[Region, list[tuple[int, int]]] = {}  # tile -> (reader device, volume)
+    for idx, (i, j, d) in enumerate(parts):
+        need = input_region(node, k, p.outputs[0].shape, out_region(node, c, i, j),
+                            (c.t, j) if c.kind == "r" else (1, 0))
+        wait = needs.setdefault(d, [])
+        incoming: dict[int, int] = {}
+        for region, holders in ptiles.items():
+            ov = intersect(need, region)
+            if ov is None:
+                continue
+            vol = volume(ov)
+            readers.setdefault(region, []).append((d, vol))
+            if d in holders:
+                wait.append(("F", p.name, d))
+                continue
+            same = [h for h in holders if cl.node_of(h) == cl.node_of(d)] or holders
+            h = same[idx % len(same)]
+            incoming[h] = incoming.get(h, 0) + vol
+        for h, vol in sorted(incoming.items()):
+            key = ("x", n, k, h, d)
+            nbytes = vol * esize
+            forward.append(_transfer(ctx, h, d, nbytes, n, (("F", p.name, h),), (key,),
+                                     f"{p.name}->{n}"))
+            wait.append(key)
+            frag.activations[d] = frag.activations.get(d, 0.0) + nbytes
+    # Backward: gradients of p's output back to its holders.
+    for region, rd in readers.items():
+        holders = ptiles[region]
+        rdev = sorted({d for d, _ in rd})
+        if len(holders) == 1:
+            h = holders[0]
+            for d in rdev:
+                if d == h:
+                    frag.grad_local.append((("G", p.name, h), ("b", n, d)))
+                else:
+                    vol = sum(v for dd, v in rd if dd == d)
+                    backward.append(_transfer(ctx, d, h, vol * esize, n, (("b", n, d),),
+                                              (("G", p.name, h),), f"grad {n}->{p.name}"))
+            continue
+        group = sorted(set(holders) | set(rdev))
+        if len(group) == 1:
+            frag.grad_local.append((("G", p.name, group[0]), ("b", n, group[0])))
+            continue
+        disjoint = sum(v for _, v in rd) <= volume(region)
+        backward.append(_collective(
+            ctx, "all_gather" if disjoint else "all_reduce", group, volume(region) * esize, n,
+            tuple(("b", n, d) for d in rdev), tuple(("G", p.name, h) for h in holders),
+            f"grad {n}->{p.name}"))
+    return forward, backward, needs
+
+
+def build_fragment(
+    node: OpNode,
+    c: Config,
+    producers: list[tuple[OpNode, Config]],
+    ctx: CostContext,
+) -> Fragment:
+    """The fragment of ``node`` under ``c``, given its inputs' nodes and configurations
+    (in ``node.inputs`` order)."""
+    frag = Fragment()
+    if is_source(node):
+        return frag
+    needs: dict[int, list[Key]] = {d: [] for _, _, d in tasks_of(c)}
+    grad_edges: list[Task] = []
+    for k, (p, pc) in enumerate(producers):
+        fwd, bwd, wait = edge_tasks(node, c, k, p, pc, ctx, frag)
+        frag.forward += fwd
+        grad_edges += bwd
+        for d, keys in wait.items():
+            needs[d] += keys
+    node_tasks(node, c, ctx, frag, needs, grad_edges)
+    return frag
+
+
+def node_tasks(
+    node: OpNode,
+    c: Config,
+    ctx: CostContext,
+    frag: Fragment,
+    needs: dict[int, list[Key]] | None = None,
+    grad_edges: list[Task] = (),
+) -> Fragment:
+    """Add the node's own tasks to ``frag``: compute, partial-sum all-reduce, gradient
+    synchronisation, and its memory terms."""
+    n = node.name
+    parts = tasks_of(c)
+    needs = needs or {}
+    cost = ctx.op_cost(node, c)
+    fwd_time, bwd_time = cost
+    out_bytes = node.output_bytes / (c.s * (c.t if c.kind in ("a", "p") else 1))
+    keeps = node.bytes_written > 0
+    for _, _, d in parts:
+        frag.forward.append(Task("fwd", n, fwd_time, (d,), tuple(needs.get(d, ())), (("f", n, d),),
+                                 detail=c.text))
+        if keeps:
+            frag.activations[d] = frag.activations.get(d, 0.0) + out_bytes
+
+    # Partial sums: all-reduce over each group of t partitions.
+    if c.kind == "r":
+        for i in range(c.s):
+            group = [c.device(i, j) for j in range(c.t)]
+            frag.forward.append(_collective(
+                ctx, "all_reduce", group, node.output_bytes / c.s, n,
+                tuple(("f", n, d) for d in group), tuple(("F", n, d) for d in group),
+                "partial sums"))
+    else:
+        frag.aliases.extend((("F", n, d), ("f", n, d)) for _, _, d in parts)
+
+    # Backward compute, input gradients, then gradient synchronisation of owned parameters.
+    frag.backward = [
+        Task("bwd", n, bwd_time, (d,), (("f", n, d), ("G", n, d)), (("b", n, d),), detail=c.text)
+        for _, _, d in parts
+    ]
+    frag.backward += grad_edges  # input gradients first: they are on the critical path
+    if node.param_bytes:
+        sharded = c.kind in ("p", "r")
+        shard = node.param_bytes / (c.t if sharded else 1)
+        for _, _, d in parts:
+            frag.params[d] = frag.params.get(d, 0.0) + shard
+        groups = (
+            [[c.device(i, j) for i in range(c.s)] for j in range(c.t)] if sharded else [list(c.devices)]
+        )
+        for g_i, group in enumerate(groups):
+            if len(group) == 1:
+                frag.sync.append((group[0], ("b", n, group[0])))
+                continue
+            key = ("s", n, g_i)
+            frag.backward.append(_collective(
+                ctx, "all_reduce", group, shard, n, tuple(("b", n, d) for d in group), (key,),
+                "gradients"))
+            frag.sync.extend((d, key) for d in group)
+    return frag

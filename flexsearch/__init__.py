@@ -1,9 +1,10 @@
 """flexsearch: find the fastest way to train a PyTorch model on many devices.
 
-Public API (DESIGN section 1): :func:`load_model`, :func:`trace`, :class:`Cluster`, and
-the error types.
+Public API (DESIGN section 1): :func:`load_model`, :func:`trace`, :class:`Cluster`,
+:func:`plan`, :func:`simulate`, :class:`Plan`, and the error types.
 """
 
+from flexsearch.api import plan, simulate
 from flexsearch.cost.hardware import Cluster
 from flexsearch.errors import (
     ClusterSpecError,
@@ -17,6 +18,8 @@ from flexsearch.errors import (
 )
 from flexsearch.graph import OpGraph, OpNode, trace
 from flexsearch.model_files import load_model
+from flexsearch.plan import Plan
+from flexsearch.sim.simulator import Simulation
 
 __version__ = "0.1.0"
 
@@ -28,10 +31,14 @@ __all__ = [
     "ModelLoadError",
     "OpGraph",
     "OpNode",
+    "Plan",
     "PlanFileError",
     "ProfileError",
+    "Simulation",
     "TraceError",
     "UnsupportedOpError",
     "load_model",
+    "plan",
+    "simulate",
     "trace",
 ]

@@ -1,0 +1,90 @@
+"""The public pipeline: model -> OpGraph -> searches -> Plan, and plan -> Simulation.
+
+:func:`plan` traces the model (fake tensors, no real memory), loads the cluster
+(``Cluster.preset(name, devices)`` or a cluster file) and runs the planner
+(:mod:`flexsearch.search.planner`). :func:`simulate` re-predicts a saved plan.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Literal
+
+from torch import nn
+
+from flexsearch.cost.hardware import Cluster
+from flexsearch.errors import ClusterSpecError, FlexsearchError, PlanFileError
+from flexsearch.graph.opgraph import OpGraph
+from flexsearch.graph.tracer import trace
+from flexsearch.plan import Plan
+from flexsearch.search.space import Space
+from flexsearch.sim.simulator import Simulation, Simulator
+
+DEFAULT_CLUSTER = "dgx-h100"
+
+
+def resolve_cluster(cluster: str | os.PathLike[str] | Cluster | None, devices: int) -> Cluster:
+    """A :class:`Cluster` of ``devices`` devices from a preset name, a file, or a
+    Cluster (default: the ``dgx-h100`` preset)."""
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ClusterSpecError(f"devices must be a positive integer (got {devices!r}); pass e.g. devices=8")
+    if isinstance(cluster, Cluster):
+        if cluster.devices != devices:
+            return Cluster.from_spec(cluster.spec, devices)
+        return cluster
+    return Cluster.resolve(cluster if cluster is not None else DEFAULT_CLUSTER, devices)
+
+
+def plan(
+    model: nn.Module,
+    example_inputs: tuple,
+    *,
+    devices: int,
+    cluster: str | os.PathLike[str] | Cluster | None = None,
+    budget_s: float | None = None,
+    max_iters: int | None = None,
+    seed: int = 0,
+    objective: Literal["iteration", "time_to_accuracy"] = "iteration",
+    optimizer: Literal["adam", "momentum", "sgd"] = "adam",
+    progress: Callable[[int, float], None] | None = None,
+) -> Plan:
+    """Search every plan kind for ``model`` on ``devices`` devices of ``cluster`` and
+    return the fastest that fits in memory.
+
+    Budgets: ``max_iters`` (reproducible: same seed, same plan) or ``budget_s``
+    (seconds); neither means the default iteration budget. ``objective`` is accepted
+    for the decentralized plans; for synchronous plans (data, SOAP) iterations to
+    accuracy equal plain SGD's, so both objectives rank them by iteration time."""
+    if objective not in ("iteration", "time_to_accuracy"):
+        raise FlexsearchError(f"unknown objective {objective!r}; use 'iteration' or 'time_to_accuracy'")
+    if max_iters is not None and (isinstance(max_iters, bool) or max_iters < 0):
+        raise FlexsearchError(f"max_iters must be >= 0 (got {max_iters!r})")
+    if budget_s is not None and not budget_s > 0:
+        raise FlexsearchError(f"budget_s must be > 0 seconds (got {budget_s!r})")
+    from flexsearch.search.planner import plan_graph
+
+    cl = resolve_cluster(cluster, devices)
+    graph = trace(model, example_inputs)
+    return plan_graph(graph, cl, budget_s=budget_s, max_iters=max_iters, seed=seed,
+                      optimizer=optimizer, objective=objective, progress=progress)
+
+
+def simulate(graph: OpGraph, plan: Plan, cluster: str | os.PathLike[str] | Cluster | None = None) -> Simulation:
+    """Predict one iteration of ``plan`` for ``graph`` (made for it: checked) on
+    ``cluster`` (default: the cluster embedded in the plan)."""
+    plan.check_graph(graph)
+    if cluster is None:
+        cl = Cluster.from_spec(plan.cluster, plan.devices)
+    else:
+        cl = resolve_cluster(cluster, plan.devices)
+    configs = plan.node_configs()
+    space = Space(graph, cl.devices)
+    missing = [n.name for n in graph.nodes if n.name not in configs]
+    if missing:
+        raise PlanFileError(f"the plan has no configuration for {missing[0]}; plan this model again")
+    try:
+        space.check({k: configs[k] for k in plan.decisions})
+    except ValueError as e:
+        raise PlanFileError(f"the plan does not fit this cluster: {e}; plan again") from None
+    return Simulator(graph, cl, optimizer=plan.optimizer).simulate(configs)  # type: ignore[arg-type]

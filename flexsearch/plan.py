@@ -1,0 +1,170 @@
+"""A plan: the strategy the planner chose, its prediction, and what it was made for.
+
+Plans are frozen pydantic values saved as versioned JSON (:meth:`Plan.save`,
+:meth:`Plan.load`). A plan embeds the cluster spec it was planned on, so loading and
+re-simulating it needs neither the cluster file nor a GPU, and the fingerprint of the
+model graph, so using it with another model is a clear error (:meth:`Plan.check_graph`).
+Search timing is kept off the file (``search_time_s`` is a runtime attribute): the same
+seed and ``max_iters`` give the same file, byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+
+from flexsearch.cost.hardware import ClusterSpec
+from flexsearch.errors import PlanFileError
+from flexsearch.graph.opgraph import OpGraph
+from flexsearch.search.space import Config, parse_config
+
+PLAN_VERSION = 1
+PlanKind = Literal["data", "soap", "pipeline", "hybrid", "decentralized"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Predicted(_Frozen):
+    """The simulator's prediction for one iteration."""
+
+    iteration_time_s: float
+    peak_memory_bytes: float
+    memory_bytes: tuple[float, ...] = ()
+    """Per device."""
+    compute_s: tuple[float, ...] = ()
+    """Busy compute time per device."""
+
+
+class Stage(_Frozen):
+    """One pipeline stage (pipeline and hybrid plans)."""
+
+    nodes: tuple[str, ...]
+    devices: tuple[int, ...]
+    replicas: int = 1
+
+
+class SearchInfo(_Frozen):
+    """How the plan was searched (no timings: they are not reproducible)."""
+
+    seed: int = 0
+    max_iters: int | None = None
+    budget_s: float | None = None
+    iterations: int = 0
+    ilp: str = "skipped"
+    """ILP status: optimal, feasible, infeasible, or why it was skipped."""
+
+
+class Plan(_Frozen):
+    """A parallelization plan (DESIGN section 1)."""
+
+    version: int = PLAN_VERSION
+    model: str
+    graph_fingerprint: str
+    kind: PlanKind
+    devices: int = Field(ge=1)
+    cluster: ClusterSpec
+    optimizer: str = "adam"
+    objective: Literal["iteration", "time_to_accuracy"] = "iteration"
+    predicted: Predicted
+    lower_bound_s: float
+    baselines: dict[str, float]
+    """Baseline name -> predicted iteration time (s); only baselines that fit in memory."""
+    infeasible_baselines: tuple[str, ...] = ()
+    """Baselines that do not fit in memory."""
+    decisions: dict[str, str] = {}
+    """Decision unit (its first node) -> configuration text."""
+    configs: dict[str, str] = {}
+    """Every node -> configuration text (decisions expanded to followers)."""
+    stages: tuple[Stage, ...] = ()
+    schedule: str | None = None
+    microbatches: int | None = None
+    topology: str | None = None
+    spectral_gap: float | None = None
+    search: SearchInfo = SearchInfo()
+
+    _search_time_s: float | None = PrivateAttr(default=None)
+
+    @property
+    def search_time_s(self) -> float | None:
+        """Wall time of the search that made this plan (not saved)."""
+        return self._search_time_s
+
+    def with_search_time(self, seconds: float) -> Plan:
+        self._search_time_s = seconds
+        return self
+
+    @property
+    def speedup_over_data(self) -> float | None:
+        dp = self.baselines.get("data")
+        return dp / self.predicted.iteration_time_s if dp else None
+
+    def node_configs(self) -> dict[str, Config]:
+        return {k: parse_config(v) for k, v in self.configs.items()}
+
+    def decision_configs(self) -> dict[str, Config]:
+        return {k: parse_config(v) for k, v in self.decisions.items()}
+
+    def check_graph(self, graph: OpGraph) -> None:
+        """Raise PlanFileError unless this plan was made for ``graph``."""
+        if graph.fingerprint != self.graph_fingerprint:
+            raise PlanFileError(
+                f"this plan was made for model {self.model!r} (graph {self.graph_fingerprint}), "
+                f"not for {graph.model!r} (graph {graph.fingerprint}); plan this model with "
+                "`flexsearch plan`"
+            )
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2) + "\n"
+
+    def save(self, path: str | os.PathLike[str], *, overwrite: bool = True) -> None:
+        p = Path(path)
+        if p.exists() and not overwrite:
+            raise PlanFileError(f"{p} exists; choose another --out path or remove it first")
+        p.write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except FileNotFoundError:
+            raise PlanFileError(f"plan file {p} does not exist; write one with `flexsearch plan ... --out {p}`") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise PlanFileError(f"cannot read plan file {p}: {e}") from None
+        return cls.from_json(text, where=str(p))
+
+    @classmethod
+    def from_json(cls, text: str, *, where: str = "plan") -> Plan:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanFileError(
+                f"{where} is not valid JSON (line {e.lineno}: {e.msg}); it is damaged, plan again"
+            ) from None
+        if not isinstance(raw, dict) or "version" not in raw:
+            raise PlanFileError(f"{where} is not a flexsearch plan (no version field)")
+        v = raw["version"]
+        if not isinstance(v, int) or v > PLAN_VERSION:
+            raise PlanFileError(
+                f"{where} has plan version {v!r}, newer than this flexsearch reads "
+                f"({PLAN_VERSION}); upgrade flexsearch"
+            )
+        try:
+            plan = cls.model_validate(raw)
+        except ValidationError as e:
+            err = e.errors()[0]
+            loc = ".".join(str(x) for x in err["loc"])
+            raise PlanFileError(f"{where} is damaged: {loc}: {err['msg']}; plan again") from None
+        for table in (plan.decisions, plan.configs):
+            for name, text_ in table.items():
+                try:
+                    parse_config(text_)
+                except ValueError as e:
+                    raise PlanFileError(f"{where} is damaged: {name}: {e}") from None
+        return plan

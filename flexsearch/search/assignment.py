@@ -1,0 +1,143 @@
+"""The SOAP search as an assignment problem for the exact solver (Alpa-style ILP).
+
+Each decision unit ``u`` picks one candidate from its configurations that use all
+devices (the ILP does not place ops on device subsets; the MCMC does). Every node's
+cost is charged to the unit that decides its layout (its *owner*: itself, or for a
+follower the owner of the input it follows). With ``a`` the owner's candidate:
+
+- node term ``T_u(a)``: for every node the unit owns, one task's forward + backward
+  compute, its partial-sum all-reduce and its gradient all-reduces, plus the
+  transfers of edges between nodes of the same unit;
+- edge term ``E_uv(a, b)``: for every graph edge from a node owned by ``v`` to a node
+  owned by ``u``, the time of its transfers and gradient collectives run alone (the
+  busiest link's total);
+- memory ``M_u(a)[d]``: parameters, gradients, optimizer state and activations the
+  unit's nodes keep on device ``d`` (inputs received from other devices are not
+  counted: the simulator checks the returned plan in full).
+
+The objective ``sum T + sum E`` is the iteration's time with nothing overlapped; the
+solution seeds the MCMC, which optimises the simulated (overlapped) time.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from flexsearch.search.ilp import AssignmentProblem, AssignmentResult, solve_assignment
+from flexsearch.search.space import Config, Space, follow, is_source
+from flexsearch.sim.simulator import OPTIMIZER_STATE
+from flexsearch.sim.taskgraph import CostContext, Fragment, Task, edge_tasks, node_tasks
+
+
+def _alone(tasks: list[Task]) -> float:
+    """Time of independent tasks run alone: the busiest resource's total."""
+    load: dict[int, float] = defaultdict(float)
+    for t in tasks:
+        for r in t.resources:
+            load[r] += t.duration
+    return max(load.values(), default=0.0)
+
+
+class AssignmentBuilder:
+    """Builds the :class:`AssignmentProblem` of a space (module docstring)."""
+
+    def __init__(self, space: Space, ctx: CostContext, optimizer: str = "adam"):
+        self.space = space
+        self.ctx = ctx
+        self.state = 2 + OPTIMIZER_STATE[optimizer]
+        g = space.graph
+        self.units = space.units
+        self.cands = [space.candidates(u, full_block_only=True) for u in self.units]
+        unit_of = {nm: i for i, u in enumerate(self.units) for nm in u.nodes}
+        self.owner: dict[str, int] = {}
+        self.carrier: dict[str, str] = {}
+        for n in g.nodes:
+            if n.name in unit_of:
+                self.owner[n.name] = unit_of[n.name]
+            elif not is_source(n):
+                c = next(i for i in n.inputs if not is_source(g.node(i)))
+                self.carrier[n.name] = c
+                self.owner[n.name] = self.owner[c]
+        self.owned: dict[int, list[str]] = defaultdict(list)
+        for n in g.nodes:
+            if n.name in self.owner:
+                self.owned[self.owner[n.name]].append(n.name)
+        self._edge_memo: dict[tuple, float] = {}
+
+    def configs(self, u: int, a: Config) -> dict[str, Config]:
+        """Configurations of every node unit ``u`` owns when it takes ``a``."""
+        g = self.space.graph
+        out: dict[str, Config] = {}
+        for nm in self.owned[u]:
+            if nm in self.carrier:
+                c = self.carrier[nm]
+                out[nm] = follow(g, g.node(nm), g.node(c), out[c], self.space.devices)
+            else:
+                out[nm] = a
+        return out
+
+    def _edge(self, x: str, k: int, cx: Config, y: str, cy: Config) -> float:
+        g = self.space.graph
+        xn, yn = g.node(x), g.node(y)
+        key = (xn.signature, xn.outputs[0].shape, xn.kind, k, cx, yn.signature,
+               yn.outputs[0].shape, yn.kind, cy)
+        hit = self._edge_memo.get(key)
+        if hit is None:
+            fwd, bwd, _ = edge_tasks(xn, cx, k, yn, cy, self.ctx, Fragment())
+            hit = self._edge_memo[key] = _alone(fwd) + _alone(bwd)
+        return hit
+
+    def problem(self) -> AssignmentProblem:
+        g = self.space.graph
+        devices = self.space.devices
+        per_unit = [[self.configs(u, a) for a in self.cands[u]] for u in range(len(self.units))]
+        node_costs, memory = [], []
+        for u in range(len(self.units)):
+            costs, mems = [], []
+            for cfg in per_unit[u]:
+                total = 0.0
+                mem = [0.0] * devices
+                for nm in self.owned[u]:
+                    node = g.node(nm)
+                    frag = node_tasks(node, cfg[nm], self.ctx, Fragment())
+                    fwd, bwd = self.ctx.op_cost(node, cfg[nm])
+                    total += fwd + bwd
+                    total += sum(t.duration for t in frag.forward + frag.backward if t.kind == "coll")
+                    for d, b in frag.params.items():
+                        mem[d] += self.state * b
+                    for d, b in frag.activations.items():
+                        mem[d] += b
+                    for k, p in enumerate(node.inputs):
+                        if self.owner.get(p) == u:
+                            total += self._edge(nm, k, cfg[nm], p, cfg[p])
+                costs.append(total)
+                mems.append(tuple(mem))
+            node_costs.append(tuple(costs))
+            memory.append(tuple(mems))
+        edges: dict[tuple[int, int], list[list[float]]] = {}
+        for n in g.nodes:
+            u = self.owner.get(n.name)
+            if u is None:
+                continue
+            for k, p in enumerate(n.inputs):
+                v = self.owner.get(p)
+                if v is None or v == u:
+                    continue
+                mat = edges.setdefault((v, u), [[0.0] * len(self.cands[u]) for _ in self.cands[v]])
+                for b, cv in enumerate(per_unit[v]):
+                    for a, cu in enumerate(per_unit[u]):
+                        mat[b][a] += self._edge(n.name, k, cu[n.name], p, cv[p])
+        cap = self.ctx.cluster.device.memory_capacity.value
+        return AssignmentProblem(
+            node_costs=tuple(node_costs),
+            edges=tuple((v, u, tuple(map(tuple, m))) for (v, u), m in edges.items()),
+            memory=tuple(memory),
+            capacity=(cap,) * devices,
+        )
+
+    def solve(self, *, time_limit_s: float = 10.0, seed: int = 0) -> tuple[dict[str, Config] | None, AssignmentResult]:
+        """Solve; return the decisions (None when nothing fits) and the solver result."""
+        res = solve_assignment(self.problem(), time_limit_s=time_limit_s, seed=seed)
+        if not res.choice:
+            return None, res
+        return {u.name: self.cands[i][a] for i, (u, a) in enumerate(zip(self.units, res.choice, strict=True))}, res

@@ -1,0 +1,118 @@
+"""Baseline strategies, simulated by the same simulator as every searched plan.
+
+- ``data``: every decision op data parallel over all devices (the largest legal
+  sample split, replicated on the rest; :meth:`Space.data_parallel`).
+- ``megatron`` (models with attention or repeated blocks holding Linears): tensor
+  parallel of degree ``t`` inside a node times data parallel ``N / t``. In each block
+  the Linears alternate column-parallel (parameter split of the out features) and
+  row-parallel (reduce split of the in features, one all-reduce after), attention is
+  split by heads, embeddings vocab-parallel, Linears outside blocks column-parallel,
+  everything else replicated on the tensor-parallel group. :func:`megatron` returns
+  one strategy per ``t`` in 2, 4, ... up to the devices of a node; the planner keeps
+  the fastest.
+- ``expert`` (CNNs, FlexFlow's expert plan after Krizhevsky's "one weird trick"): data
+  parallel everywhere except the fully-connected layers after the convolutions, which
+  are parameter-parallel over all devices.
+
+A baseline configuration that is not legal for some op (a dim that does not divide)
+falls back to the replicated form of the same mesh, then to data parallel.
+"""
+
+from __future__ import annotations
+
+from flexsearch.search.space import Config, Space, Unit, legal
+
+
+def data_parallel(space: Space) -> dict[str, Config]:
+    return {u.name: space.data_parallel(u) for u in space.units}
+
+
+def _fits(space: Space, unit: Unit, c: Config) -> bool:
+    return all(legal(space.graph.node(n), c, space.devices) for n in unit.nodes)
+
+
+def _pick(space: Space, unit: Unit, *options: Config) -> Config:
+    for c in options:
+        if _fits(space, unit, c):
+            return c
+    return space.data_parallel(unit)
+
+
+def _last_dim(space: Space, unit: Unit) -> int:
+    return len(space.graph.node(unit.name).outputs[0].shape) - 1
+
+
+def is_transformer(space: Space) -> bool:
+    g = space.graph
+    return any(n.kind == "attention" for n in g.nodes) or any(
+        any(g.node(nm).kind == "linear" for nm in b.instances[0]) for b in g.blocks
+    )
+
+
+def is_cnn(space: Space) -> bool:
+    return any(n.kind == "conv" for n in space.graph.nodes)
+
+
+def megatron(space: Space, t: int) -> dict[str, Config]:
+    """Megatron-style tensor parallel of degree ``t`` times data parallel (docstring)."""
+    n = space.devices
+    s = n // t
+    rep = Config(s, "x", t)
+    g = space.graph
+    # column/row alternation by a Linear's order among the Linears of its block
+    order: dict[str, int] = {}
+    for b in g.blocks:
+        linears = [nm for nm in b.instances[0] if g.node(nm).kind == "linear"]
+        for i, nm in enumerate(linears):
+            order[nm] = i
+    out: dict[str, Config] = {}
+    for u in space.units:
+        node = g.node(u.name)
+        last = _last_dim(space, u)
+        if node.kind == "linear":
+            col = Config(s, "p", t, last)
+            row = Config(s, "r", t, 0)
+            first, second = (col, row) if order.get(u.name, 0) % 2 == 0 else (row, col)
+            out[u.name] = _pick(space, u, first, second, rep)
+        elif node.kind == "attention":
+            out[u.name] = _pick(space, u, Config(s, "a", t, 1), rep)
+        elif node.kind == "embedding":
+            out[u.name] = _pick(space, u, Config(s, "r", t, 0), Config(s, "p", t, last), rep)
+        else:
+            out[u.name] = _pick(space, u, rep)
+    return out
+
+
+def megatron_degrees(space: Space, devices_per_node: int) -> list[int]:
+    """Tensor-parallel degrees to try: powers of two from 2 up to a node's devices."""
+    out, t = [], 2
+    while t <= min(devices_per_node, space.devices):
+        if space.devices % t == 0:
+            out.append(t)
+        t *= 2
+    return out
+
+
+def expert(space: Space) -> dict[str, Config]:
+    """FlexFlow's expert plan for CNNs: data parallel, with the fully-connected layers
+    that come after the last convolution parameter-parallel over all devices."""
+    g = space.graph
+    last_conv = max((i for i, nd in enumerate(g.nodes) if nd.kind == "conv"), default=-1)
+    after = {nd.name for nd in g.nodes[last_conv + 1:]}
+    out = data_parallel(space)
+    for u in space.units:
+        node = g.node(u.name)
+        if node.kind == "linear" and u.name in after:
+            out[u.name] = _pick(space, u, Config(1, "p", space.devices, _last_dim(space, u)))
+    return out
+
+
+def baselines(space: Space, devices_per_node: int) -> dict[str, dict[str, Config]]:
+    """Every applicable baseline, by name (``megatron-t{t}`` per degree)."""
+    out = {"data": data_parallel(space)}
+    if is_transformer(space):
+        for t in megatron_degrees(space, devices_per_node):
+            out[f"megatron-t{t}"] = megatron(space, t)
+    if is_cnn(space):
+        out["expert"] = expert(space)
+    return out

@@ -1,0 +1,138 @@
+"""FlexFlow's MCMC search over SOAP decisions (Metropolis-Hastings).
+
+State: a configuration per decision unit (:class:`~flexsearch.search.space.Space`).
+Cost: the simulated iteration time; a plan that does not fit in memory costs
+``time * (1 + 10 * overflow)`` with ``overflow = peak / capacity - 1``, so the chain can
+cross infeasible states but the best kept is always the best *feasible* one.
+
+One step: pick a unit uniformly at random, give it a random other candidate
+configuration (with probability ``span_p`` the same configuration also goes to the next
+1-3 units in program order where legal: a layer and the ops right after it usually
+want the same layout, and one-op moves cannot cross the resharding valley between
+two layouts), simulate (delta simulation: only the changed fragments are rebuilt),
+accept with probability ``min(1, exp(-beta * (cost* - cost) / cost))`` (FlexFlow's
+``exp(beta (cost(S) - cost(S*)))`` with the difference taken relative to the current
+cost, so ``beta`` does not depend on the model's time scale; an improvement is always
+accepted). Every ``restart`` steps without a new best the chain restarts from the best.
+It stops after ``max_iters`` steps, after ``budget_s`` seconds, or, FlexFlow's rule,
+when no better plan was found in the last half of the search (after ``min_iters``).
+
+All randomness comes from ``random.Random(seed)``: with ``max_iters`` (and no
+``budget_s``) a run is reproducible.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from flexsearch.search.space import Config, Space
+from flexsearch.sim.simulator import Simulation, Simulator
+
+
+def cost_of(sim: Simulation) -> float:
+    """The search's objective: iteration time, penalised when memory overflows."""
+    overflow = sim.peak_memory_bytes / sim.capacity_bytes - 1
+    if overflow <= 0:
+        return sim.iteration_time_s
+    return sim.iteration_time_s * (1 + 10 * overflow)
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """Best feasible decisions found (None when nothing feasible was seen), their
+    simulation, and search statistics."""
+
+    decisions: dict[str, Config] | None
+    simulation: Simulation | None
+    iterations: int
+    accepted: int
+    improvements: tuple[tuple[int, float, float], ...]  # (iteration, seconds, best time)
+    elapsed_s: float
+
+
+def mcmc(
+    space: Space,
+    simulator: Simulator,
+    seeds: Sequence[Mapping[str, Config]],
+    *,
+    max_iters: int | None = None,
+    budget_s: float | None = None,
+    seed: int = 0,
+    beta: float = 50.0,
+    restart: int = 200,
+    min_iters: int = 200,
+    early_stop: bool = True,
+    span_p: float = 0.3,
+    progress: Callable[[int, float], None] | None = None,
+) -> SearchResult:
+    """Run the chain from the best of ``seeds`` (module docstring)."""
+    if max_iters is None and budget_s is None:
+        raise ValueError("give max_iters or budget_s")
+    rng = random.Random(seed)
+    t0 = time.perf_counter()
+    units = [u for u in space.units if len(space.candidates(u)) > 1]
+    cands = {u.name: space.candidates(u) for u in units}
+    cand_sets = {k: frozenset(v) for k, v in cands.items()}
+
+    def run(dec: Mapping[str, Config]) -> Simulation:
+        return simulator.simulate(space.expand(dec), timeline=False)
+
+    best_dec: dict[str, Config] | None = None
+    best_sim: Simulation | None = None
+    cur_dec: dict[str, Config] = {}
+    cur_cost = math.inf
+    improvements: list[tuple[int, float, float]] = []
+    for s in seeds:
+        sim = run(s)
+        c = cost_of(sim)
+        if c < cur_cost:
+            cur_dec, cur_cost = dict(s), c
+        if sim.feasible and (best_sim is None or sim.iteration_time_s < best_sim.iteration_time_s):
+            best_dec, best_sim = dict(s), sim
+    if best_sim is not None:
+        improvements.append((0, time.perf_counter() - t0, best_sim.iteration_time_s))
+
+    it = accepted = 0
+    last_best = 0
+    while units:
+        if max_iters is not None and it >= max_iters:
+            break
+        if budget_s is not None and time.perf_counter() - t0 >= budget_s:
+            break
+        if early_stop and it >= min_iters and it - last_best > it / 2:
+            break
+        it += 1
+        ui = rng.randrange(len(units))
+        u = units[ui]
+        options = cands[u.name]
+        old = cur_dec.get(u.name, Config())
+        new = options[rng.randrange(len(options))]
+        if new == old:
+            new = options[(options.index(new) + 1) % len(options)]
+        prop = dict(cur_dec)
+        prop[u.name] = new
+        if rng.random() < span_p:
+            for v in units[ui + 1: ui + 1 + rng.randint(1, 3)]:
+                if new in cand_sets[v.name]:
+                    prop[v.name] = new
+        sim = run(prop)
+        c = cost_of(sim)
+        if c <= cur_cost or rng.random() < math.exp(-beta * (c - cur_cost) / cur_cost):
+            cur_dec, cur_cost = prop, c
+            accepted += 1
+        if sim.feasible and (best_sim is None or sim.iteration_time_s < best_sim.iteration_time_s):
+            best_dec, best_sim = prop, sim
+            last_best = it
+            improvements.append((it, time.perf_counter() - t0, sim.iteration_time_s))
+        elif restart and best_dec is not None and (it - last_best) % restart == 0:
+            cur_dec, cur_cost = dict(best_dec), cost_of(best_sim)
+        if progress is not None:
+            progress(it, best_sim.iteration_time_s if best_sim else math.inf)
+    if best_dec is not None:
+        best_sim = simulator.simulate(space.expand(best_dec))  # with the timeline
+    return SearchResult(best_dec, best_sim, it, accepted, tuple(improvements),
+                        time.perf_counter() - t0)

@@ -1,0 +1,136 @@
+"""The planner: runs every search over one graph and cluster and keeps the best plan
+that fits in memory.
+
+1. Baselines (:mod:`.baselines`): data parallel, Megatron-style (best tensor degree),
+   FlexFlow's expert plan, each simulated by the same simulator.
+2. The lower bound: the single-device iteration time (memory ignored) divided by N.
+3. The exact ILP (:mod:`.assignment`) over all-device configurations, when the graph
+   has at most ``ilp_max_units`` decision units after clustering repeated blocks.
+4. MCMC (:mod:`.mcmc`) seeded with the baselines and the ILP solution.
+
+The returned plan is the best feasible state seen, so it is never slower than a
+baseline that fits. Nothing fitting raises :class:`~flexsearch.errors.InfeasiblePlanError`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from flexsearch.cost.compute import MeasuredCosts
+from flexsearch.cost.hardware import Cluster
+from flexsearch.errors import InfeasiblePlanError
+from flexsearch.graph.opgraph import OpGraph
+from flexsearch.plan import Plan, Predicted, SearchInfo
+from flexsearch.search import baselines as bl
+from flexsearch.search.assignment import AssignmentBuilder
+from flexsearch.search.mcmc import mcmc
+from flexsearch.search.space import Config, Space
+from flexsearch.sim.simulator import Simulation, Simulator
+
+DEFAULT_MAX_ITERS = 2000
+
+
+@dataclass(frozen=True)
+class BaselineRun:
+    name: str
+    decisions: dict[str, Config]
+    simulation: Simulation
+
+
+def lower_bound(graph: OpGraph, cluster: Cluster, **sim_kw) -> float:
+    """Single-device iteration time (memory ignored) divided by the device count."""
+    one = Cluster.from_spec(cluster.spec, 1)
+    space = Space(graph, 1)
+    sim = Simulator(graph, one, **sim_kw).simulate(space.expand({}), timeline=False)
+    return sim.iteration_time_s / cluster.devices
+
+
+def run_baselines(space: Space, sim: Simulator, devices_per_node: int) -> dict[str, BaselineRun]:
+    """Simulate every baseline; Megatron degrees collapse into the best one."""
+    out: dict[str, BaselineRun] = {}
+    for name, dec in bl.baselines(space, devices_per_node).items():
+        run = BaselineRun(name, dec, sim.simulate(space.expand(dec), timeline=False))
+        key = "megatron" if name.startswith("megatron") else name
+        prev = out.get(key)
+        if prev is None or _better(run.simulation, prev.simulation):
+            out[key] = BaselineRun(key, dec, run.simulation)
+    return out
+
+
+def _better(a: Simulation, b: Simulation) -> bool:
+    return (a.feasible, -a.iteration_time_s) > (b.feasible, -b.iteration_time_s)
+
+
+def plan_graph(
+    graph: OpGraph,
+    cluster: Cluster,
+    *,
+    budget_s: float | None = None,
+    max_iters: int | None = None,
+    seed: int = 0,
+    optimizer: str = "adam",
+    objective: str = "iteration",
+    measured: MeasuredCosts | None = None,
+    ilp_max_units: int = 64,
+    ilp_time_limit_s: float = 10.0,
+    progress: Callable[[int, float], None] | None = None,
+) -> Plan:
+    """Search SOAP plans for ``graph`` on ``cluster`` (module docstring)."""
+    t0 = time.perf_counter()
+    if max_iters is None and budget_s is None:
+        max_iters = DEFAULT_MAX_ITERS
+    space = Space(graph, cluster.devices)
+    sim = Simulator(graph, cluster, optimizer=optimizer, measured=measured)
+    base = run_baselines(space, sim, cluster.devices_per_node)
+    seeds = [b.decisions for b in base.values()]
+
+    ilp_status = f"skipped: {len(space.units)} decision units > {ilp_max_units}"
+    if len(space.units) <= ilp_max_units:
+        limit = ilp_time_limit_s if budget_s is None else min(ilp_time_limit_s, budget_s / 4)
+        builder = AssignmentBuilder(space, sim.ctx, optimizer)
+        dec, res = builder.solve(time_limit_s=limit, seed=seed)
+        ilp_status = res.status
+        if dec is not None:
+            seeds.append(dec)
+
+    remaining = None if budget_s is None else max(0.0, budget_s - (time.perf_counter() - t0))
+    result = mcmc(space, sim, seeds, max_iters=max_iters, budget_s=remaining, seed=seed,
+                  progress=progress)
+    if result.decisions is None:
+        best = min(base.values(), key=lambda b: b.simulation.peak_memory_bytes)
+        cap = best.simulation.capacity_bytes
+        raise InfeasiblePlanError(
+            f"no plan fits in {cap / 2**30:.1f} GiB per device on {cluster.devices} x "
+            f"{cluster.device.name} (the leanest baseline, {best.name}, needs "
+            f"{best.simulation.peak_memory_bytes / 2**30:.1f} GiB); use more devices, a "
+            "smaller batch, or a cluster with more memory"
+        )
+    s = result.simulation
+    assert s is not None
+    configs = space.expand(result.decisions)
+    kind = "data" if result.decisions == base["data"].decisions else "soap"
+    plan = Plan(
+        model=graph.model,
+        graph_fingerprint=graph.fingerprint,
+        kind=kind,
+        devices=cluster.devices,
+        cluster=cluster.spec,
+        optimizer=optimizer,
+        objective=objective,  # type: ignore[arg-type]
+        predicted=Predicted(
+            iteration_time_s=s.iteration_time_s,
+            peak_memory_bytes=s.peak_memory_bytes,
+            memory_bytes=s.memory_bytes,
+            compute_s=s.compute_s,
+        ),
+        lower_bound_s=lower_bound(graph, cluster, optimizer=optimizer, measured=measured),
+        baselines={k: b.simulation.iteration_time_s for k, b in base.items() if b.simulation.feasible},
+        infeasible_baselines=tuple(k for k, b in base.items() if not b.simulation.feasible),
+        decisions={k: v.text for k, v in result.decisions.items()},
+        configs={k: v.text for k, v in configs.items()},
+        search=SearchInfo(seed=seed, max_iters=max_iters, budget_s=budget_s,
+                          iterations=result.iterations, ilp=ilp_status),
+    )
+    return plan.with_search_time(time.perf_counter() - t0)

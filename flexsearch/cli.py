@@ -174,6 +174,181 @@ def cluster(
     stdout.print(table)
 
 
+def _refuse_overwrite(path: str | None, force: bool, flag: str) -> None:
+    from pathlib import Path
+
+    if path is not None and Path(path).exists() and not force:
+        raise FlexsearchError(f"{path} exists; pass --force to overwrite it or choose another {flag} path")
+
+
+def _plan_summary(p, search_time_s: float | None) -> dict:
+    return {
+        "model": p.model,
+        "kind": p.kind,
+        "devices": p.devices,
+        "cluster": p.cluster.name,
+        "iteration_time_s": p.predicted.iteration_time_s,
+        "peak_memory_bytes": p.predicted.peak_memory_bytes,
+        "lower_bound_s": p.lower_bound_s,
+        "baselines": p.baselines,
+        "infeasible_baselines": list(p.infeasible_baselines),
+        "speedup_over_data": p.speedup_over_data,
+        "search_time_s": search_time_s,
+    }
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
+
+
+def _print_plan(p, search_time_s: float | None) -> None:
+    table = Table(title=f"{p.model}: {p.devices} x {p.cluster.device.name} ({p.cluster.name})")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    dp = p.baselines.get("data")
+    rows = [
+        ("plan kind", p.kind),
+        ("predicted iteration", _ms(p.predicted.iteration_time_s)),
+        ("speedup over data parallel", f"{dp / p.predicted.iteration_time_s:.2f}x" if dp else "data parallel does not fit"),
+        ("lower bound (1 device / N)", _ms(p.lower_bound_s)),
+        ("peak memory per device", _si(p.predicted.peak_memory_bytes, "B")),
+    ]
+    for name, t in sorted(p.baselines.items()):
+        rows.append((f"baseline {name}", _ms(t)))
+    for name in p.infeasible_baselines:
+        rows.append((f"baseline {name}", "does not fit"))
+    if search_time_s is not None:
+        rows.append(("search time", f"{search_time_s:.1f} s ({p.search.iterations} MCMC steps, ILP {p.search.ilp})"))
+    for row in rows:
+        table.add_row(*row)
+    stdout.print(table)
+
+
+@app.command()
+def plan(
+    model: ModelArg,
+    devices: Annotated[int, typer.Option(help="Number of devices.", min=1)] = 8,
+    cluster: Annotated[str, typer.Option(help="Cluster preset name or cluster JSON file.")] = "dgx-h100",
+    budget: Annotated[float | None, typer.Option(help="Search budget in seconds.", min=0.001)] = None,
+    max_iters: Annotated[int | None, typer.Option(help="Search budget in MCMC steps (reproducible).", min=0)] = None,
+    seed: Annotated[int, typer.Option(help="Random seed of the search.")] = 0,
+    objective: Annotated[str, typer.Option(help="iteration or time_to_accuracy.")] = "iteration",
+    out: Annotated[str | None, typer.Option(help="Write the plan JSON here.")] = None,
+    trace_out: Annotated[str | None, typer.Option("--trace", help="Write the plan's timeline (Chrome trace JSON) here.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite --out / --trace files that exist.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Search parallelization plans for MODEL and print the fastest that fits."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from flexsearch.api import resolve_cluster, simulate
+    from flexsearch.graph import trace as trace_graph
+    from flexsearch.model_files import load_model
+    from flexsearch.search.planner import DEFAULT_MAX_ITERS, plan_graph
+
+    if objective not in ("iteration", "time_to_accuracy"):
+        raise typer.BadParameter("use iteration or time_to_accuracy", param_hint="--objective")
+    _refuse_overwrite(out, force, "--out")
+    _refuse_overwrite(trace_out, force, "--trace")
+    cl = resolve_cluster(cluster, devices)
+    module, inputs = load_model(model)
+    total = max_iters if max_iters is not None else (None if budget is not None else DEFAULT_MAX_ITERS)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err, transient=True) as bar:
+        task = bar.add_task("tracing", total=None)
+        graph = trace_graph(module, inputs, name=model)
+        bar.update(task, description="searching", total=total, completed=0)
+
+        def report(it: int, best: float) -> None:
+            bar.update(task, completed=it, description=f"searching (best {best * 1e3:.3f} ms)")
+
+        p = plan_graph(graph, cl, budget_s=budget, max_iters=max_iters, seed=seed, objective=objective, progress=report)
+    if out is not None:
+        p.save(out)
+    if trace_out is not None:
+        simulate(graph, p).to_chrome_trace(trace_out)
+    if as_json:
+        sys.stdout.write(json.dumps(_plan_summary(p, p.search_time_s)) + "\n")
+        return
+    _print_plan(p, p.search_time_s)
+    if out is not None:
+        stdout.print(f"plan written to {out}")
+    if trace_out is not None:
+        stdout.print(f"timeline written to {trace_out} (open in https://ui.perfetto.dev)")
+
+
+def _plan_graph_for(p, plan_path: str):
+    """Re-trace the model a plan names (as given, else relative to the plan file)."""
+    from pathlib import Path
+
+    from flexsearch.graph import trace as trace_graph
+    from flexsearch.model_files import load_model, split_spec
+
+    spec = p.model
+    path, name = split_spec(spec)
+    if not Path(path).exists():
+        alt = Path(plan_path).parent / path
+        if alt.exists():
+            spec = f"{alt}:{name}" if name else str(alt)
+    module, inputs = load_model(spec)
+    return trace_graph(module, inputs, name=p.model)
+
+
+@app.command()
+def simulate(
+    plan_file: Annotated[str, typer.Argument(metavar="PLAN.json", help="A plan written by `flexsearch plan --out`.")],
+    trace_out: Annotated[str | None, typer.Option("--trace", help="Write the timeline (Chrome trace JSON) here.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite the --trace file if it exists.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Re-predict a saved plan on the cluster it embeds (re-traces its model file)."""
+    from flexsearch.api import simulate as simulate_plan
+    from flexsearch.plan import Plan
+
+    _refuse_overwrite(trace_out, force, "--trace")
+    p = Plan.load(plan_file)
+    graph = _plan_graph_for(p, plan_file)
+    sim = simulate_plan(graph, p)
+    if trace_out is not None:
+        sim.to_chrome_trace(trace_out)
+    summary = {
+        "model": p.model,
+        "kind": p.kind,
+        "devices": p.devices,
+        "iteration_time_s": sim.iteration_time_s,
+        "peak_memory_bytes": sim.peak_memory_bytes,
+        "memory_bytes": list(sim.memory_bytes),
+        "feasible": sim.feasible,
+        "critical_path_s": sim.critical_path_s,
+        "planned_iteration_time_s": p.predicted.iteration_time_s,
+    }
+    if as_json:
+        sys.stdout.write(json.dumps(summary) + "\n")
+        return
+    stdout.print(
+        f"{p.model}: {p.kind} plan on {p.devices} x {p.cluster.device.name}: iteration "
+        f"{_ms(sim.iteration_time_s)} (planned {_ms(p.predicted.iteration_time_s)}), critical path "
+        f"{_ms(sim.critical_path_s)}, peak memory {_si(sim.peak_memory_bytes, 'B')} "
+        f"of {_si(sim.capacity_bytes, 'B')}{'' if sim.feasible else ' (DOES NOT FIT)'}"
+    )
+    if trace_out is not None:
+        stdout.print(f"timeline written to {trace_out}")
+
+
+@app.command()
+def show(plan_file: Annotated[str, typer.Argument(metavar="PLAN.json", help="A plan file.")]) -> None:
+    """Print a saved plan: summary and each decision's configuration."""
+    from flexsearch.plan import Plan
+
+    p = Plan.load(plan_file)
+    _print_plan(p, None)
+    table = Table(title="decisions (s: sample split, p/a/r: parameter/attribute/reduce split of degree t on dim, x: replicated, @: first device)")
+    table.add_column("op")
+    table.add_column("configuration")
+    for name, cfg in p.decisions.items():
+        table.add_row(name, cfg)
+    stdout.print(table)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run the app, turn user errors into one line and exit code 2."""
     try:

@@ -135,9 +135,12 @@ class AssignmentBuilder:
             capacity=(cap,) * devices,
         )
 
-    def solve(self, *, time_limit_s: float = 10.0, seed: int = 0) -> tuple[dict[str, Config] | None, AssignmentResult]:
+    def solve(
+        self, *, time_limit_s: float = 10.0, seed: int = 0, deterministic: bool = False
+    ) -> tuple[dict[str, Config] | None, AssignmentResult]:
         """Solve; return the decisions (None when nothing fits) and the solver result."""
-        res = solve_assignment(self.problem(), time_limit_s=time_limit_s, seed=seed)
+        res = solve_assignment(self.problem(), time_limit_s=time_limit_s, seed=seed,
+                               deterministic=deterministic)
         if not res.choice:
             return None, res
         return {u.name: self.cands[i][a] for i, (u, a) in enumerate(zip(self.units, res.choice, strict=True))}, res

@@ -287,11 +287,14 @@ def solve_assignment(
     seed: int = 0,
     workers: int = 1,
     hint: Sequence[int] | None = None,
+    deterministic: bool = False,
 ) -> AssignmentResult:
     """Minimise the total cost subject to memory with CP-SAT (formulation: module docstring).
 
     Deterministic for fixed inputs, ``seed`` and ``workers`` unless the time limit cuts the
-    search. ``hint`` (one candidate per unit; it need not fit memory) is passed to CP-SAT
+    search; with ``deterministic=True`` the limit is CP-SAT's deterministic time
+    (``max_deterministic_time``, about seconds of work, independent of machine load), so
+    even a cut search returns the same result on every run. ``hint`` (one candidate per unit; it need not fit memory) is passed to CP-SAT
     as a solution hint; a malformed hint raises ``ValueError``. Never raises for an
     infeasible problem: returns status ``"infeasible"``, ``choice=()``, ``objective=inf``.
     Ties between optimal choices are broken arbitrarily (but deterministically). If the
@@ -364,7 +367,10 @@ def solve_assignment(
                 model.add_hint(var, a == hint[u])
 
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = float(time_limit_s)
+    if deterministic:
+        solver.parameters.max_deterministic_time = float(time_limit_s)
+    else:
+        solver.parameters.max_time_in_seconds = float(time_limit_s)
     solver.parameters.random_seed = int(seed)
     solver.parameters.num_workers = int(workers)
     if workers == 1:

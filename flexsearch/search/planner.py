@@ -90,7 +90,8 @@ def plan_graph(
     if len(space.units) <= ilp_max_units:
         limit = ilp_time_limit_s if budget_s is None else min(ilp_time_limit_s, budget_s / 4)
         builder = AssignmentBuilder(space, sim.ctx, optimizer)
-        dec, res = builder.solve(time_limit_s=limit, seed=seed)
+        # reproducible runs (no seconds budget) limit the solver by deterministic time
+        dec, res = builder.solve(time_limit_s=limit, seed=seed, deterministic=budget_s is None)
         ilp_status = res.status
         if dec is not None:
             seeds.append(dec)

@@ -119,8 +119,11 @@ def parse_config(text: str) -> Config:
 
 
 def sample_dim(node: OpNode) -> int | None:
-    dims = node.dims.of_kind("sample")
-    return dims[0].dim if dims else None
+    """The output dim that carries the batch, if any."""
+    for d in node.dims.output:
+        if d.kind == "sample":
+            return d.dim
+    return None
 
 
 def _dim_size(node: OpNode, dim: int) -> int:

@@ -137,62 +137,48 @@ class Simulator:
         return frag
 
     def simulate(self, configs: Mapping[str, Config], *, timeline: bool = True) -> Simulation:
+        """Simulate one iteration; ``timeline=False`` skips the per-task record and the
+        critical path (what a search needs: time and memory)."""
         frags = [self.fragment(n.name, configs) for n in self.graph.nodes]
         ordered: list[Task] = []
-        alias: dict = {}
-        grad_local: list = []
         for f in frags:
             ordered.extend(f.forward)
-            for a, b in f.aliases:
-                alias[a] = b
-            grad_local.extend(f.grad_local)
         for f in reversed(frags):
             ordered.extend(f.backward)
-        return self._schedule(frags, ordered, alias, grad_local, timeline)
+        return self._schedule(frags, ordered, timeline)
 
-    def _schedule(self, frags, ordered, alias, grad_local, keep_timeline) -> Simulation:
+    def _schedule(self, frags: list[Fragment], ordered: list[Task], keep_timeline: bool) -> Simulation:
         devices = self.cluster.devices
         free = [0.0] * (devices + len(self._links))
         end: dict = {}
-        # local gradient contributions: G key <- the consumer's backward key
-        local_of: dict = {}
-        for g, b in grad_local:
-            local_of.setdefault(g, []).append(b)
         timeline: list[Scheduled] = []
         compute = [0.0] * devices
         chain: dict = {}  # critical path: end times without resource waits
         serial = 0.0
         for t in ordered:
-            start = cstart = 0.0
+            start = 0.0
             for k in t.deps:
-                k = alias.get(k, k)
-                v, cv = end.get(k, 0.0), chain.get(k, 0.0)
-                if k[0] == "G":
-                    for b in local_of.get(k, ()):
-                        v, cv = max(v, end.get(b, 0.0)), max(cv, chain.get(b, 0.0))
-                if v > start:
+                v = end.get(k)
+                if v is not None and v > start:
                     start = v
-                if cv > cstart:
-                    cstart = cv
             for r in t.resources:
                 if free[r] > start:
                     start = free[r]
             stop = start + t.duration
             for r in t.resources:
                 free[r] = stop
-            cstop = cstart + t.duration
-            serial += t.duration
             for k in t.defines:
-                if k[0] == "G":
-                    end[k] = max(stop, end.get(k, 0.0))
-                    chain[k] = max(cstop, chain.get(k, 0.0))
-                else:
+                if k[0] != "G" or stop > end.get(k, 0.0):
                     end[k] = stop
-                    chain[k] = cstop
-            if t.kind in ("fwd", "bwd"):
+            if t.kind == "fwd" or t.kind == "bwd":
                 compute[t.resources[0]] += t.duration
+            serial += t.duration
             if keep_timeline:
                 timeline.append(Scheduled(t, start, stop))
+                cstop = max([chain.get(k, 0.0) for k in t.deps], default=0.0) + t.duration
+                for k in t.defines:
+                    if k[0] != "G" or cstop > chain.get(k, 0.0):
+                        chain[k] = cstop
 
         # Optimizer update per device, after its gradient synchronisations.
         params = [0.0] * devices
@@ -212,7 +198,7 @@ class Simulator:
             dur = roofline_time(Work(0.0, _UPDATE_TRAFFIC[self.optimizer] * params[d]), dev,
                                 "float32", "elementwise", self.ctx.efficiency)
             start = max([free[d]] + [end.get(k, 0.0) for k in after[d]])
-            cstart = max([0.0] + [chain.get(k, 0.0) for k in after[d]])
+            cstart = max([chain.get(k, 0.0) for k in after[d]], default=0.0)
             t = Task("update", "optimizer", dur, (d,), tuple(after[d]), (("u", d),))
             free[d] = start + dur
             chain[("u", d)] = cstart + dur
@@ -230,7 +216,7 @@ class Simulator:
             compute_s=tuple(compute),
             timeline=tuple(timeline),
             link_names=self._links,
-            critical_path_s=max(chain.values(), default=0.0),
+            critical_path_s=max(chain.values(), default=0.0) if keep_timeline else float("nan"),
             serial_s=serial,
         )
 

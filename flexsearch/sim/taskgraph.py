@@ -23,11 +23,11 @@ Per node ``n`` with configuration ``c`` (:class:`~flexsearch.search.space.Config
 - memory terms: parameter shard, activations kept for the backward pass (outputs of
   non-view ops and received inputs).
 
-Dependencies are symbolic keys resolved when fragments are assembled in program
+Dependencies are symbolic keys resolved when fragments are scheduled in program
 order (forward in topological order, backward in reverse, then the optimizer update):
-``("f", n, d)`` raw forward on device d, ``("F", n, d)`` output ready on d (after the
-partial-sum all-reduce), ``("b", n, d)`` backward, ``("G", n, d)`` the gradient of
-``n``'s output has arrived on d (several tasks).
+``("f", n, d)`` forward on device d, ``("F", n, d)`` output ready on d after a
+partial-sum all-reduce, ``("b", n, d)`` backward, ``("G", n, d)`` the gradient of
+``n``'s output has arrived on d (defined by several tasks: the latest counts).
 
 A fragment depends only on the node's configuration and its producers', so a
 simulator can keep fragments across changes (:mod:`flexsearch.sim.simulator`).
@@ -70,8 +70,7 @@ class Fragment:
 
     forward: list[Task] = field(default_factory=list)
     backward: list[Task] = field(default_factory=list)
-    aliases: list[tuple[Key, Key]] = field(default_factory=list)  # ("F",n,d) -> ("f",n,d)
-    grad_local: list[tuple[Key, Key]] = field(default_factory=list)  # G key += b key
+    grad_local: list[tuple[int, Key]] = field(default_factory=list)  # (d, G key) b on d defines
     params: dict[int, float] = field(default_factory=dict)  # device -> parameter bytes
     activations: dict[int, float] = field(default_factory=dict)  # device -> bytes kept
     sync: list[tuple[int, Key]] = field(default_factory=list)  # (device, task key) before update
@@ -96,6 +95,18 @@ class CostContext:
         self.links = {link.id: cluster.devices + i for i, link in enumerate(cluster.links)}
         self._ops: dict[tuple[str, Config], tuple[float, float]] = {}
         self._colls: dict[tuple, comm.CommCost] = {}
+        self._xfers: dict[tuple[int, int, float], tuple[float, tuple[int, ...]]] = {}
+        self.node_of = [cluster.node_of(d) for d in range(cluster.devices)]
+
+    def transfer(self, src: int, dst: int, nbytes: float) -> tuple[float, tuple[int, ...]]:
+        """(seconds, link resources) of one point-to-point transfer."""
+        key = (src, dst, nbytes)
+        hit = self._xfers.get(key)
+        if hit is None:
+            path = self.cluster.path(src, dst)
+            hit = (comm.p2p_time(self.cluster, src, dst, nbytes), _link_resources(self, path))
+            self._xfers[key] = hit
+        return hit
 
     def op_cost(self, node: OpNode, c: Config) -> tuple[float, float]:
         """(forward, backward) seconds of one task of ``node`` under ``c``."""
@@ -169,11 +180,8 @@ def _collective(ctx: CostContext, op: str, group: list[int], nbytes: float, name
 
 def _transfer(ctx: CostContext, src: int, dst: int, nbytes: float, name: str,
               deps: tuple[Key, ...], defines: tuple[Key, ...], detail: str) -> Task:
-    path = ctx.cluster.path(src, dst)
-    return Task(
-        "xfer", name, comm.p2p_time(ctx.cluster, src, dst, nbytes), _link_resources(ctx, path),
-        deps, defines, nbytes, f"{detail} d{src}->d{dst}",
-    )
+    seconds, links = ctx.transfer(src, dst, nbytes)
+    return Task("xfer", name, seconds, links, deps, defines, nbytes, f"{detail} d{src}->d{dst}")
 
 
 def edge_tasks(
@@ -188,10 +196,11 @@ def edge_tasks(
     if is_source(p):
         return forward, backward, needs
     n = node.name
-    cl = ctx.cluster
+    node_of = ctx.node_of
     parts = tasks_of(c)
     esize = dtype_size(p.outputs[0].dtype)
     ptiles = tiles(p, pc)
+    ready = "F" if pc.kind == "r" else "f"  # output ready: after the partial-sum all-reduce
     readers: dict[Region, list[tuple[int, int]]] = {}  # tile -> (reader device, volume)
     for idx, (i, j, d) in enumerate(parts):
         need = input_region(node, k, p.outputs[0].shape, out_region(node, c, i, j),
@@ -205,15 +214,15 @@ def edge_tasks(
             vol = volume(ov)
             readers.setdefault(region, []).append((d, vol))
             if d in holders:
-                wait.append(("F", p.name, d))
+                wait.append((ready, p.name, d))
                 continue
-            same = [h for h in holders if cl.node_of(h) == cl.node_of(d)] or holders
+            same = [h for h in holders if node_of[h] == node_of[d]] or holders
             h = same[idx % len(same)]
             incoming[h] = incoming.get(h, 0) + vol
         for h, vol in sorted(incoming.items()):
             key = ("x", n, k, h, d)
             nbytes = vol * esize
-            forward.append(_transfer(ctx, h, d, nbytes, n, (("F", p.name, h),), (key,),
+            forward.append(_transfer(ctx, h, d, nbytes, n, ((ready, p.name, h),), (key,),
                                      f"{p.name}->{n}"))
             wait.append(key)
             frag.activations[d] = frag.activations.get(d, 0.0) + nbytes
@@ -225,7 +234,7 @@ def edge_tasks(
             h = holders[0]
             for d in rdev:
                 if d == h:
-                    frag.grad_local.append((("G", p.name, h), ("b", n, d)))
+                    frag.grad_local.append((d, ("G", p.name, h)))
                 else:
                     vol = sum(v for dd, v in rd if dd == d)
                     backward.append(_transfer(ctx, d, h, vol * esize, n, (("b", n, d),),
@@ -233,7 +242,7 @@ def edge_tasks(
             continue
         group = sorted(set(holders) | set(rdev))
         if len(group) == 1:
-            frag.grad_local.append((("G", p.name, group[0]), ("b", n, group[0])))
+            frag.grad_local.append((group[0], ("G", p.name, group[0])))
             continue
         disjoint = sum(v for _, v in rd) <= volume(region)
         backward.append(_collective(
@@ -297,12 +306,14 @@ def node_tasks(
                 ctx, "all_reduce", group, node.output_bytes / c.s, n,
                 tuple(("f", n, d) for d in group), tuple(("F", n, d) for d in group),
                 "partial sums"))
-    else:
-        frag.aliases.extend((("F", n, d), ("f", n, d)) for _, _, d in parts)
 
     # Backward compute, input gradients, then gradient synchronisation of owned parameters.
+    local: dict[int, list[Key]] = {}
+    for d, key in frag.grad_local:  # inputs read on the same device: the backward delivers
+        local.setdefault(d, []).append(key)
     frag.backward = [
-        Task("bwd", n, bwd_time, (d,), (("f", n, d), ("G", n, d)), (("b", n, d),), detail=c.text)
+        Task("bwd", n, bwd_time, (d,), (("f", n, d), ("G", n, d)), (("b", n, d), *local.get(d, ())),
+             detail=c.text)
         for _, _, d in parts
     ]
     frag.backward += grad_edges  # input gradients first: they are on the critical path

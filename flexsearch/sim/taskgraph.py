@@ -97,6 +97,16 @@ class CostContext:
         self._colls: dict[tuple, comm.CommCost] = {}
         self._xfers: dict[tuple[int, int, float], tuple[float, tuple[int, ...]]] = {}
         self.node_of = [cluster.node_of(d) for d in range(cluster.devices)]
+        self._geometry: dict[tuple, EdgeGeometry] = {}
+
+    def geometry(self, node: OpNode, c: Config, k: int, p: OpNode, pc: Config) -> EdgeGeometry:
+        """Memoised :func:`edge_geometry` (keyed by shapes, kinds and configurations)."""
+        key = (node.kind, node.target, node.outputs[0].shape, sample_dim(node), k, c,
+               p.outputs[0].shape, sample_dim(p), pc)
+        hit = self._geometry.get(key)
+        if hit is None:
+            hit = self._geometry[key] = edge_geometry(node, c, k, p, pc, self.node_of)
+        return hit
 
     def transfer(self, src: int, dst: int, nbytes: float) -> tuple[float, tuple[int, ...]]:
         """(seconds, link resources) of one point-to-point transfer."""
@@ -184,6 +194,68 @@ def _transfer(ctx: CostContext, src: int, dst: int, nbytes: float, name: str,
     return Task("xfer", name, seconds, links, deps, defines, nbytes, f"{detail} d{src}->d{dst}")
 
 
+@dataclass(frozen=True)
+class EdgeGeometry:
+    """Which data an edge moves, independent of node names (shared by every copy of a
+    repeated block): per consumer device the local reads, the transfers
+    ``(src, dst, elements)``, and the backward operations on the gradient."""
+
+    local: tuple[int, ...]
+    transfers: tuple[tuple[int, int, int], ...]
+    grad_local: tuple[tuple[int, int], ...]  # (reader device, holder device): same device
+    grad_transfers: tuple[tuple[int, int, int], ...]  # (reader, holder, elements)
+    grad_collectives: tuple[tuple[str, tuple[int, ...], int, tuple[int, ...], tuple[int, ...]], ...]
+    # (op, group, elements, reader devices, holder devices)
+
+
+def edge_geometry(node: OpNode, c: Config, k: int, p: OpNode, pc: Config, node_of: list[int]) -> EdgeGeometry:
+    """Region intersections of edge ``p -> node`` (rules in the module docstring)."""
+    parts = tasks_of(c)
+    ptiles = tiles(p, pc)
+    local: list[int] = []
+    transfers: list[tuple[int, int, int]] = []
+    readers: dict[Region, list[tuple[int, int]]] = {}  # tile -> (reader device, volume)
+    for idx, (i, j, d) in enumerate(parts):
+        need = input_region(node, k, p.outputs[0].shape, out_region(node, c, i, j),
+                            (c.t, j) if c.kind == "r" else (1, 0))
+        incoming: dict[int, int] = {}
+        for region, holders in ptiles.items():
+            ov = intersect(need, region)
+            if ov is None:
+                continue
+            vol = volume(ov)
+            readers.setdefault(region, []).append((d, vol))
+            if d in holders:
+                local.append(d)
+                continue
+            same = [h for h in holders if node_of[h] == node_of[d]] or holders
+            h = same[idx % len(same)]
+            incoming[h] = incoming.get(h, 0) + vol
+        transfers += [(h, d, vol) for h, vol in sorted(incoming.items())]
+    grad_local: list[tuple[int, int]] = []
+    grad_transfers: list[tuple[int, int, int]] = []
+    grad_colls = []
+    for region, rd in readers.items():
+        holders = ptiles[region]
+        rdev = sorted({d for d, _ in rd})
+        if len(holders) == 1:
+            h = holders[0]
+            for d in rdev:
+                if d == h:
+                    grad_local.append((d, h))
+                else:
+                    grad_transfers.append((d, h, sum(v for dd, v in rd if dd == d)))
+            continue
+        group = sorted(set(holders) | set(rdev))
+        if len(group) == 1:
+            grad_local.append((group[0], group[0]))
+            continue
+        op = "all_gather" if sum(v for _, v in rd) <= volume(region) else "all_reduce"
+        grad_colls.append((op, tuple(group), volume(region), tuple(rdev), tuple(holders)))
+    return EdgeGeometry(tuple(local), tuple(transfers), tuple(grad_local), tuple(grad_transfers),
+                        tuple(grad_colls))
+
+
 def edge_tasks(
     node: OpNode, c: Config, k: int, p: OpNode, pc: Config, ctx: CostContext, frag: Fragment
 ) -> tuple[list[Task], list[Task], dict[int, list[Key]]]:
@@ -195,60 +267,28 @@ def edge_tasks(
     needs: dict[int, list[Key]] = {}
     if is_source(p):
         return forward, backward, needs
+    geo = ctx.geometry(node, c, k, p, pc)
     n = node.name
-    node_of = ctx.node_of
-    parts = tasks_of(c)
     esize = dtype_size(p.outputs[0].dtype)
-    ptiles = tiles(p, pc)
     ready = "F" if pc.kind == "r" else "f"  # output ready: after the partial-sum all-reduce
-    readers: dict[Region, list[tuple[int, int]]] = {}  # tile -> (reader device, volume)
-    for idx, (i, j, d) in enumerate(parts):
-        need = input_region(node, k, p.outputs[0].shape, out_region(node, c, i, j),
-                            (c.t, j) if c.kind == "r" else (1, 0))
-        wait = needs.setdefault(d, [])
-        incoming: dict[int, int] = {}
-        for region, holders in ptiles.items():
-            ov = intersect(need, region)
-            if ov is None:
-                continue
-            vol = volume(ov)
-            readers.setdefault(region, []).append((d, vol))
-            if d in holders:
-                wait.append((ready, p.name, d))
-                continue
-            same = [h for h in holders if node_of[h] == node_of[d]] or holders
-            h = same[idx % len(same)]
-            incoming[h] = incoming.get(h, 0) + vol
-        for h, vol in sorted(incoming.items()):
-            key = ("x", n, k, h, d)
-            nbytes = vol * esize
-            forward.append(_transfer(ctx, h, d, nbytes, n, ((ready, p.name, h),), (key,),
-                                     f"{p.name}->{n}"))
-            wait.append(key)
-            frag.activations[d] = frag.activations.get(d, 0.0) + nbytes
-    # Backward: gradients of p's output back to its holders.
-    for region, rd in readers.items():
-        holders = ptiles[region]
-        rdev = sorted({d for d, _ in rd})
-        if len(holders) == 1:
-            h = holders[0]
-            for d in rdev:
-                if d == h:
-                    frag.grad_local.append((d, ("G", p.name, h)))
-                else:
-                    vol = sum(v for dd, v in rd if dd == d)
-                    backward.append(_transfer(ctx, d, h, vol * esize, n, (("b", n, d),),
-                                              (("G", p.name, h),), f"grad {n}->{p.name}"))
-            continue
-        group = sorted(set(holders) | set(rdev))
-        if len(group) == 1:
-            frag.grad_local.append((group[0], ("G", p.name, group[0])))
-            continue
-        disjoint = sum(v for _, v in rd) <= volume(region)
+    for d in geo.local:
+        needs.setdefault(d, []).append((ready, p.name, d))
+    for h, d, vol in geo.transfers:
+        key = ("x", n, k, h, d)
+        nbytes = vol * esize
+        forward.append(_transfer(ctx, h, d, nbytes, n, ((ready, p.name, h),), (key,),
+                                 f"{p.name}->{n}"))
+        needs.setdefault(d, []).append(key)
+        frag.activations[d] = frag.activations.get(d, 0.0) + nbytes
+    for d, h in geo.grad_local:
+        frag.grad_local.append((d, ("G", p.name, h)))
+    for d, h, vol in geo.grad_transfers:
+        backward.append(_transfer(ctx, d, h, vol * esize, n, (("b", n, d),),
+                                  (("G", p.name, h),), f"grad {n}->{p.name}"))
+    for op, group, vol, rdev, holders in geo.grad_collectives:
         backward.append(_collective(
-            ctx, "all_gather" if disjoint else "all_reduce", group, volume(region) * esize, n,
-            tuple(("b", n, d) for d in rdev), tuple(("G", p.name, h) for h in holders),
-            f"grad {n}->{p.name}"))
+            ctx, op, list(group), vol * esize, n, tuple(("b", n, d) for d in rdev),
+            tuple(("G", p.name, h) for h in holders), f"grad {n}->{p.name}"))
     return forward, backward, needs
 
 

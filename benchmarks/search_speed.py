@@ -1,0 +1,247 @@
+"""Search speed: full vs delta simulation throughput, and time to converge on GPT-2 XL.
+
+1. Simulations per second, GPT-2 small (zoo batch 512) on 8 x ``dgx-h100``:
+
+   - *full*: a fresh ``Simulator(graph, cluster)`` per simulation (no fragment cache) on
+     random decisions (a random candidate for every decision unit, seeded);
+   - *delta*: one ``Simulator``; each step gives one random unit a random other candidate
+     and simulates, as an MCMC step does (only the changed fragments are rebuilt).
+
+   Both include ``Space.expand`` and run without the timeline, as the search does. The
+   two are measured back to back in the same process, ``--rounds`` times interleaved;
+   the figures are the medians over the rounds. Target: delta / full >= 5.
+
+2. Time to converge of the search on GPT-2 XL over 8 and 64 x ``dgx-h100``: the
+   planner's stages run directly (as ``plan_graph`` runs them: baselines, the ILP seed
+   with its time limit ``min(10 s, budget / 4)``, then MCMC seeded with both for the rest
+   of ``--budget-8`` / ``--budget-64`` seconds), so that the MCMC's ``improvements`` are
+   at hand. *Converged* = the time, from the start of the search (tracing excluded, it is
+   reported apart), of the last improvement of the best feasible plan. Targets: <= 30 s
+   on 8 devices, <= 120 s on 64.
+
+   Batch: at the zoo batch (512 x 1024 tokens) no plan of GPT-2 XL fits in 80 GB on 8
+   devices (data parallel needs 618 GiB per device, Megatron more) nor on 64 (97.6 GiB),
+   and the planner raises ``InfeasiblePlanError``. So by default the batch is
+   ``--per-device-batch`` 4 samples per device (32 on 8 devices, 256 on 64), where data
+   parallel fits (~60 GiB). With ``--per-device-batch 0`` the zoo batch is used and,
+   when nothing feasible is found, convergence is the time of the last improvement of
+   the best *penalised* cost (the MCMC objective, :func:`flexsearch.search.mcmc.cost_of`),
+   recorded by wrapping the simulator.
+
+    python benchmarks/search_speed.py                # full: budgets 60 s and 150 s
+    python benchmarks/search_speed.py --quick        # budgets 15 s and 40 s, fewer rounds
+
+Last line: ``full_sims_per_s=... delta_sims_per_s=... delta_speedup=... converge_xl8_s=...
+converge_xl64_s=...`` (plus tracing, seeding and speedup-over-data figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from zoo import build, get  # noqa: E402
+
+import flexsearch  # noqa: E402
+from flexsearch.cost.hardware import Cluster  # noqa: E402
+from flexsearch.search.assignment import AssignmentBuilder  # noqa: E402
+from flexsearch.search.mcmc import cost_of, mcmc  # noqa: E402
+from flexsearch.search.planner import lower_bound, run_baselines  # noqa: E402
+from flexsearch.search.space import Space  # noqa: E402
+from flexsearch.sim.simulator import Simulator  # noqa: E402
+
+CLUSTER = "dgx-h100"
+
+
+def trace(name: str, **kwargs):
+    model, inputs = build(get(name), **kwargs)
+    return flexsearch.trace(model, inputs)
+
+
+# ------------------------------------------------------------------ 1. sims per second
+
+
+def sim_rates(
+    graph, cluster: Cluster, rounds: int, seconds: float, seed: int = 0
+) -> tuple[list[float], list[float]]:
+    """Per round: full and delta simulations per second, each run for ~``seconds``."""
+    space = Space(graph, cluster.devices)
+    units = [u for u in space.units if len(space.candidates(u)) > 1]
+    cands = {u.name: space.candidates(u) for u in units}
+    rng = random.Random(seed)
+
+    def random_decisions() -> dict:
+        return {u.name: rng.choice(cands[u.name]) for u in units}
+
+    delta_sim = Simulator(graph, cluster)
+    dec = random_decisions()
+    delta_sim.simulate(space.expand(dec), timeline=False)  # warm the fragment cache
+    full, delta = [], []
+    for _ in range(rounds):
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            Simulator(graph, cluster).simulate(space.expand(random_decisions()), timeline=False)
+            n += 1
+        full.append(n / (time.perf_counter() - t0))
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            u = units[rng.randrange(len(units))]
+            options = cands[u.name]
+            new = options[rng.randrange(len(options))]
+            if new == dec[u.name]:
+                new = options[(options.index(new) + 1) % len(options)]
+            dec[u.name] = new
+            delta_sim.simulate(space.expand(dec), timeline=False)
+            n += 1
+        delta.append(n / (time.perf_counter() - t0))
+    return full, delta
+
+
+# ------------------------------------------------------------------ 2. convergence
+
+
+class RecordingSimulator(Simulator):
+    """A simulator that notes when the best penalised cost (any state) last improved."""
+
+    def __init__(self, *args, t0: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.t0, self.best_cost, self.best_cost_at = t0, math.inf, math.nan
+
+    def simulate(self, configs, *, timeline: bool = True):
+        s = super().simulate(configs, timeline=timeline)
+        c = cost_of(s)
+        if c < self.best_cost:
+            self.best_cost, self.best_cost_at = c, time.perf_counter() - self.t0
+        return s
+
+
+def converge(graph, cluster: Cluster, budget_s: float, seed: int = 0) -> dict:
+    """Run the planner's stages with ``budget_s`` seconds in all; return timings."""
+    t0 = time.perf_counter()
+    space = Space(graph, cluster.devices)
+    sim = RecordingSimulator(graph, cluster, t0=t0)
+    base = run_baselines(space, sim, cluster.devices_per_node)
+    t_base = time.perf_counter() - t0
+    seeds = [b.decisions for b in base.values()]
+    ilp = "skipped"
+    if len(space.units) <= 64:  # plan_graph's default ilp_max_units
+        dec, res = AssignmentBuilder(space, sim.ctx).solve(
+            time_limit_s=min(10.0, budget_s / 4), seed=seed
+        )
+        ilp = res.status
+        if dec is not None:
+            seeds.append(dec)
+    t_seed = time.perf_counter() - t0
+    result = mcmc(space, sim, seeds, budget_s=max(0.0, budget_s - t_seed), seed=seed)
+    total = time.perf_counter() - t0
+    out = {
+        "baselines_s": t_base,
+        "seeded_s": t_seed,
+        "total_s": total,
+        "iterations": result.iterations,
+        "ilp": ilp,
+        "units": len(space.units),
+        "mcmc_s": result.elapsed_s,
+    }
+    dp = base["data"].simulation
+    out["data_s"] = dp.iteration_time_s if dp.feasible else None
+    if result.improvements:  # mcmc's clock starts after seeding
+        it, secs, best = result.improvements[-1]
+        out.update(
+            converged_s=t_seed + secs,
+            converged_iter=it,
+            best_s=best,
+            feasible=True,
+            lower_bound_s=lower_bound(graph, cluster),
+        )
+    else:
+        out.update(
+            converged_s=sim.best_cost_at,
+            converged_iter=None,
+            best_s=sim.best_cost,
+            feasible=False,
+            lower_bound_s=lower_bound(graph, cluster),
+        )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="short budgets and fewer rounds")
+    ap.add_argument("--rounds", type=int, help="interleaved full/delta rounds (default 5, quick 3)")
+    ap.add_argument(
+        "--round-s", type=float, help="seconds per full or delta round (default 2, quick 1)"
+    )
+    ap.add_argument(
+        "--budget-8", type=float, help="search budget on 8 devices, s (default 60, quick 15)"
+    )
+    ap.add_argument(
+        "--budget-64", type=float, help="search budget on 64 devices, s (default 150, quick 40)"
+    )
+    ap.add_argument(
+        "--per-device-batch", type=int, default=4, help="GPT-2 XL samples per device; 0: zoo batch"
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    q = args.quick
+    rounds = args.rounds or (3 if q else 5)
+    round_s = args.round_s or (1.0 if q else 2.0)
+    budgets = {
+        8: args.budget_8 or (15.0 if q else 60.0),
+        64: args.budget_64 or (40.0 if q else 150.0),
+    }
+
+    graph = trace("gpt2_small")
+    cluster = Cluster.preset(CLUSTER, 8)
+    full, delta = sim_rates(graph, cluster, rounds, round_s, args.seed)
+    f, d = statistics.median(full), statistics.median(delta)
+    print(f"gpt2_small x 8 {CLUSTER}, {len(graph.nodes)} nodes, {rounds} rounds of {round_s:g} s")
+    print(f"  full  sims/s per round: {' '.join(f'{x:.1f}' for x in full)}  median {f:.1f}")
+    print(f"  delta sims/s per round: {' '.join(f'{x:.1f}' for x in delta)}  median {d:.1f}")
+    print(f"  delta / full: {d / f:.1f}x (target >= 5x)")
+    figures = [
+        f"full_sims_per_s={f:.1f}",
+        f"delta_sims_per_s={d:.1f}",
+        f"delta_speedup={d / f:.2f}",
+    ]
+
+    for n, target in ((8, 30), (64, 120)):
+        batch = args.per_device_batch * n or get("gpt2_xl").batch
+        t = time.perf_counter()
+        g = trace("gpt2_xl", batch_size=batch)
+        trace_s = time.perf_counter() - t
+        r = converge(g, Cluster.preset(CLUSTER, n), budgets[n], args.seed)
+        what = "best plan" if r["feasible"] else "best penalised cost (nothing feasible)"
+        vs = (
+            f"{r['data_s'] / r['best_s']:.3f}x data parallel ({r['data_s']:.4f} s)"
+            if r["data_s"] and r["feasible"]
+            else "data parallel infeasible"
+        )
+        print(
+            f"gpt2_xl x {n} {CLUSTER}, batch {batch}, budget {budgets[n]:g} s: traced in {trace_s:.1f} s, "
+            f"{len(g.nodes)} nodes, {r['units']} units; baselines {r['baselines_s']:.1f} s, "
+            f"+ ILP ({r['ilp']}) seeded at {r['seeded_s']:.1f} s; MCMC {r['iterations']} iterations in "
+            f"{r['mcmc_s']:.1f} s; stopped at {r['total_s']:.1f} s"
+        )
+        print(
+            f"  converged at {r['converged_s']:.1f} s (iteration {r['converged_iter']}, target <= {target} s); "
+            f"{what} {r['best_s']:.4f} s = {vs}; lower bound {r['lower_bound_s']:.4f} s"
+        )
+        sp = r["data_s"] / r["best_s"] if r["data_s"] and r["feasible"] else float("nan")
+        figures += [
+            f"converge_xl{n}_s={r['converged_s']:.1f}",
+            f"trace_xl{n}_s={trace_s:.1f}",
+            f"seeded_xl{n}_s={r['seeded_s']:.1f}",
+            f"speedup_over_data_xl{n}={sp:.3f}",
+        ]
+    print(" ".join(figures))
+
+
+if __name__ == "__main__":
+    main()

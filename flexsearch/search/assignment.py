@@ -1,7 +1,8 @@
 """The SOAP search as an assignment problem for the exact solver (Alpa-style ILP).
 
 Each decision unit ``u`` picks one candidate from its configurations that use all
-devices (the ILP does not place ops on device subsets; the MCMC does). Every node's
+devices, with the model-parallel degree ``t`` at most the devices of one node (the ILP
+does not place ops on device subsets nor split a layer across nodes; the MCMC does). Every node's
 cost is charged to the unit that decides its layout (its *owner*: itself, or for a
 follower the owner of the input it follows). With ``a`` the owner's candidate:
 
@@ -47,7 +48,12 @@ class AssignmentBuilder:
         self.state = 2 + OPTIMIZER_STATE[optimizer]
         g = space.graph
         self.units = space.units
-        self.cands = [space.candidates(u, full_block_only=True) for u in self.units]
+        per_node = ctx.cluster.devices_per_node
+        self.cands = [
+            tuple(c for c in space.candidates(u, full_block_only=True) if c.t <= per_node)
+            or space.candidates(u, full_block_only=True)
+            for u in self.units
+        ]
         unit_of = {nm: i for i, u in enumerate(self.units) for nm in u.nodes}
         self.owner: dict[str, int] = {}
         self.carrier: dict[str, str] = {}

@@ -1,0 +1,380 @@
+"""The list-scheduling simulator: time bounds, memory, delta simulation equal to a full
+one, the Chrome trace, collectives of data parallelism, scaling."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+
+import pytest
+import torch
+from conftest import ROOT
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import zoo  # noqa: E402
+
+from flexsearch import Cluster, trace  # noqa: E402
+from flexsearch.search import baselines  # noqa: E402
+from flexsearch.search.space import Config, Space, is_source  # noqa: E402
+from flexsearch.sim.simulator import Simulator, simulate_configs  # noqa: E402
+
+SETTINGS = settings(
+    max_examples=15, derandomize=True, deadline=None, database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+CLUSTERS = [("dgx-h100", 4), ("flexflow-k80", 4), ("flexflow-k80", 8)]
+GRAPHS = ["mlp_tiny", "gpt_tiny", "alexnet_tiny", "branchy"]
+
+
+class Branchy(nn.Module):
+    """Two branches side by side, joined by an add."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(32, 32)
+        self.c = nn.Linear(32, 32)
+        self.d = nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.d(torch.relu(self.b(h)) + torch.tanh(self.c(h)))
+
+
+@functools.cache
+def graph(name: str):
+    if name == "branchy":
+        torch.manual_seed(0)
+        return trace(Branchy(), (torch.randn(8, 16),))
+    model, inputs = zoo.build(name)
+    return trace(model, inputs)
+
+
+@functools.cache
+def cluster(name: str, devices: int) -> Cluster:
+    return Cluster.preset(name, devices)
+
+
+def decisions(space: Space):
+    """A strategy: one candidate per unit."""
+    return st.fixed_dictionaries(
+        {u.name: st.sampled_from(space.candidates(u)) for u in space.units}
+    )
+
+
+def used_devices(g, configs) -> set[int]:
+    out: set[int] = set()
+    for n in g.nodes:
+        if not is_source(n):
+            out |= set(configs[n.name].devices)
+    return out
+
+
+def summary(sim):
+    """What a search reads; the critical path is only computed with a timeline."""
+    out = (sim.iteration_time_s, sim.memory_bytes, sim.compute_s, sim.serial_s,
+           sim.capacity_bytes)
+    return out + ((sim.critical_path_s,) if sim.timeline else ())
+
+
+# --------------------------------------------------------------------------- bounds
+
+
+@pytest.mark.parametrize(("cl", "devices"), CLUSTERS, ids=[f"{c}x{d}" for c, d in CLUSTERS])
+@pytest.mark.parametrize("name", GRAPHS)
+def test_time_bounds_and_memory(name, cl, devices):
+    g = graph(name)
+    space = Space(g, devices)
+    sim = Simulator(g, cluster(cl, devices))
+
+    @SETTINGS
+    @given(decisions(space))
+    def check(dec):
+        configs = space.expand(dec)
+        s = sim.simulate(configs)
+        rel = 1e-12
+        assert s.iteration_time_s > 0
+        assert s.iteration_time_s >= s.critical_path_s * (1 - rel)
+        assert s.iteration_time_s >= max(s.compute_s) * (1 - rel)
+        assert s.iteration_time_s <= s.serial_s * (1 + rel)
+        assert len(s.memory_bytes) == len(s.compute_s) == devices
+        used = used_devices(g, configs)
+        for d in range(devices):
+            if d in used:
+                assert s.memory_bytes[d] > 0, d
+                assert s.compute_s[d] > 0, d
+            else:  # nothing placed there: nothing kept, nothing computed
+                assert s.memory_bytes[d] == 0 and s.compute_s[d] == 0, d
+        assert s.peak_memory_bytes == max(s.memory_bytes)
+        assert s.feasible == (s.peak_memory_bytes <= s.capacity_bytes)
+        # the timeline: every task inside [0, makespan], durations >= 0, resources valid
+        assert s.timeline
+        nres = devices + len(s.link_names)
+        for t in s.timeline:
+            assert 0 <= t.start <= t.end <= s.iteration_time_s * (1 + rel)
+            assert t.end - t.start == pytest.approx(t.task.duration, rel=1e-9, abs=1e-18)
+            assert all(0 <= r < nres for r in t.task.resources)
+        assert max(t.end for t in s.timeline) == s.iteration_time_s
+        # every task starts after the tasks (scheduled before it) that define its deps
+        ready: dict = {}
+        for t in s.timeline:
+            for k in t.task.deps:
+                assert t.start >= ready.get(k, 0.0), (t.task, k)
+            for k in t.task.defines:
+                ready[k] = max(ready.get(k, 0.0), t.end)
+        # no resource runs two tasks at once
+        by_res: dict[int, list] = {}
+        for t in s.timeline:
+            for r in t.task.resources:
+                by_res.setdefault(r, []).append((t.start, t.end))
+        for spans in by_res.values():
+            spans.sort()
+            for (_, e0), (s1, _) in zip(spans, spans[1:], strict=False):
+                assert s1 >= e0 * (1 - rel)
+
+    check()
+
+
+# --------------------------------------------------------------------------- delta == full
+
+
+@pytest.mark.parametrize(("cl", "devices"), CLUSTERS, ids=[f"{c}x{d}" for c, d in CLUSTERS])
+@pytest.mark.parametrize("name", GRAPHS)
+def test_delta_simulation_equals_full(name, cl, devices):
+    g = graph(name)
+    space = Space(g, devices)
+    units = space.units
+    c = cluster(cl, devices)
+
+    moves = st.lists(
+        st.tuples(st.integers(0, len(units) - 1), st.integers(0, 10**6)), min_size=1, max_size=12
+    )
+
+    @settings(SETTINGS, max_examples=8)
+    @given(decisions(space), moves)
+    def check(start, walk):
+        sim = Simulator(g, c)  # ONE simulator for the whole walk
+        dec = dict(start)
+        sim.simulate(space.expand(dec), timeline=False)
+        for ui, k in walk:
+            u = units[ui]
+            cands = space.candidates(u)
+            dec[u.name] = cands[k % len(cands)]
+            configs = space.expand(dec)
+            before = sim.rebuilt
+            delta = sim.simulate(configs, timeline=bool(k % 2))
+            rebuilt = sim.rebuilt - before
+            fresh = Simulator(g, c)
+            full = fresh.simulate(configs)
+            assert fresh.rebuilt == len(g.nodes)
+            assert rebuilt <= len(g.nodes)
+            if k % 2:
+                assert summary(delta) == summary(full)
+                assert delta.timeline == full.timeline
+            else:  # no timeline: time and memory only (the critical path is not computed)
+                assert summary(delta) == summary(full)[:-1]
+
+    check()
+
+
+def test_delta_rebuilds_fewer_fragments():
+    g = graph("gpt_tiny")
+    space = Space(g, 4)
+    sim = Simulator(g, cluster("dgx-h100", 4))
+    dec = baselines.data_parallel(space)
+    sim.simulate(space.expand(dec))
+    assert sim.rebuilt == len(g.nodes)
+    sim.simulate(space.expand(dec))
+    assert sim.rebuilt == len(g.nodes)  # nothing changed: nothing rebuilt
+    before = sim.rebuilt
+    dec["h_0_mlp_c_fc"] = Config(1, "p", 4, 2)  # both blocks' first MLP linear
+    sim.simulate(space.expand(dec))
+    changed = sim.rebuilt - before
+    # exactly the changed nodes and their consumers: the two linears, their GELUs
+    # (followers: now attribute-split) and the two Linears reading the GELUs
+    assert changed == 6
+    assert changed < len(g.nodes) // 4
+    dec2 = {**dec, "lm_head": Config(2, "x", 2)}
+    before = sim.rebuilt
+    sim.simulate(space.expand(dec2))
+    assert sim.rebuilt - before == 2  # lm_head and the output
+
+
+def test_simulate_configs_is_a_full_simulation():
+    g = graph("mlp_tiny")
+    space = Space(g, 4)
+    configs = space.expand(baselines.data_parallel(space))
+    a = simulate_configs(g, configs, cluster("dgx-h100", 4))
+    b = Simulator(g, cluster("dgx-h100", 4)).simulate(configs)
+    assert summary(a) == summary(b)
+
+
+# --------------------------------------------------------------------------- chrome trace
+
+
+@pytest.mark.parametrize(
+    ("name", "cl", "devices", "dec"),
+    [
+        ("mlp_tiny", "flexflow-k80", 8, "data"),
+        ("alexnet_tiny", "dgx-h100", 4, "expert"),
+        ("branchy", "flexflow-k80", 4, "mixed"),
+        ("mlp_tiny", "dgx-h100", 4, "single"),
+    ],
+)
+def test_chrome_trace(tmp_path, name, cl, devices, dec):
+    g = graph(name)
+    space = Space(g, devices)
+    if dec == "data":
+        d = baselines.data_parallel(space)
+    elif dec == "expert":
+        d = baselines.expert(space)
+    elif dec == "mixed":
+        d = {"a": Config(4), "b": Config(1, "p", 2, 1), "c": Config(2, first=2),
+             "d": Config(1, "r", 4, 0)}
+    else:
+        d = {}
+    configs = space.expand(d)
+    s = Simulator(g, cluster(cl, devices)).simulate(configs)
+    path = tmp_path / "trace.json"
+    s.to_chrome_trace(path)
+    data = json.loads(path.read_text())
+    events = data["traceEvents"]
+    xs = [e for e in events if e["ph"] == "X"]
+    assert xs
+    for e in xs:
+        assert e["dur"] >= 0 and e["ts"] >= 0
+        assert e["pid"] in (0, 1)
+        assert isinstance(e["name"], str) and e["cat"] in ("fwd", "bwd", "xfer", "coll", "update")
+    dev_tids = {e["tid"] for e in xs if e["pid"] == 0}
+    used = used_devices(g, configs)
+    assert dev_tids == used
+    assert all(0 <= t < devices for t in dev_tids)
+    comm = [t for t in s.timeline if t.task.kind in ("xfer", "coll")]
+    link_tids = {e["tid"] for e in xs if e["pid"] == 1}
+    if any(t.task.duration > 0 and t.task.resources for t in comm):
+        assert link_tids
+        assert all(0 <= t < len(s.link_names) for t in link_tids)
+    if dec == "single":
+        assert not comm and not link_tids
+    # metadata names every device and link track
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert names[(0, None)] == "devices" and names[(1, None)] == "links"
+    for d in range(devices):
+        assert (0, d) in names
+    for i in range(len(s.link_names)):
+        assert (1, i) in names
+    # the makespan in the trace matches (microseconds)
+    assert max(e["ts"] + e["dur"] for e in xs) == pytest.approx(s.iteration_time_s * 1e6, rel=1e-9)
+
+
+# --------------------------------------------------------------------------- collectives
+
+
+@pytest.mark.parametrize("name", ["mlp_tiny", "alexnet_tiny", "gpt_tiny"])
+def test_data_parallel_gradient_all_reduces(name):
+    g = graph(name)
+    space = Space(g, 4)
+    s = Simulator(g, cluster("dgx-h100", 4)).simulate(space.expand(baselines.data_parallel(space)))
+    grads = [t.task for t in s.timeline
+             if t.task.kind == "coll" and "gradients" in t.task.detail]
+    with_params = {n.name for n in g.nodes if n.param_bytes}
+    assert {t.name for t in grads} == with_params
+    for t in grads:
+        assert "all_reduce" in t.detail
+        assert t.nbytes == g.node(t.name).param_bytes  # each device holds the whole gradient
+        assert t.duration > 0
+    assert len(grads) == len(with_params)
+    # data parallel on a sample split never moves activations between devices
+    assert not [t for t in s.timeline if t.task.kind == "xfer"]
+    # gradients are synchronised before each device's optimizer update
+    updates = [t for t in s.timeline if t.task.kind == "update"]
+    assert len(updates) == 4
+    last_sync = max(t.end for t in s.timeline if t.task in grads)
+    assert min(u.start for u in updates) >= last_sync * (1 - 1e-12)
+
+
+@pytest.mark.parametrize("name", ["mlp_tiny", "gpt_tiny", "alexnet_tiny", "branchy"])
+def test_single_device_plan_has_no_communication(name):
+    g = graph(name)
+    for cl, devices, dec in (("cpu", 1, None), ("dgx-h100", 4, {}),
+                             ("dgx-h100", 4, "dev2")):
+        space = Space(g, devices)
+        if dec == "dev2":
+            dec = {u.name: Config(first=2) for u in space.units}
+        s = Simulator(g, cluster(cl, devices)).simulate(space.expand(dec or {}))
+        kinds = {t.task.kind for t in s.timeline}
+        assert not kinds & {"xfer", "coll"}, (cl, kinds)
+        assert kinds <= {"fwd", "bwd", "update"}
+        busy = [d for d in range(devices) if s.compute_s[d] > 0]
+        assert len(busy) == 1
+        # one device, no overlap possible: the makespan is that device's busy time
+        assert s.iteration_time_s == pytest.approx(s.compute_s[busy[0]], rel=1e-12)
+        assert s.iteration_time_s == pytest.approx(s.serial_s, rel=1e-12)
+
+
+def test_parameter_split_communicates_and_reduce_split_all_reduces():
+    g = graph("mlp_tiny")
+    space = Space(g, 4)
+    s = Simulator(g, cluster("dgx-h100", 4)).simulate(
+        space.expand({"net_2": Config(1, "r", 4, 0)})
+    )
+    partial = [t.task for t in s.timeline if "partial sums" in t.task.detail]
+    assert len(partial) == 1 and partial[0].name == "net_2"
+    assert partial[0].nbytes == g.node("net_2").output_bytes
+    s = Simulator(g, cluster("dgx-h100", 4)).simulate(
+        space.expand({"net_2": Config(1, "p", 4, 1)})
+    )
+    xfers = [t.task for t in s.timeline if t.task.kind == "xfer"]
+    assert xfers and not any("partial sums" in t.task.detail for t in s.timeline)
+
+
+def test_memory_counts_optimizer_state():
+    g = graph("mlp_tiny")
+    space = Space(g, 1)
+    configs = space.expand({})
+    c = cluster("cpu", 1)
+    mem = {opt: Simulator(g, c, optimizer=opt).simulate(configs).memory_bytes[0]
+           for opt in ("sgd", "momentum", "adam")}
+    p = g.param_bytes
+    assert mem["momentum"] - mem["sgd"] == pytest.approx(p)
+    assert mem["adam"] - mem["sgd"] == pytest.approx(2 * p)
+    assert mem["sgd"] >= 2 * p  # parameters and gradients
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        Simulator(g, c, optimizer="lamb")  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- scaling
+
+
+def _compute_bound_convnet():
+    with torch.device("meta"):
+        model = nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10),
+        )
+        x = torch.empty(512, 3, 32, 32)
+    return model, (x,)
+
+
+@functools.cache
+def convnet_graph():
+    return trace(*_compute_bound_convnet())
+
+
+@pytest.mark.parametrize("cl", ["dgx-h100", "flexflow-k80"])
+def test_more_devices_lower_data_parallel_time(cl):
+    g = convnet_graph()
+    times = []
+    for d in (1, 2, 4, 8):
+        space = Space(g, d)
+        s = Simulator(g, cluster(cl, d)).simulate(space.expand(baselines.data_parallel(space)))
+        assert s.feasible
+        times.append(s.iteration_time_s)
+    assert all(b < a for a, b in zip(times, times[1:], strict=False)), times
+    assert times[-1] < times[0] / 4  # compute bound: close to linear scaling

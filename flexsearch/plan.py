@@ -95,6 +95,14 @@ class Plan(_Frozen):
         """Wall time of the search that made this plan (not saved)."""
         return self._search_time_s
 
+    def __eq__(self, other: object) -> bool:
+        """Plans are equal when their saved content is (the search time is not part of it)."""
+        if not isinstance(other, Plan):
+            return NotImplemented
+        return self.model_dump() == other.model_dump()
+
+    __hash__ = None  # type: ignore[assignment]  # dict fields: plans are not hashable
+
     def with_search_time(self, seconds: float) -> Plan:
         self._search_time_s = seconds
         return self

@@ -6,10 +6,10 @@ Cost: the simulated iteration time; a plan that does not fit in memory costs
 cross infeasible states but the best kept is always the best *feasible* one.
 
 One step: pick a unit uniformly at random, give it a random other candidate
-configuration (with probability ``span_p`` the same configuration also goes to the next
-1-3 units in program order where legal: a layer and the ops right after it usually
-want the same layout, and one-op moves cannot cross the resharding valley between
-two layouts), simulate (delta simulation: only the changed fragments are rebuilt),
+configuration (with probability ``span_p`` the next 1-3 units in program order also
+move, each to a random candidate on the same device mesh (same ``s``, ``t`` and first
+device; e.g. a column-parallel layer and the row-parallel one after it): one-op moves
+cannot cross the resharding valley between two layouts), simulate (delta simulation: only the changed fragments are rebuilt),
 accept with probability ``min(1, exp(-beta * (cost* - cost) / cost))`` (FlexFlow's
 ``exp(beta (cost(S) - cost(S*)))`` with the difference taken relative to the current
 cost, so ``beta`` does not depend on the model's time scale; an improvement is always
@@ -76,7 +76,10 @@ def mcmc(
     t0 = time.perf_counter()
     units = [u for u in space.units if len(space.candidates(u)) > 1]
     cands = {u.name: space.candidates(u) for u in units}
-    cand_sets = {k: frozenset(v) for k, v in cands.items()}
+    by_mesh: dict[str, dict[tuple[int, int, int], list[Config]]] = {}
+    for name, options in cands.items():
+        for c in options:
+            by_mesh.setdefault(name, {}).setdefault((c.s, c.t, c.first), []).append(c)
 
     def run(dec: Mapping[str, Config]) -> Simulation:
         return simulator.simulate(space.expand(dec), timeline=False)
@@ -117,8 +120,9 @@ def mcmc(
         prop[u.name] = new
         if rng.random() < span_p:
             for v in units[ui + 1: ui + 1 + rng.randint(1, 3)]:
-                if new in cand_sets[v.name]:
-                    prop[v.name] = new
+                same_mesh = by_mesh[v.name].get((new.s, new.t, new.first))
+                if same_mesh:
+                    prop[v.name] = same_mesh[rng.randrange(len(same_mesh))]
         sim = run(prop)
         c = cost_of(sim)
         if c <= cur_cost or rng.random() < math.exp(-beta * (c - cur_cost) / cur_cost):

@@ -6,6 +6,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,3 +49,18 @@ def reference_flops(model, inputs) -> int:
     finally:
         model.train(was)
     return counter.get_total_flops()
+
+
+class Branchy(nn.Module):
+    """Two branches side by side, joined by an add."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(32, 32)
+        self.c = nn.Linear(32, 32)
+        self.d = nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.d(torch.relu(self.b(h)) + torch.tanh(self.c(h)))

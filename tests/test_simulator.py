@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, Branchy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -29,21 +29,6 @@ SETTINGS = settings(
 
 CLUSTERS = [("dgx-h100", 4), ("flexflow-k80", 4), ("flexflow-k80", 8)]
 GRAPHS = ["mlp_tiny", "gpt_tiny", "alexnet_tiny", "branchy"]
-
-
-class Branchy(nn.Module):
-    """Two branches side by side, joined by an add."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(16, 32)
-        self.b = nn.Linear(32, 32)
-        self.c = nn.Linear(32, 32)
-        self.d = nn.Linear(32, 8)
-
-    def forward(self, x):
-        h = torch.relu(self.a(x))
-        return self.d(torch.relu(self.b(h)) + torch.tanh(self.c(h)))
 
 
 @functools.cache

@@ -10,8 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT
-from torch import nn
+from conftest import ROOT, Branchy
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import zoo  # noqa: E402
@@ -462,9 +461,9 @@ def test_follow_unmappable_split_replicates():
     # flattened dim (the leading dim of a reshape group maps, scaled)
     flat = g.node("flatten")
     pool = g.node("features_12")
-    c = follow(g, flat, pool, Config(1, "a", 4, 1), 4)
+    c = follow(flat, pool, Config(1, "a", 4, 1), 4)
     assert legal(flat, c, 4) and c.n == 4 and c.first == 0
-    c = follow(g, flat, pool, Config(2, "a", 2, 1), 4)
+    c = follow(flat, pool, Config(2, "a", 2, 1), 4)
     assert legal(flat, c, 4) and c.n == 4 and c.s == 2
 
 
@@ -492,18 +491,6 @@ def test_data_parallel_uses_all_devices():
 
 
 def test_two_branch_model_space():
-    class Branchy(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = nn.Linear(16, 32)
-            self.b = nn.Linear(32, 32)
-            self.c = nn.Linear(32, 32)
-            self.d = nn.Linear(32, 8)
-
-        def forward(self, x):
-            h = torch.relu(self.a(x))
-            return self.d(torch.relu(self.b(h)) + torch.tanh(self.c(h)))
-
     g = trace(Branchy(), (torch.randn(8, 16),))
     sp = Space(g, 4)
     assert [u.name for u in sp.units] == ["a", "b", "c", "d"]

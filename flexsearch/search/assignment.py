@@ -61,7 +61,7 @@ class AssignmentBuilder:
             if n.name in unit_of:
                 self.owner[n.name] = unit_of[n.name]
             elif not is_source(n):
-                c = next(i for i in n.inputs if not is_source(g.node(i)))
+                c = space.carrier(n).name
                 self.carrier[n.name] = c
                 self.owner[n.name] = self.owner[c]
         self.owned: dict[int, list[str]] = defaultdict(list)
@@ -77,7 +77,7 @@ class AssignmentBuilder:
         for nm in self.owned[u]:
             if nm in self.carrier:
                 c = self.carrier[nm]
-                out[nm] = follow(g, g.node(nm), g.node(c), out[c], self.space.devices)
+                out[nm] = follow(g.node(nm), g.node(c), out[c], self.space.devices)
             else:
                 out[nm] = a
         return out

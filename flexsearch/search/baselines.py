@@ -20,20 +20,16 @@ falls back to the replicated form of the same mesh, then to data parallel.
 
 from __future__ import annotations
 
-from flexsearch.search.space import Config, Space, Unit, legal
+from flexsearch.search.space import Config, Space, Unit
 
 
 def data_parallel(space: Space) -> dict[str, Config]:
     return {u.name: space.data_parallel(u) for u in space.units}
 
 
-def _fits(space: Space, unit: Unit, c: Config) -> bool:
-    return all(legal(space.graph.node(n), c, space.devices) for n in unit.nodes)
-
-
 def _pick(space: Space, unit: Unit, *options: Config) -> Config:
     for c in options:
-        if _fits(space, unit, c):
+        if space.allows(unit, c):
             return c
     return space.data_parallel(unit)
 

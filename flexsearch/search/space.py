@@ -35,6 +35,7 @@ layout of their first input as DTensor's sharding propagation does
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -214,14 +215,20 @@ def is_follower(node: OpNode) -> bool:
     return not is_source(node) and node.kind in FOLLOWER_KINDS and not node.opaque
 
 
-def follow(graph: OpGraph, node: OpNode, producer: OpNode, pc: Config, devices: int) -> Config:
+def _replicated(s: int, n: int, first: int) -> Config:
+    """``s``-way sample split, replicated on the rest of ``n`` devices from ``first``."""
+    t = n // s
+    return Config(s, "x" if t > 1 else "", t, -1, first)
+
+
+def follow(node: OpNode, producer: OpNode, pc: Config, devices: int) -> Config:
     """The layout a follower takes from its first input's configuration ``pc`` (as
     DTensor propagates a placement): the sample split and an attribute/parameter split
     carry over when their dim maps to one of the follower's output dims and stays
     legal; a partial (reduced) or unmappable split becomes a replication over the same
     devices."""
     if not producer.outputs or not node.outputs:
-        return Config(1, "x" if pc.n > 1 else "", pc.n, -1, pc.first) if pc.n > 1 else Config(first=pc.first)
+        return _replicated(1, pc.n, pc.first)
     dmap = dim_map(node, 0, producer.outputs[0].shape)
     s = 1
     ps = sample_dim(producer)
@@ -229,19 +236,12 @@ def follow(graph: OpGraph, node: OpNode, producer: OpNode, pc: Config, devices: 
         od = inverse_dim(dmap, ps)
         if od is not None and od == sample_dim(node) and _dim_size(node, od) % pc.s == 0:
             s = pc.s
-    t = pc.n // s
-    cand: Config | None = None
     if pc.kind in ("a", "p") and s == pc.s:
         od = inverse_dim(dmap, pc.dim)
-        if od is not None:
-            c = Config(s, "a", pc.t, od, pc.first)
-            if legal(node, c, devices):
-                cand = c
-    if cand is None:
-        cand = Config(s, "x" if t > 1 else "", t, -1, pc.first)
-    if not legal(node, cand, devices):
-        cand = Config(1, "x" if pc.n > 1 else "", pc.n, -1, pc.first)
-    return cand
+        if od is not None and legal(node, c := Config(s, "a", pc.t, od, pc.first), devices):
+            return c
+    c = _replicated(s, pc.n, pc.first)
+    return c if legal(node, c, devices) else _replicated(1, pc.n, pc.first)
 
 
 @dataclass(frozen=True)
@@ -300,13 +300,18 @@ class Space:
     def unit_index(self) -> dict[str, int]:
         return {u.name: i for i, u in enumerate(self.units)}
 
+    def unit(self, unit: Unit | str) -> Unit:
+        return unit if isinstance(unit, Unit) else self.units[self.unit_index[unit]]
+
+    def allows(self, unit: Unit | str, c: Config) -> bool:
+        """Is ``c`` legal for every node of the unit?"""
+        return all(legal(self.graph.node(nm), c, self.devices) for nm in self.unit(unit).nodes)
+
     def candidates(self, unit: Unit | str, *, full_block_only: bool = False) -> tuple[Config, ...]:
         """Configurations legal for every node of the unit."""
-        u = unit if isinstance(unit, Unit) else self.units[self.unit_index[unit]]
-        head = self.graph.node(u.nodes[0])
-        cands = candidates(head, self.devices, full_block_only=full_block_only)
-        rest = [self.graph.node(nm) for nm in u.nodes[1:]]
-        return tuple(c for c in cands if all(legal(n, c, self.devices) for n in rest))
+        u = self.unit(unit)
+        cands = candidates(self.graph.node(u.nodes[0]), self.devices, full_block_only=full_block_only)
+        return tuple(c for c in cands if self.allows(u, c))
 
     def expand(self, decisions: Mapping[str, Config]) -> dict[str, Config]:
         """A configuration for every node: a unit's decision for each of its nodes
@@ -323,11 +328,11 @@ class Space:
             if is_source(n):
                 out[n.name] = Config()
                 continue
-            p = self._carrier(n)  # a follower: decisions and sources come first
-            out[n.name] = follow(self.graph, n, p, out[p.name], self.devices)
+            p = self.carrier(n)  # a follower: decisions and sources come first
+            out[n.name] = follow(n, p, out[p.name], self.devices)
         return out
 
-    def _carrier(self, n: OpNode) -> OpNode:
+    def carrier(self, n: OpNode) -> OpNode:
         """The input a follower takes its layout from: its first non-source input."""
         return next(p for p in map(self.graph.node, n.inputs) if not is_source(p))
 
@@ -342,8 +347,7 @@ class Space:
         for name, c in decisions.items():
             if name not in self.unit_index:
                 raise ValueError(f"{name!r} is not a decision of this graph")
-            u = self.units[self.unit_index[name]]
-            for nm in u.nodes:
+            for nm in self.units[self.unit_index[name]].nodes:
                 if not legal(self.graph.node(nm), c, self.devices):
                     raise ValueError(
                         f"configuration {c.text} is not legal for {nm} on {self.devices} devices"
@@ -351,8 +355,6 @@ class Space:
 
     def iter_decisions(self) -> Iterator[dict[str, Config]]:
         """Every combination of unit candidates (for exhaustive search on tiny graphs)."""
-        import itertools
-
         cands = [self.candidates(u) for u in self.units]
         for combo in itertools.product(*cands):
             yield {u.name: c for u, c in zip(self.units, combo, strict=True)}

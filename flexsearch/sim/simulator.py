@@ -149,36 +149,9 @@ class Simulator:
 
     def _schedule(self, frags: list[Fragment], ordered: list[Task], keep_timeline: bool) -> Simulation:
         devices = self.cluster.devices
-        free = [0.0] * (devices + len(self._links))
-        end: dict = {}
-        timeline: list[Scheduled] = []
-        compute = [0.0] * devices
-        chain: dict = {}  # critical path: end times without resource waits
-        serial = 0.0
-        for t in ordered:
-            start = 0.0
-            for k in t.deps:
-                v = end.get(k)
-                if v is not None and v > start:
-                    start = v
-            for r in t.resources:
-                if free[r] > start:
-                    start = free[r]
-            stop = start + t.duration
-            for r in t.resources:
-                free[r] = stop
-            for k in t.defines:
-                if k[0] != "G" or stop > end.get(k, 0.0):
-                    end[k] = stop
-            if t.kind == "fwd" or t.kind == "bwd":
-                compute[t.resources[0]] += t.duration
-            serial += t.duration
-            if keep_timeline:
-                timeline.append(Scheduled(t, start, stop))
-                cstop = max([chain.get(k, 0.0) for k in t.deps], default=0.0) + t.duration
-                for k in t.defines:
-                    if k[0] != "G" or cstop > chain.get(k, 0.0):
-                        chain[k] = cstop
+        run = run_tasks(ordered, devices, len(self._links), keep_timeline)
+        free, end, timeline, compute, chain = run.free, run.end, run.timeline, run.compute, run.chain
+        serial = run.serial
 
         # Optimizer update per device, after its gradient synchronisations.
         params = [0.0] * devices
@@ -219,6 +192,56 @@ class Simulator:
             critical_path_s=max(chain.values(), default=0.0) if keep_timeline else float("nan"),
             serial_s=serial,
         )
+
+
+@dataclass
+class TaskRun:
+    """The state list scheduling leaves: per resource its free time, per key its end
+    time, per device its busy compute time, the timeline and the critical-path ends."""
+
+    free: list[float]
+    end: dict
+    timeline: list[Scheduled]
+    compute: list[float]
+    chain: dict
+    serial: float
+
+
+def run_tasks(ordered: list[Task], devices: int, links: int, keep_timeline: bool = True) -> TaskRun:
+    """List-schedule ``ordered`` (module docstring): each task starts at the latest end of
+    its dependencies and of its resources' previous tasks and holds its resources until
+    it ends. Every plan kind's simulator schedules its tasks through this function."""
+    free = [0.0] * (devices + links)
+    end: dict = {}
+    timeline: list[Scheduled] = []
+    compute = [0.0] * devices
+    chain: dict = {}  # critical path: end times without resource waits
+    serial = 0.0
+    for t in ordered:
+        start = 0.0
+        for k in t.deps:
+            v = end.get(k)
+            if v is not None and v > start:
+                start = v
+        for r in t.resources:
+            if free[r] > start:
+                start = free[r]
+        stop = start + t.duration
+        for r in t.resources:
+            free[r] = stop
+        for k in t.defines:
+            if k[0] != "G" or stop > end.get(k, 0.0):
+                end[k] = stop
+        if t.kind == "fwd" or t.kind == "bwd":
+            compute[t.resources[0]] += t.duration
+        serial += t.duration
+        if keep_timeline:
+            timeline.append(Scheduled(t, start, stop))
+            cstop = max([chain.get(k, 0.0) for k in t.deps], default=0.0) + t.duration
+            for k in t.defines:
+                if k[0] != "G" or cstop > chain.get(k, 0.0):
+                    chain[k] = cstop
+    return TaskRun(free, end, timeline, compute, chain, serial)
 
 
 def simulate_configs(graph: OpGraph, configs: Mapping[str, Config], cluster: Cluster, **kw) -> Simulation:

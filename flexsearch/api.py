@@ -78,6 +78,8 @@ def simulate(graph: OpGraph, plan: Plan, cluster: str | os.PathLike[str] | Clust
         cl = Cluster.from_spec(plan.cluster, plan.devices)
     else:
         cl = resolve_cluster(cluster, plan.devices)
+    if plan.kind in ("pipeline", "hybrid"):
+        return _simulate_pipeline(graph, plan, cl)
     configs = plan.node_configs()
     missing = [n.name for n in graph.nodes if n.name not in configs]
     missing += [k for k in plan.decisions if k not in configs]
@@ -90,3 +92,27 @@ def simulate(graph: OpGraph, plan: Plan, cluster: str | os.PathLike[str] | Clust
                 f"{cl.devices} devices; the file is damaged or edited, plan again"
             )
     return Simulator(graph, cl, optimizer=plan.optimizer).simulate(configs)  # type: ignore[arg-type]
+
+
+def _simulate_pipeline(graph: OpGraph, plan: Plan, cl: Cluster) -> Simulation:
+    """Re-simulate a pipeline or hybrid plan from its stages, schedule and configurations."""
+    from flexsearch.search.pipeline import simulate_stages
+
+    names = [n.name for n in graph.nodes]
+    flat = [n for st in plan.stages for n in st.nodes]
+    if flat != names or not plan.schedule or not plan.microbatches:
+        raise PlanFileError("the plan's stages do not cover the model's nodes in order; plan again")
+    bounds, start = [], 0
+    for st in plan.stages:
+        bounds.append((start, start + len(st.nodes)))
+        start += len(st.nodes)
+    tensor = max((c.t for c in plan.node_configs().values()), default=1)
+    replicas = plan.stages[0].replicas
+    if plan.schedule == "pipedream":
+        raise PlanFileError("PipeDream's asynchronous plans are baselines, not plans flexsearch returns")
+    try:
+        return simulate_stages(graph, cl, bounds=bounds, tensor=tensor, replicas=replicas,
+                               schedule=plan.schedule, microbatches=plan.microbatches,
+                               chunks=plan.chunks or 1, optimizer=plan.optimizer)
+    except ValueError as e:
+        raise PlanFileError(f"the plan's pipeline cannot be simulated: {e}; plan again") from None

@@ -213,6 +213,15 @@ def _print_plan(p, search_time_s: float | None) -> None:
         ("lower bound (1 device / N)", _ms(p.lower_bound_s)),
         ("peak memory per device", _si(p.predicted.peak_memory_bytes, "B")),
     ]
+    if p.stages:
+        chunks = f", {p.chunks} chunks per rank" if (p.chunks or 1) > 1 else ""
+        rows.append(("schedule", f"{p.schedule}, {p.microbatches} microbatches{chunks}"))
+        tensor = max((int(c.split(".")[1][1:].split(":")[0]) for c in p.configs.values() if "." in c
+                      and c.split(".")[1][0] in "apr"), default=1)
+        rows.append(("stages x replicas x tensor", f"{len(p.stages) // (p.chunks or 1)} x {p.stages[0].replicas} x {tensor}"))
+        for i, st in enumerate(p.stages):
+            rows.append((f"stage {i}", f"{st.nodes[0]} .. {st.nodes[-1]} ({len(st.nodes)} ops) on devices "
+                         f"{st.devices[0]}-{st.devices[-1]}"))
     for name, t in sorted(p.baselines.items()):
         rows.append((f"baseline {name}", _ms(t)))
     for name in p.infeasible_baselines:
@@ -251,6 +260,14 @@ def plan(
     _refuse_overwrite(out, force, "--out")
     _refuse_overwrite(trace_out, force, "--trace")
     cl = resolve_cluster(cluster, devices)
+    from flexsearch.graph.pipedream_profile import is_profile_file
+
+    if is_profile_file(model):
+        if out is not None or trace_out is not None:
+            raise typer.BadParameter("a PipeDream profile plans a PipeDream baseline; it has no plan file or "
+                                     "timeline, drop --out/--trace", param_hint="MODEL")
+        _plan_profile(model, cl, as_json)
+        return
     module, inputs = load_model(model)
     total = max_iters if max_iters is not None else (None if budget is not None else DEFAULT_MAX_ITERS)
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err, transient=True) as bar:
@@ -274,6 +291,39 @@ def plan(
         stdout.print(f"plan written to {out}")
     if trace_out is not None:
         stdout.print(f"timeline written to {trace_out} (open in https://ui.perfetto.dev)")
+
+
+def _plan_profile(path: str, cl, as_json: bool) -> None:
+    """``flexsearch plan graph.txt``: PipeDream's partitioner on measured per-layer costs."""
+    from flexsearch.graph.pipedream_profile import load_profile
+    from flexsearch.search.pipeline import plan_profile
+
+    profile = load_profile(path)
+    order = profile.topological_order()
+    best, data = plan_profile(profile, cl)
+    t, dp = best.simulation.iteration_time_s, data.iteration_time_s
+    stages = [{"first": order[a], "last": order[b - 1], "layers": b - a, "replicas": len(devs),
+               "devices": list(devs)} for a, b, devs in best.stages]
+    config = "-".join(str(s["replicas"]) for s in stages)
+    if as_json:
+        sys.stdout.write(json.dumps({
+            "kind": "pipeline", "schedule": "pipedream", "devices": cl.devices, "cluster": cl.name,
+            "configuration": config, "stages": stages, "time_per_minibatch_s": t,
+            "data_parallel_time_per_minibatch_s": dp, "peak_memory_bytes": best.simulation.peak_memory_bytes,
+        }) + "\n")
+        return
+    table = Table(title=f"{path}: PipeDream plan on {cl.devices} x {cl.device.name} ({cl.name})")
+    table.add_column("stage")
+    table.add_column("layers")
+    table.add_column("replicas", justify="right")
+    table.add_column("devices")
+    for i, s in enumerate(stages):
+        table.add_row(str(i), f"{s['first']} .. {s['last']} ({s['layers']})", str(s["replicas"]),
+                      f"{s['devices'][0]}-{s['devices'][-1]}" if len(s["devices"]) > 1 else str(s["devices"][0]))
+    stdout.print(table)
+    stdout.print(f"configuration {config}, asynchronous 1F1B with weight stashing")
+    stdout.print(f"predicted time per minibatch {_ms(t)}; data parallel {_ms(dp)} ({dp / t:.2f}x); "
+                 f"peak memory per device {_si(best.simulation.peak_memory_bytes, 'B')}")
 
 
 def _plan_graph_for(p, plan_path: str):

@@ -84,6 +84,8 @@ class Plan(_Frozen):
     stages: tuple[Stage, ...] = ()
     schedule: str | None = None
     microbatches: int | None = None
+    chunks: int | None = None
+    """Model chunks per pipeline rank (interleaved 1F1B); stage k runs on rank k mod (stages / chunks)."""
     topology: str | None = None
     spectral_gap: float | None = None
     search: SearchInfo = SearchInfo()

@@ -14,12 +14,12 @@ from flexsearch.search.partition import Chain, Level, Memory, Stage, partition, 
 def brute_force(chain: Chain, levels: list[Level], memory: Memory | None, replicate: bool) -> float:
     """min over every nested pipeline of the recurrence's value, by enumeration."""
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def best(k: int, i: int, j: int, rep: int) -> float:
         # A_k(i..j) on one level-k machine: min over sequences of stages covering i..j.
         level = levels[k]
 
-        @functools.lru_cache(maxsize=None)
+        @functools.cache
         def seq(s: int, w: int) -> float:
             if s == j:
                 return 0.0

@@ -227,7 +227,7 @@ class _Solver:
 
     def _furthest(self, pre: np.ndarray, limit: float) -> np.ndarray:
         """Per start s, the furthest e >= s with pre[e] - pre[s] <= limit."""
-        if limit == np.inf:
+        if limit == np.inf or np.isnan(limit):
             return np.full_like(self.idx, len(pre) - 1)
         e = np.searchsorted(pre, pre + limit * (1 + 1e-12), side="right") - 1
         return np.maximum(e, self.idx)
@@ -323,13 +323,11 @@ def partition(chain: Chain, levels: Sequence[Level], *, memory: Memory | None = 
     if not levels:
         raise ValueError("partition needs at least one level")
     solver = _Solver(chain, levels, memory, replicate)
-    hi = max(float(solver.cpre[-1]), 1e-12)
-    for _ in range(400):
-        if solver.feasible(hi):
-            break
-        hi *= 2
-    else:
+    if not solver.feasible(np.inf):
         return None
+    hi = max(float(solver.cpre[-1]), 1e-12)
+    while not solver.feasible(hi):
+        hi *= 2
     lo = 0.0
     for _ in range(200):
         if hi - lo <= 1e-12 * hi:

@@ -7,6 +7,11 @@ that fits in memory.
 3. The exact ILP (:mod:`.assignment`) over all-device configurations, when the graph
    has at most ``ilp_max_units`` decision units after clustering repeated blocks.
 4. MCMC (:mod:`.mcmc`) seeded with the baselines and the ILP solution.
+5. Pipeline and hybrid plans (:mod:`.pipeline`): the partitioner over every emittable
+   (tensor degree, stages, microbatches, schedule), the best simulated; and PipeDream's
+   own plan (per-stage replication, asynchronous 1F1B) as the ``pipedream`` baseline.
+   The fastest plan that fits wins; the best pipeline's time is the ``pipeline`` entry
+   of the baselines when SOAP wins, and SOAP's the ``soap`` entry when a pipeline wins.
 
 The returned plan is the best feasible state seen, so it is never slower than a
 baseline that fits. Nothing fitting raises :class:`~flexsearch.errors.InfeasiblePlanError`.
@@ -22,10 +27,11 @@ from flexsearch.cost.compute import MeasuredCosts
 from flexsearch.cost.hardware import Cluster
 from flexsearch.errors import InfeasiblePlanError
 from flexsearch.graph.opgraph import OpGraph
-from flexsearch.plan import Plan, Predicted, SearchInfo
+from flexsearch.plan import Plan, Predicted, SearchInfo, Stage
 from flexsearch.search import baselines as bl
 from flexsearch.search.assignment import AssignmentBuilder
 from flexsearch.search.mcmc import mcmc
+from flexsearch.search.pipeline import PipelineResult, pipedream_plan, search_pipelines
 from flexsearch.search.space import Config, Space
 from flexsearch.sim.simulator import Simulation, Simulator
 
@@ -76,6 +82,7 @@ def plan_graph(
     ilp_max_units: int = 64,
     ilp_time_limit_s: float = 10.0,
     progress: Callable[[int, float], None] | None = None,
+    pipelines: bool = True,
 ) -> Plan:
     """Search SOAP plans for ``graph`` on ``cluster`` (module docstring)."""
     t0 = time.perf_counter()
@@ -99,7 +106,11 @@ def plan_graph(
     remaining = None if budget_s is None else max(0.0, budget_s - (time.perf_counter() - t0))
     result = mcmc(space, sim, seeds, max_iters=max_iters, budget_s=remaining, seed=seed,
                   progress=progress)
-    if result.decisions is None:
+    pipes = search_pipelines(graph, cluster, optimizer=optimizer, measured=measured) if pipelines else []
+    pipe = next((r for r in pipes if r.simulation.feasible), None)
+    dream = pipedream_plan(graph, cluster, optimizer=optimizer, measured=measured) if pipelines else None
+    soap_time = result.simulation.iteration_time_s if result.simulation is not None else float("inf")
+    if result.decisions is None and pipe is None:
         best = min(base.values(), key=lambda b: b.simulation.peak_memory_bytes)
         cap = best.simulation.capacity_bytes
         raise InfeasiblePlanError(
@@ -108,30 +119,51 @@ def plan_graph(
             f"{best.simulation.peak_memory_bytes / 2**30:.1f} GiB); use more devices, a "
             "smaller batch, or a cluster with more memory"
         )
+    baselines = {k: b.simulation.iteration_time_s for k, b in base.items() if b.simulation.feasible}
+    infeasible = [k for k, b in base.items() if not b.simulation.feasible]
+    if dream is not None:
+        if dream.simulation.feasible:
+            baselines["pipedream"] = dream.simulation.iteration_time_s
+        else:
+            infeasible.append("pipedream")
+    search = SearchInfo(seed=seed, max_iters=max_iters, budget_s=budget_s, iterations=result.iterations,
+                        ilp=ilp_status)
+    common = dict(model=graph.model, graph_fingerprint=graph.fingerprint, devices=cluster.devices,
+                  cluster=cluster.spec, optimizer=optimizer, objective=objective,
+                  lower_bound_s=lower_bound(graph, cluster, optimizer=optimizer, measured=measured),
+                  search=search)
+    if pipe is not None and pipe.simulation.iteration_time_s < soap_time:
+        if result.decisions is not None:
+            baselines["soap"] = soap_time
+        plan = pipeline_plan(graph, pipe, baselines=baselines, infeasible_baselines=tuple(infeasible), **common)
+        return plan.with_search_time(time.perf_counter() - t0)
+    if pipe is not None:
+        baselines["pipeline"] = pipe.simulation.iteration_time_s
+    assert result.decisions is not None and result.simulation is not None
     s = result.simulation
-    assert s is not None
     configs = space.expand(result.decisions)
     kind = "data" if result.decisions == base["data"].decisions else "soap"
     plan = Plan(
-        model=graph.model,
-        graph_fingerprint=graph.fingerprint,
         kind=kind,
-        devices=cluster.devices,
-        cluster=cluster.spec,
-        optimizer=optimizer,
-        objective=objective,  # type: ignore[arg-type]
-        predicted=Predicted(
-            iteration_time_s=s.iteration_time_s,
-            peak_memory_bytes=s.peak_memory_bytes,
-            memory_bytes=s.memory_bytes,
-            compute_s=s.compute_s,
-        ),
-        lower_bound_s=lower_bound(graph, cluster, optimizer=optimizer, measured=measured),
-        baselines={k: b.simulation.iteration_time_s for k, b in base.items() if b.simulation.feasible},
-        infeasible_baselines=tuple(k for k, b in base.items() if not b.simulation.feasible),
+        predicted=_predicted(s),
+        baselines=baselines,
+        infeasible_baselines=tuple(infeasible),
         decisions={k: v.text for k, v in result.decisions.items()},
         configs={k: v.text for k, v in configs.items()},
-        search=SearchInfo(seed=seed, max_iters=max_iters, budget_s=budget_s,
-                          iterations=result.iterations, ilp=ilp_status),
+        **common,
     )
     return plan.with_search_time(time.perf_counter() - t0)
+
+
+def _predicted(s: Simulation) -> Predicted:
+    return Predicted(iteration_time_s=s.iteration_time_s, peak_memory_bytes=s.peak_memory_bytes,
+                     memory_bytes=s.memory_bytes, compute_s=s.compute_s)
+
+
+def pipeline_plan(graph: OpGraph, r: PipelineResult, **fields) -> Plan:
+    """A :class:`Plan` for a simulated pipeline or hybrid candidate."""
+    names = [n.name for n in graph.nodes]
+    stages = tuple(Stage(nodes=tuple(names[a:b]), devices=devs, replicas=r.replicas)
+                   for a, b, devs in r.stages)
+    return Plan(kind=r.kind, predicted=_predicted(r.simulation), configs={k: c.text for k, c in r.configs.items()},
+                stages=stages, schedule=r.schedule, microbatches=r.microbatches, chunks=r.chunks, **fields)

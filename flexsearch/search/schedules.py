@@ -94,7 +94,7 @@ def rank_actions(
         warmup = microbatches if schedule == "gpipe" else min(microbatches, ranks - r)
         forwards = [Action(r, "F", j) for j in range(microbatches)]
         backwards = [Action(r, "B", j) for j in range(microbatches)]
-        out.append(_warmup_then_alternate(forwards, backwards, warmup))
+        out.append(warmup_then_alternate(forwards, backwards, warmup))
     return tuple(out)
 
 
@@ -116,10 +116,10 @@ def _interleaved(p: int, m: int, v: int, r: int) -> tuple[Action, ...]:
     warmup = min((v - 1) * q + 2 * (p - 1 - r) + 1, m * v)
     forwards = [nth(k, "F") for k in range(m * v)]
     backwards = [nth(k, "B") for k in range(m * v)]
-    return _warmup_then_alternate(forwards, backwards, warmup)
+    return warmup_then_alternate(forwards, backwards, warmup)
 
 
-def _warmup_then_alternate(
+def warmup_then_alternate(
     forwards: list[Action], backwards: list[Action], warmup: int
 ) -> tuple[Action, ...]:
     """``forwards[:warmup]``, then B, F, B, F, ... until the forwards run out, then the other B."""

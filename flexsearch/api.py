@@ -113,6 +113,7 @@ def _simulate_pipeline(graph: OpGraph, plan: Plan, cl: Cluster) -> Simulation:
     try:
         return simulate_stages(graph, cl, bounds=bounds, tensor=tensor, replicas=replicas,
                                schedule=plan.schedule, microbatches=plan.microbatches,
-                               chunks=plan.chunks or 1, optimizer=plan.optimizer)
+                               chunks=plan.chunks or 1, recompute=plan.recompute,
+                               optimizer=plan.optimizer)
     except ValueError as e:
         raise PlanFileError(f"the plan's pipeline cannot be simulated: {e}; plan again") from None

@@ -85,6 +85,8 @@ class Plan(_Frozen):
     schedule: str | None = None
     microbatches: int | None = None
     chunks: int | None = None
+    recompute: bool = False
+    """Pipeline stages recompute their activations in the backward pass (checkpointing)."""
     """Model chunks per pipeline rank (interleaved 1F1B); stage k runs on rank k mod (stages / chunks)."""
     topology: str | None = None
     spectral_gap: float | None = None

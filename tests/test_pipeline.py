@@ -165,3 +165,31 @@ def test_profile_plan_and_cli():
     text = CliRunner().invoke(app, ["plan", str(ROOT / "benchmarks/profiles/vgg16_pipedream.txt"),
                                     "--devices", "16", "--cluster", "pipedream-a"])
     assert text.exit_code == 0 and "time per minibatch" in text.stdout and "replicas" in text.stdout
+
+
+def test_recomputation_trades_a_forward_for_memory():
+    from flexsearch.search.pipeline import NodeCost, _stage_cost
+
+    costs = [NodeCost(1.0, 2.0, 10.0, 100.0)] * 4
+    g = trace(Branchy(), (__import__("torch").randn(4, 16),))
+    cuts = (0.0, 5.0, 5.0, 5.0, 5.0)
+    plain = _stage_cost(costs, g, 0, 4, cuts, 0.0)
+    again = _stage_cost(costs, g, 0, 4, cuts, 0.0, recompute=True)
+    assert (plain.backward_s, again.backward_s) == (8.0, 12.0)
+    assert (plain.stash_bytes, plain.working_bytes) == (400.0, 0.0)
+    assert (again.stash_bytes, again.working_bytes) == (0.0, 400.0)  # stage input only (position 0)
+
+
+@pytest.mark.slow
+def test_gpt3_175b_hybrid_plan_fits_on_1024_h100():
+    import time
+
+    t0 = time.perf_counter()
+    model, inputs = load_model(str(ROOT / "benchmarks/models/gpt.py:gpt3_175b"))
+    g = trace(model, inputs)
+    plan = plan_graph(g, Cluster.preset("dgx-h100", 1024), max_iters=50, seed=0)
+    assert time.perf_counter() - t0 < 300
+    assert plan.kind == "hybrid"
+    assert plan.predicted.peak_memory_bytes <= 80e9
+    tensor = max(int(c.split(".")[1][1:].split(":")[0]) for c in plan.configs.values() if "." in c)
+    assert tensor > 1 and plan.stages[0].replicas > 1 and len(plan.stages) > 1  # pipeline x tensor x data

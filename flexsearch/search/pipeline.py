@@ -141,6 +141,7 @@ class PipelineResult:
     schedule: str
     microbatches: int
     chunks: int
+    recompute: bool
     tensor: int
     replicas: int
     stages: tuple[tuple[int, int, tuple[int, ...]], ...]
@@ -150,14 +151,19 @@ class PipelineResult:
 
 
 def _stage_cost(costs: Sequence[NodeCost], graph: OpGraph, a: int, b: int, cuts: Sequence[float],
-                extra_params: float) -> StageCost:
+                extra_params: float, recompute: bool = False, tensor: int = 1) -> StageCost:
+    """A stage's cost; with ``recompute`` the backward reruns the forward first, and only
+    the stage's input (its share, per tensor-parallel device) stays stashed per microbatch."""
     seg = costs[a:b]
+    fwd = sum(c.forward_s for c in seg)
+    stash = sum(c.stash_bytes for c in seg)
     return StageCost(
-        forward_s=sum(c.forward_s for c in seg),
-        backward_s=sum(c.backward_s for c in seg),
+        forward_s=fwd,
+        backward_s=sum(c.backward_s for c in seg) + (fwd if recompute else 0.0),
         param_bytes=sum(c.param_bytes for c in seg) + extra_params,
-        stash_bytes=sum(c.stash_bytes for c in seg),
+        stash_bytes=cuts[a] if recompute else stash,
         send_bytes=cuts[b] if b < len(graph.nodes) else 0.0,
+        working_bytes=stash if recompute else 0.0,
     )
 
 
@@ -192,7 +198,7 @@ def _level_between(cluster: Cluster, group: int) -> tuple[float, float]:
 
 def simulate_stages(graph: OpGraph, cluster: Cluster, *, bounds: Sequence[tuple[int, int]], tensor: int,
                     replicas: int, schedule: str, microbatches: int, chunks: int = 1,
-                    optimizer: str = "adam", measured=None, timeline: bool = True,
+                    recompute: bool = False, optimizer: str = "adam", measured=None, timeline: bool = True,
                     costs: Sequence[NodeCost] | None = None, ctx: CostContext | None = None) -> Simulation:
     """Simulate a uniform pipeline: stage ``k`` = nodes ``bounds[k]`` (positions), on
     ``replicas`` x ``tensor`` devices of pipeline rank ``k mod (len(bounds) / chunks)``."""
@@ -209,7 +215,8 @@ def simulate_stages(graph: OpGraph, cluster: Cluster, *, bounds: Sequence[tuple[
         costs = [got[n.name] for n in mg.nodes]
     mg_cuts = cut_bytes(microbatch_graph(graph, replicas * microbatches))
     extra, tied = _tied(graph, costs, bounds)
-    stage_costs = [_stage_cost(costs, graph, a, b, mg_cuts, extra[k]) for k, (a, b) in enumerate(bounds)]
+    stage_costs = [_stage_cost(costs, graph, a, b, mg_cuts, extra[k], recompute)
+                   for k, (a, b) in enumerate(bounds)]
     ranks = tuple(tuple(tuple(range(r * g + i * tensor, r * g + (i + 1) * tensor)) for i in range(replicas))
                   for r in range(p))
     layout = PipelineLayout(schedule, microbatches, ranks, chunks=chunks, tied=tied)
@@ -223,7 +230,15 @@ def _divisors(n: int) -> list[int]:
 
 @functools.lru_cache(maxsize=4096)
 def peak_in_flight(schedule: str, p: int, m: int, v: int = 1) -> int | None:
-    """Most microbatches any stage keeps in flight (None: the schedule does not take m)."""
+    """Most microbatches any stage keeps in flight (None: the schedule does not take m).
+    Closed forms for GPipe (``m``) and 1F1B (``min(p, m)``); interleaved schedules are
+    enumerated, and skipped beyond 4,096 actions per rank."""
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(p, m)
+    if p * m * v > 4096:
+        return None
     try:
         per_rank = rank_actions(schedule, p, m, chunks=v)
     except ValueError:
@@ -292,9 +307,7 @@ def search_pipelines(graph: OpGraph, cluster: Cluster, *, optimizer: str = "adam
                 if costs is None:
                     continue
                 cuts = cut_memo[d * m]
-                chain = Chain(compute=tuple(c.forward_s + c.backward_s for c in costs),
-                              params=tuple(c.param_bytes for c in costs), cut_bytes=cuts,
-                              stash=tuple(c.stash_bytes for c in costs))
+                chains = {rc: stage_chain(costs, cuts, rc) for rc in (False, True)}
                 for schedule in schedules:
                     v = 2 if schedule == "interleaved" else 1
                     if v * p > layers:
@@ -302,20 +315,25 @@ def search_pipelines(graph: OpGraph, cluster: Cluster, *, optimizer: str = "adam
                     q = peak_in_flight(schedule, p, m, v)
                     if q is None:
                         continue
-                    memory = Memory(cap, float(state), in_flight=lambda r, q=q: q)
-                    part = partition(chain, [Level(p * v, bw, lat)], memory=memory, replicate=False)
-                    if part is None or len(part.stages) != p * v:
-                        continue
-                    est = (m * v + p - 1) / v * part.bottleneck_s
-                    estimates.append((est, t, p, d, m, schedule, v, part))
-    estimates.sort(key=lambda e: e[0])
+                    for recompute in (False, True):
+                        # recomputation: one microbatch's activations at a time (the stage
+                        # inputs kept per microbatch are left to the simulation's check)
+                        memory = Memory(cap, float(state), in_flight=lambda r, q=1 if recompute else q: q)
+                        part = partition(chains[recompute], [Level(p * v, bw, lat)], memory=memory, replicate=False)
+                        if part is None or len(part.stages) != p * v:
+                            continue
+                        est = (m * v + p - 1) / v * part.bottleneck_s
+                        estimates.append((est, t, p, d, m, schedule, v, recompute, part))
+                        break
+    estimates.sort(key=lambda e: (e[0], e[7]))
     results = []
-    for est, t, p, d, m, schedule, v, part in estimates[:simulate_top]:
+    for est, t, p, d, m, schedule, v, recompute, part in estimates[:simulate_top]:
         del est
         bounds = [(s.start, s.end) for s in part.stages]
         costs = costs_for(d * m, t)
         sim = simulate_stages(graph, cluster, bounds=bounds, tensor=t, replicas=d, schedule=schedule,
-                              microbatches=m, chunks=v, optimizer=optimizer, measured=measured,
+                              microbatches=m, chunks=v, recompute=recompute, optimizer=optimizer,
+                              measured=measured,
                               timeline=False, costs=costs, ctx=ctx)
         mg = microbatch_graph(graph, d * m)
         local = stage_configs(mg, t) or {}
@@ -323,10 +341,17 @@ def search_pipelines(graph: OpGraph, cluster: Cluster, *, optimizer: str = "adam
                    for k, c in local.items()}
         stages = tuple((a, b, tuple(range((k % p) * d * t, (k % p + 1) * d * t)))
                        for k, (a, b) in enumerate(bounds))
-        results.append(PipelineResult("hybrid" if t > 1 else "pipeline", schedule, m, v, t, d, stages,
-                                      configs, sim))
+        results.append(PipelineResult("hybrid" if t > 1 else "pipeline", schedule, m, v, recompute, t, d,
+                                      stages, configs, sim))
     results.sort(key=lambda r: (not r.simulation.feasible, r.simulation.iteration_time_s))
     return results
+
+
+def stage_chain(costs: Sequence[NodeCost], cuts: Sequence[float], recompute: bool = False) -> Chain:
+    """Per microbatch: compute ``f + b`` (``2 f + b`` with activation recomputation)."""
+    return Chain(compute=tuple(c.forward_s * (2 if recompute else 1) + c.backward_s for c in costs),
+                 params=tuple(c.param_bytes for c in costs), cut_bytes=tuple(cuts),
+                 stash=tuple(c.stash_bytes for c in costs))
 
 
 def cluster_levels(cluster: Cluster) -> list[Level]:
@@ -348,9 +373,7 @@ def pipedream_layout(part: Partitioning, units: int, window: int) -> PipelineLay
 
 
 def pipedream_chain(costs: Sequence[NodeCost], cuts: Sequence[float]) -> Chain:
-    return Chain(compute=tuple(c.forward_s + c.backward_s for c in costs),
-                 params=tuple(c.param_bytes for c in costs), cut_bytes=tuple(cuts),
-                 stash=tuple(c.stash_bytes for c in costs))
+    return stage_chain(costs, cuts)
 
 
 def pipedream_plan(graph: OpGraph, cluster: Cluster, *, optimizer: str = "adam",
@@ -399,7 +422,7 @@ def pipedream_from_chain(graph: OpGraph | None, cluster: Cluster, chain: Chain, 
         layout = pipedream_layout(part, units, window)
         sim = simulate_pipeline(ctx, stage_costs, layout, optimizer=optimizer, timeline=False)
         stages = tuple((s.start, s.end, s.devices) for s in flat)
-        res = PipelineResult("pipeline", "pipedream", window, 1, 1, 1, stages, {}, sim)
+        res = PipelineResult("pipeline", "pipedream", window, 1, False, 1, 1, stages, {}, sim)
         if best is None or (sim.feasible, -sim.iteration_time_s) > (best.simulation.feasible,
                                                                      -best.simulation.iteration_time_s):
             best = res

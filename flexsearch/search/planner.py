@@ -166,4 +166,5 @@ def pipeline_plan(graph: OpGraph, r: PipelineResult, **fields) -> Plan:
     stages = tuple(Stage(nodes=tuple(names[a:b]), devices=devs, replicas=r.replicas)
                    for a, b, devs in r.stages)
     return Plan(kind=r.kind, predicted=_predicted(r.simulation), configs={k: c.text for k, c in r.configs.items()},
-                stages=stages, schedule=r.schedule, microbatches=r.microbatches, chunks=r.chunks, **fields)
+                stages=stages, schedule=r.schedule, microbatches=r.microbatches, chunks=r.chunks,
+                recompute=r.recompute, **fields)

@@ -30,9 +30,11 @@ warm-up forwards, then alternates; after every round of ``r`` minibatches the st
 replicas all-reduce their gradients and update (each replica waits for it). The time
 per minibatch is measured in steady state, over the window's second half.
 
-**Memory** per device: ``P (2 + optimizer state) + A q`` for each stage it hosts, with
-``P`` its parameter bytes, ``A`` the activations stashed per microbatch and ``q`` the
-peak number of microbatches in flight on it under the schedule; PipeDream adds one
+**Memory** per device: ``P (2 + optimizer state) + A q + R`` for each stage it hosts,
+with ``P`` its parameter bytes, ``A`` the activations stashed per microbatch, ``q`` the
+peak number of microbatches in flight on it under the schedule and ``R`` the working
+bytes (activation recomputation keeps only each microbatch's stage input, ``A``, and
+rebuilds one microbatch's activations, ``R``, during its backward); PipeDream adds one
 weight version per extra minibatch in flight, ``P (q - 1)``.
 """
 
@@ -63,6 +65,9 @@ class StageCost:
     param_bytes: float
     stash_bytes: float
     send_bytes: float
+    working_bytes: float = 0.0
+    """Bytes needed once, whatever the microbatches in flight (with activation
+    recomputation: one microbatch's activations, rebuilt during its backward)."""
 
 
 @dataclass(frozen=True)
@@ -277,7 +282,7 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
             c_s = costs[s]
             extra = c_s.param_bytes * (q - 1) if asynchronous else 0.0
             for d in layout.ranks[r][i]:
-                memory[d] += c_s.param_bytes * state + c_s.stash_bytes * q + extra
+                memory[d] += c_s.param_bytes * state + c_s.stash_bytes * q + extra + c_s.working_bytes
     return Simulation(
         iteration_time_s=time_s,
         memory_bytes=tuple(memory),

@@ -25,7 +25,7 @@ from flexsearch.cost.hardware import Cluster
 from flexsearch.graph.microbatch import microbatch_graph
 from flexsearch.graph.tracer import trace
 from flexsearch.model_files import load_model
-from flexsearch.search.partition import Chain, Level, Memory, partition
+from flexsearch.search.partition import Chain, Memory, partition
 from flexsearch.search.pipeline import cluster_levels, cut_bytes, node_costs, pipedream_chain
 from flexsearch.search.space import Space
 

@@ -13,6 +13,11 @@ that fits in memory.
    The fastest plan that fits wins; the best pipeline's time is the ``pipeline`` entry
    of the baselines when SOAP wins, and SOAP's the ``soap`` entry when a pipeline wins.
 
+Graphs too large for the op-level simulator (ops x devices > ``soap_max_tasks``, e.g.
+GPT-3 on 1,024 devices: one op-level simulation takes about 30 s there) skip steps 3-4;
+their data-parallel and Megatron baselines are simulated at stage level
+(:func:`flat_baselines`) and the plan is the best pipeline or hybrid that fits.
+
 The returned plan is the best feasible state seen, so it is never slower than a
 baseline that fits. Nothing fitting raises :class:`~flexsearch.errors.InfeasiblePlanError`.
 """
@@ -30,12 +35,20 @@ from flexsearch.graph.opgraph import OpGraph
 from flexsearch.plan import Plan, Predicted, SearchInfo, Stage
 from flexsearch.search import baselines as bl
 from flexsearch.search.assignment import AssignmentBuilder
-from flexsearch.search.mcmc import mcmc
-from flexsearch.search.pipeline import PipelineResult, pipedream_plan, search_pipelines
+from flexsearch.search.mcmc import SearchResult, mcmc
+from flexsearch.search.pipeline import (
+    PipelineResult,
+    pipedream_plan,
+    search_pipelines,
+    simulate_stages,
+)
 from flexsearch.search.space import Config, Space
 from flexsearch.sim.simulator import Simulation, Simulator
 
 DEFAULT_MAX_ITERS = 2000
+ASYNCHRONOUS_BASELINES = ("pipedream",)
+"""Baselines that change the training semantics (stale weights) and that the emitter
+does not run: reported for comparison, not a bound the returned plan must beat."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +78,27 @@ def run_baselines(space: Space, sim: Simulator, devices_per_node: int) -> dict[s
     return out
 
 
+def flat_baselines(graph: OpGraph, cluster: Cluster, **kw) -> dict[str, BaselineRun]:
+    """Data parallel and Megatron (best tensor degree within a node) simulated as one
+    pipeline stage on every device (one replica stands for all): the baselines of a
+    graph too large for the op-level simulator."""
+    out: dict[str, BaselineRun] = {}
+    for t in (1, 2, 4, 8, 16):
+        if t > cluster.devices_per_node or cluster.devices % t:
+            continue
+        try:
+            sim = simulate_stages(graph, cluster, bounds=[(0, len(graph.nodes))], tensor=t,
+                                  replicas=cluster.devices // t, schedule="1f1b", microbatches=1,
+                                  timeline=False, **kw)
+        except ValueError:
+            continue
+        key = "data" if t == 1 else "megatron"
+        prev = out.get(key)
+        if prev is None or _better(sim, prev.simulation):
+            out[key] = BaselineRun(key, {}, sim)
+    return out
+
+
 def _better(a: Simulation, b: Simulation) -> bool:
     return (a.feasible, -a.iteration_time_s) > (b.feasible, -b.iteration_time_s)
 
@@ -83,29 +117,36 @@ def plan_graph(
     ilp_time_limit_s: float = 10.0,
     progress: Callable[[int, float], None] | None = None,
     pipelines: bool = True,
+    soap_max_tasks: int = 400_000,
 ) -> Plan:
     """Search SOAP plans for ``graph`` on ``cluster`` (module docstring)."""
     t0 = time.perf_counter()
     if max_iters is None and budget_s is None:
         max_iters = DEFAULT_MAX_ITERS
     space = Space(graph, cluster.devices)
-    sim = Simulator(graph, cluster, optimizer=optimizer, measured=measured)
-    base = run_baselines(space, sim, cluster.devices_per_node)
-    seeds = [b.decisions for b in base.values()]
+    large = pipelines and len(graph.nodes) * cluster.devices > soap_max_tasks
+    if large:
+        base = flat_baselines(graph, cluster, optimizer=optimizer, measured=measured)
+        ilp_status = f"skipped: {len(graph.nodes)} ops x {cluster.devices} devices > {soap_max_tasks}"
+        result = SearchResult(None, None, 0, 0, (), 0.0)
+    else:
+        sim = Simulator(graph, cluster, optimizer=optimizer, measured=measured)
+        base = run_baselines(space, sim, cluster.devices_per_node)
+        seeds = [b.decisions for b in base.values()]
 
-    ilp_status = f"skipped: {len(space.units)} decision units > {ilp_max_units}"
-    if len(space.units) <= ilp_max_units:
-        limit = ilp_time_limit_s if budget_s is None else min(ilp_time_limit_s, budget_s / 4)
-        builder = AssignmentBuilder(space, sim.ctx, optimizer)
-        # reproducible runs (no seconds budget) limit the solver by deterministic time
-        dec, res = builder.solve(time_limit_s=limit, seed=seed, deterministic=budget_s is None)
-        ilp_status = res.status
-        if dec is not None:
-            seeds.append(dec)
+        ilp_status = f"skipped: {len(space.units)} decision units > {ilp_max_units}"
+        if len(space.units) <= ilp_max_units:
+            limit = ilp_time_limit_s if budget_s is None else min(ilp_time_limit_s, budget_s / 4)
+            builder = AssignmentBuilder(space, sim.ctx, optimizer)
+            # reproducible runs (no seconds budget) limit the solver by deterministic time
+            dec, res = builder.solve(time_limit_s=limit, seed=seed, deterministic=budget_s is None)
+            ilp_status = res.status
+            if dec is not None:
+                seeds.append(dec)
 
-    remaining = None if budget_s is None else max(0.0, budget_s - (time.perf_counter() - t0))
-    result = mcmc(space, sim, seeds, max_iters=max_iters, budget_s=remaining, seed=seed,
-                  progress=progress)
+        remaining = None if budget_s is None else max(0.0, budget_s - (time.perf_counter() - t0))
+        result = mcmc(space, sim, seeds, max_iters=max_iters, budget_s=remaining, seed=seed,
+                      progress=progress)
     pipes = search_pipelines(graph, cluster, optimizer=optimizer, measured=measured) if pipelines else []
     pipe = next((r for r in pipes if r.simulation.feasible), None)
     dream = pipedream_plan(graph, cluster, optimizer=optimizer, measured=measured) if pipelines else None

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable
 from typing import Literal
@@ -98,20 +99,15 @@ def _simulate_pipeline(graph: OpGraph, plan: Plan, cl: Cluster) -> Simulation:
     """Re-simulate a pipeline or hybrid plan from its stages, schedule and configurations."""
     from flexsearch.search.pipeline import simulate_stages
 
-    names = [n.name for n in graph.nodes]
-    flat = [n for st in plan.stages for n in st.nodes]
-    if flat != names or not plan.schedule or not plan.microbatches:
-        raise PlanFileError("the plan's stages do not cover the model's nodes in order; plan again")
-    bounds, start = [], 0
-    for st in plan.stages:
-        bounds.append((start, start + len(st.nodes)))
-        start += len(st.nodes)
-    tensor = max((c.t for c in plan.node_configs().values()), default=1)
-    replicas = plan.stages[0].replicas
     if plan.schedule == "pipedream":
         raise PlanFileError("PipeDream's asynchronous plans are baselines, not plans flexsearch returns")
+    flat = [n for st in plan.stages for n in st.nodes]
+    if flat != [n.name for n in graph.nodes] or not plan.schedule or not plan.microbatches:
+        raise PlanFileError("the plan's stages do not cover the model's nodes in order; plan again")
+    ends = list(itertools.accumulate(len(st.nodes) for st in plan.stages))
+    bounds = list(zip([0, *ends[:-1]], ends, strict=True))
     try:
-        return simulate_stages(graph, cl, bounds=bounds, tensor=tensor, replicas=replicas,
+        return simulate_stages(graph, cl, bounds=bounds, tensor=plan.tensor_degree, replicas=plan.stages[0].replicas,
                                schedule=plan.schedule, microbatches=plan.microbatches,
                                chunks=plan.chunks or 1, recompute=plan.recompute,
                                optimizer=plan.optimizer)

@@ -217,9 +217,8 @@ def _print_plan(p, search_time_s: float | None) -> None:
         chunks = f", {p.chunks} chunks per rank" if (p.chunks or 1) > 1 else ""
         recompute = ", activations recomputed" if p.recompute else ""
         rows.append(("schedule", f"{p.schedule}, {p.microbatches} microbatches{chunks}{recompute}"))
-        tensor = max((int(c.split(".")[1][1:].split(":")[0]) for c in p.configs.values() if "." in c
-                      and c.split(".")[1][0] in "apr"), default=1)
-        rows.append(("stages x replicas x tensor", f"{len(p.stages) // (p.chunks or 1)} x {p.stages[0].replicas} x {tensor}"))
+        shape = f"{len(p.stages) // (p.chunks or 1)} x {p.stages[0].replicas} x {p.tensor_degree}"
+        rows.append(("stages x replicas x tensor", shape))
         for i, st in enumerate(p.stages):
             rows.append((f"stage {i}", f"{st.nodes[0]} .. {st.nodes[-1]} ({len(st.nodes)} ops) on devices "
                          f"{st.devices[0]}-{st.devices[-1]}"))

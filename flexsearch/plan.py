@@ -85,9 +85,9 @@ class Plan(_Frozen):
     schedule: str | None = None
     microbatches: int | None = None
     chunks: int | None = None
+    """Model chunks per pipeline rank (interleaved 1F1B); stage k runs on rank k mod (stages / chunks)."""
     recompute: bool = False
     """Pipeline stages recompute their activations in the backward pass (checkpointing)."""
-    """Model chunks per pipeline rank (interleaved 1F1B); stage k runs on rank k mod (stages / chunks)."""
     topology: str | None = None
     spectral_gap: float | None = None
     search: SearchInfo = SearchInfo()
@@ -118,6 +118,11 @@ class Plan(_Frozen):
 
     def node_configs(self) -> dict[str, Config]:
         return {k: parse_config(v) for k, v in self.configs.items()}
+
+    @property
+    def tensor_degree(self) -> int:
+        """The largest model-split degree of any op (a hybrid plan's tensor-parallel degree)."""
+        return max((c.t for c in self.node_configs().values()), default=1)
 
     def decision_configs(self) -> dict[str, Config]:
         return {k: parse_config(v) for k, v in self.decisions.items()}

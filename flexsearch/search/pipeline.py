@@ -29,15 +29,16 @@ nodes), minibatches of ``B / N`` samples, asynchronous 1F1B with weight stashing
 from __future__ import annotations
 
 import functools
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from flexsearch.cost.hardware import Cluster
 from flexsearch.graph.microbatch import batch_size, microbatch_graph
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.search import baselines as bl
-from flexsearch.search.partition import Chain, Level, Memory, Partitioning, partition
+from flexsearch.search.partition import Chain, Level, Memory, partition
 from flexsearch.search.schedules import in_flight, rank_actions
 from flexsearch.search.space import Config, Space
 from flexsearch.sim.pipeline import PipelineLayout, StageCost, simulate_pipeline
@@ -88,25 +89,28 @@ def node_costs(graph: OpGraph, configs: dict[str, Config], cluster: Cluster, *,
     return out
 
 
+def crossing_bytes(sizes: Sequence[float], edges: Iterable[tuple[int, int]]) -> tuple[float, ...]:
+    """Bytes crossing each position of an order of ``L`` layers (``L + 1`` entries; the
+    ends are 0): layer ``i``'s ``sizes[i]`` bytes cross every position after ``i`` up to
+    its last consumer (``edges`` are (producer, consumer) positions)."""
+    last = list(range(len(sizes)))
+    for a, b in edges:
+        last[a] = max(last[a], b)
+    diff = [0.0] * (len(sizes) + 2)
+    for i, u in enumerate(last):
+        if u > i:
+            diff[i + 1] += sizes[i]
+            diff[u + 1] -= sizes[i]
+    out = list(itertools.accumulate(diff[: len(sizes) + 1]))
+    out[0] = out[-1] = 0.0
+    return tuple(out)
+
+
 def cut_bytes(graph: OpGraph) -> tuple[float, ...]:
     """Bytes crossing each position of the node order (``L + 1`` entries)."""
     index = {n.name: i for i, n in enumerate(graph.nodes)}
-    diff = [0.0] * (len(graph.nodes) + 2)
-    last = {n.name: i for i, n in enumerate(graph.nodes)}
-    for n in graph.nodes:
-        for i in n.inputs:
-            last[i] = max(last[i], index[n.name])
-    for n in graph.nodes:
-        i, u = index[n.name], last[n.name]
-        if u > i:
-            diff[i + 1] += n.output_bytes
-            diff[u + 1] -= n.output_bytes
-    out, acc = [], 0.0
-    for x in range(len(graph.nodes) + 1):
-        acc += diff[x]
-        out.append(acc)
-    out[0] = out[-1] = 0.0
-    return tuple(out)
+    edges = ((index[i], k) for k, n in enumerate(graph.nodes) for i in n.inputs)
+    return crossing_bytes([n.output_bytes for n in graph.nodes], edges)
 
 
 def shared_params(graph: OpGraph) -> dict[str, tuple[int, ...]]:
@@ -150,8 +154,8 @@ class PipelineResult:
     simulation: Simulation
 
 
-def _stage_cost(costs: Sequence[NodeCost], graph: OpGraph, a: int, b: int, cuts: Sequence[float],
-                extra_params: float, recompute: bool = False, tensor: int = 1) -> StageCost:
+def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float], extra_params: float = 0.0,
+               recompute: bool = False) -> StageCost:
     """A stage's cost; with ``recompute`` the backward reruns the forward first, and only
     the stage's input (its share, per tensor-parallel device) stays stashed per microbatch."""
     seg = costs[a:b]
@@ -162,7 +166,7 @@ def _stage_cost(costs: Sequence[NodeCost], graph: OpGraph, a: int, b: int, cuts:
         backward_s=sum(c.backward_s for c in seg) + (fwd if recompute else 0.0),
         param_bytes=sum(c.param_bytes for c in seg) + extra_params,
         stash_bytes=cuts[a] if recompute else stash,
-        send_bytes=cuts[b] if b < len(graph.nodes) else 0.0,
+        send_bytes=cuts[b] if b < len(costs) else 0.0,
         working_bytes=stash if recompute else 0.0,
     )
 
@@ -187,7 +191,8 @@ def _tied(graph: OpGraph, costs: Sequence[NodeCost], bounds: Sequence[tuple[int,
     return extra, tuple(tied)
 
 
-def _level_between(cluster: Cluster, group: int) -> tuple[float, float]:
+def _link_between(cluster: Cluster, group: int) -> tuple[float, float]:
+    """(bandwidth, latency) between consecutive stages of ``group`` devices each."""
     spec = cluster.spec
     if group >= cluster.devices_per_node and spec.inter_node is not None and cluster.num_nodes > 1:
         link = spec.inter_node
@@ -206,22 +211,27 @@ def simulate_stages(graph: OpGraph, cluster: Cluster, *, bounds: Sequence[tuple[
     g = replicas * tensor
     if p * chunks != len(bounds) or p * g != cluster.devices:
         raise ValueError(f"{len(bounds)} stages x {g} devices do not make {cluster.devices} devices")
+    mg = microbatch_graph(graph, replicas * microbatches)
     if costs is None:
-        mg = microbatch_graph(graph, replicas * microbatches)
         configs = stage_configs(mg, tensor)
         if configs is None:
             raise ValueError(f"no tensor-parallel configuration of degree {tensor} for this model")
         got = node_costs(mg, configs, Cluster.from_spec(cluster.spec, tensor), measured=measured)
         costs = [got[n.name] for n in mg.nodes]
-    mg_cuts = cut_bytes(microbatch_graph(graph, replicas * microbatches))
+    cuts = cut_bytes(mg)
     extra, tied = _tied(graph, costs, bounds)
-    stage_costs = [_stage_cost(costs, graph, a, b, mg_cuts, extra[k], recompute)
+    stage_costs = [stage_cost(costs, a, b, cuts, extra[k], recompute)
                    for k, (a, b) in enumerate(bounds)]
     ranks = tuple(tuple(tuple(range(r * g + i * tensor, r * g + (i + 1) * tensor)) for i in range(replicas))
                   for r in range(p))
     layout = PipelineLayout(schedule, microbatches, ranks, chunks=chunks, tied=tied)
     ctx = ctx or CostContext(cluster, measured)
     return simulate_pipeline(ctx, stage_costs, layout, optimizer=optimizer, timeline=timeline)
+
+
+def tensor_degrees(cluster: Cluster) -> list[int]:
+    """Tensor-parallel degrees a stage may use: powers of two within one node."""
+    return [t for t in (1, 2, 4, 8, 16) if t <= cluster.devices_per_node and cluster.devices % t == 0]
 
 
 def _divisors(n: int) -> list[int]:
@@ -277,11 +287,11 @@ def search_pipelines(graph: OpGraph, cluster: Cluster, *, optimizer: str = "adam
     state = 2 + OPTIMIZER_STATE[optimizer]
     cap = cluster.device.memory_capacity.value
     ctx = CostContext(cluster, measured)
-    degrees = [t for t in (1, 2, 4, 8, 16) if t <= cluster.devices_per_node and n % t == 0]
-    cost_memo: dict[tuple[int, int], list[NodeCost] | None] = {}
+    cost_memo: dict[tuple[int, int], tuple[list[NodeCost], dict[str, Config]] | None] = {}
     cut_memo: dict[int, tuple[float, ...]] = {}
 
     def costs_for(k: int, t: int):
+        """(node costs, stage configurations) of microbatches of B / k on t devices."""
         if (k, t) not in cost_memo:
             mg = microbatch_graph(graph, k)
             configs = stage_configs(mg, t)
@@ -289,23 +299,24 @@ def search_pipelines(graph: OpGraph, cluster: Cluster, *, optimizer: str = "adam
                 cost_memo[(k, t)] = None
             else:
                 got = node_costs(mg, configs, Cluster.from_spec(cluster.spec, t), measured=measured)
-                cost_memo[(k, t)] = [got[x.name] for x in mg.nodes]
+                cost_memo[(k, t)] = ([got[x.name] for x in mg.nodes], configs)
             cut_memo[k] = cut_bytes(mg)
         return cost_memo[(k, t)]
 
     estimates = []
-    for t in degrees:
+    for t in tensor_degrees(cluster):
         for p in range(2, min(n // t, max_stages or layers, layers) + 1):
             if (n // t) % p:
                 continue
             d = n // (t * p)
             if batch % d:
                 continue
-            bw, lat = _level_between(cluster, d * t)
+            bw, lat = _link_between(cluster, d * t)
             for m in microbatch_options(batch // d, p):
-                costs = costs_for(d * m, t)
-                if costs is None:
+                hit = costs_for(d * m, t)
+                if hit is None:
                     continue
+                costs = hit[0]
                 cuts = cut_memo[d * m]
                 chains = {rc: stage_chain(costs, cuts, rc) for rc in (False, True)}
                 for schedule in schedules:
@@ -327,18 +338,14 @@ def search_pipelines(graph: OpGraph, cluster: Cluster, *, optimizer: str = "adam
                         break
     estimates.sort(key=lambda e: (e[0], e[7]))
     results = []
-    for est, t, p, d, m, schedule, v, recompute, part in estimates[:simulate_top]:
-        del est
+    for _, t, p, d, m, schedule, v, recompute, part in estimates[:simulate_top]:
         bounds = [(s.start, s.end) for s in part.stages]
-        costs = costs_for(d * m, t)
+        costs, local = costs_for(d * m, t)
         sim = simulate_stages(graph, cluster, bounds=bounds, tensor=t, replicas=d, schedule=schedule,
                               microbatches=m, chunks=v, recompute=recompute, optimizer=optimizer,
-                              measured=measured,
-                              timeline=False, costs=costs, ctx=ctx)
-        mg = microbatch_graph(graph, d * m)
-        local = stage_configs(mg, t) or {}
-        configs = {k: Config(s=d, kind=c.kind, t=c.t, dim=c.dim) if c.s == 1 and k in local else c
-                   for k, c in local.items()}
+                              measured=measured, timeline=False, costs=costs, ctx=ctx)
+        # the stage's layout: the tensor-parallel configuration, data parallel over the replicas
+        configs = {k: Config(s=d, kind=c.kind, t=c.t, dim=c.dim) if c.s == 1 else c for k, c in local.items()}
         stages = tuple((a, b, tuple(range((k % p) * d * t, (k % p + 1) * d * t)))
                        for k, (a, b) in enumerate(bounds))
         results.append(PipelineResult("hybrid" if t > 1 else "pipeline", schedule, m, v, recompute, t, d,
@@ -367,11 +374,6 @@ def cluster_levels(cluster: Cluster) -> list[Level]:
                          spec.inter_node.latency.value)]
 
 
-def pipedream_layout(part: Partitioning, units: int, window: int) -> PipelineLayout:
-    ranks = tuple(tuple((d,) for d in s.devices) for s in part.device_stages())
-    return PipelineLayout("pipedream", window, ranks, units=units)
-
-
 def pipedream_chain(costs: Sequence[NodeCost], cuts: Sequence[float]) -> Chain:
     return stage_chain(costs, cuts)
 
@@ -390,11 +392,11 @@ def pipedream_plan(graph: OpGraph, cluster: Cluster, *, optimizer: str = "adam",
     mg = microbatch_graph(graph, n)
     costs_map = node_costs(mg, Space(mg, 1).expand({}), Cluster.from_spec(cluster.spec, 1), measured=measured)
     costs = [costs_map[x.name] for x in mg.nodes]
-    return pipedream_from_chain(graph, cluster, pipedream_chain(costs, cut_bytes(mg)), costs,
+    return pipedream_from_chain(cluster, pipedream_chain(costs, cut_bytes(mg)), costs,
                                 optimizer=optimizer, measured=measured, units=n)
 
 
-def pipedream_from_chain(graph: OpGraph | None, cluster: Cluster, chain: Chain, costs: Sequence[NodeCost], *,
+def pipedream_from_chain(cluster: Cluster, chain: Chain, costs: Sequence[NodeCost], *,
                          optimizer: str = "adam", measured=None, units: int = 1) -> PipelineResult | None:
     """Partition ``chain`` PipeDream's way on ``cluster`` and simulate asynchronous 1F1B."""
     n = cluster.devices
@@ -412,14 +414,10 @@ def pipedream_from_chain(graph: OpGraph | None, cluster: Cluster, chain: Chain, 
         if part is None:
             continue
         flat = part.device_stages()
-        stage_costs = []
-        for s in flat:
-            seg = costs[s.start:s.end]
-            stage_costs.append(StageCost(sum(c.forward_s for c in seg), sum(c.backward_s for c in seg),
-                                         sum(c.param_bytes for c in seg), sum(c.stash_bytes for c in seg),
-                                         chain.cut_bytes[s.end] if s.end < chain.layers else 0.0))
+        stage_costs = [stage_cost(costs, s.start, s.end, chain.cut_bytes) for s in flat]
         window = max(8, 4 * max(s.replicas for s in flat), 2 * len(flat))
-        layout = pipedream_layout(part, units, window)
+        layout = PipelineLayout("pipedream", window, tuple(tuple((d,) for d in s.devices) for s in flat),
+                                units=units)
         sim = simulate_pipeline(ctx, stage_costs, layout, optimizer=optimizer, timeline=False)
         stages = tuple((s.start, s.end, s.devices) for s in flat)
         res = PipelineResult("pipeline", "pipedream", window, 1, False, 1, 1, stages, {}, sim)
@@ -436,19 +434,8 @@ def profile_chain(profile) -> tuple[Chain, list[NodeCost], tuple[str, ...]]:
     order = profile.topological_order()
     nodes = {n.id: n for n in profile.nodes}
     index = {k: i for i, k in enumerate(order)}
-    last = {k: index[k] for k in order}
-    for a, b in profile.edges:
-        last[a] = max(last[a], index[b])
-    diff = [0.0] * (len(order) + 2)
-    for k in order:
-        if last[k] > index[k]:
-            diff[index[k] + 1] += nodes[k].activation_bytes
-            diff[last[k] + 1] -= nodes[k].activation_bytes
-    cuts, acc = [], 0.0
-    for x in range(len(order) + 1):
-        acc += diff[x]
-        cuts.append(acc)
-    cuts[0] = cuts[-1] = 0.0
+    cuts = crossing_bytes([nodes[k].activation_bytes for k in order],
+                          ((index[a], index[b]) for a, b in profile.edges))
     costs = [NodeCost(nodes[k].forward_ms / 1e3, nodes[k].backward_ms / 1e3, nodes[k].parameter_bytes,
                       nodes[k].activation_bytes) for k in order]
     return pipedream_chain(costs, cuts), costs, order
@@ -461,13 +448,12 @@ def plan_profile(profile, cluster: Cluster, *, optimizer: str = "adam") -> tuple
     from flexsearch.errors import InfeasiblePlanError
 
     chain, costs, _ = profile_chain(profile)
-    best = pipedream_from_chain(None, cluster, chain, costs, optimizer=optimizer)
+    best = pipedream_from_chain(cluster, chain, costs, optimizer=optimizer)
     if best is None:
         raise InfeasiblePlanError(
             f"no pipeline of this profile fits in {cluster.device.memory_capacity.value / 2**30:.1f} GiB "
             f"per device on {cluster.devices} devices; use more devices or a smaller minibatch")
-    one = StageCost(sum(c.forward_s for c in costs), sum(c.backward_s for c in costs),
-                    sum(c.param_bytes for c in costs), sum(c.stash_bytes for c in costs), 0.0)
+    one = stage_cost(costs, 0, len(costs), chain.cut_bytes)
     n = cluster.devices
     layout = PipelineLayout("pipedream", max(8, 4 * n), (tuple((d,) for d in range(n)),), units=1)
     data = simulate_pipeline(CostContext(cluster), [one], layout, optimizer=optimizer, timeline=False)

@@ -41,6 +41,7 @@ from flexsearch.search.pipeline import (
     pipedream_plan,
     search_pipelines,
     simulate_stages,
+    tensor_degrees,
 )
 from flexsearch.search.space import Config, Space
 from flexsearch.sim.simulator import Simulation, Simulator
@@ -83,9 +84,7 @@ def flat_baselines(graph: OpGraph, cluster: Cluster, **kw) -> dict[str, Baseline
     pipeline stage on every device (one replica stands for all): the baselines of a
     graph too large for the op-level simulator."""
     out: dict[str, BaselineRun] = {}
-    for t in (1, 2, 4, 8, 16):
-        if t > cluster.devices_per_node or cluster.devices % t:
-            continue
+    for t in tensor_degrees(cluster):
         try:
             sim = simulate_stages(graph, cluster, bounds=[(0, len(graph.nodes))], tensor=t,
                                   replicas=cluster.devices // t, schedule="1f1b", microbatches=1,

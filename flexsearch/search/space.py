@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
 
+from flexsearch.graph.microbatch import batch_dim
 from flexsearch.graph.opgraph import OpGraph, OpNode
 from flexsearch.graph.regions import dim_map, inverse_dim
 
@@ -119,12 +120,8 @@ def parse_config(text: str) -> Config:
     return Config(int(s), kind or "", int(t or 1), int(dim) if dim is not None else -1, int(first or 0))
 
 
-def sample_dim(node: OpNode) -> int | None:
-    """The output dim that carries the batch, if any."""
-    for d in node.dims.output:
-        if d.kind == "sample":
-            return d.dim
-    return None
+sample_dim = batch_dim
+"""The output dim that carries the batch, if any (:func:`flexsearch.graph.microbatch.batch_dim`)."""
 
 
 def _dim_size(node: OpNode, dim: int) -> int:

@@ -49,7 +49,6 @@ from flexsearch.search.schedules import Action, in_flight, rank_actions, warmup_
 from flexsearch.sim.simulator import (
     _UPDATE_TRAFFIC,
     OPTIMIZER_STATE,
-    Scheduled,
     Simulation,
     run_tasks,
 )
@@ -212,7 +211,7 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
                         n = len(layout.ranks[r])
                         q = j // n
                         rounds[(s, q)] = rounds.get((s, q), 0) + 1
-                        members = [jj for jj in range(q * n, min((q + 1) * n, layout.microbatches))]
+                        members = range(q * n, min((q + 1) * n, layout.microbatches))
                         skey = ("ps", s, q)
                         if rounds[(s, q)] == len(members):
                             deps = tuple(("pb", s, jj, 0) for jj in members)
@@ -293,6 +292,3 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
         critical_path_s=max(run.chain.values(), default=0.0) if timeline else float("nan"),
         serial_s=run.serial,
     )
-
-
-__all__ = ["PipelineLayout", "Scheduled", "StageCost", "simulate_pipeline"]

@@ -38,3 +38,8 @@ class InfeasiblePlanError(FlexsearchError):
 
 class ProfileError(FlexsearchError):
     """A profile file is damaged or a measurement could not be made."""
+
+
+class EmitError(FlexsearchError):
+    """A plan cannot be emitted here: another model or world size, or a kind the
+    emitter does not run."""

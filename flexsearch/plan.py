@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from flexsearch.cost.hardware import ClusterSpec
 from flexsearch.errors import PlanFileError
-from flexsearch.graph.opgraph import OpGraph
+from flexsearch.graph.opgraph import OpGraph, TensorMeta
 from flexsearch.search.space import Config, parse_config
 
 PLAN_VERSION = 1
@@ -88,6 +88,12 @@ class Plan(_Frozen):
     """Model chunks per pipeline rank (interleaved 1F1B); stage k runs on rank k mod (stages / chunks)."""
     recompute: bool = False
     """Pipeline stages recompute their activations in the backward pass (checkpointing)."""
+    shard_params: bool = False
+    """Data parallel with parameters, gradients and optimizer state sharded over the
+    devices (FSDP2 ``fully_shard``, ZeRO-3) instead of replicated (DDP)."""
+    inputs: tuple[TensorMeta, ...] = ()
+    """The model's example inputs (positional), so the emitter can re-trace the model
+    and check it is the one the plan was made for."""
     topology: str | None = None
     spectral_gap: float | None = None
     search: SearchInfo = SearchInfo()

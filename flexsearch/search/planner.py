@@ -169,6 +169,7 @@ def plan_graph(
     search = SearchInfo(seed=seed, max_iters=max_iters, budget_s=budget_s, iterations=result.iterations,
                         ilp=ilp_status)
     common = dict(model=graph.model, graph_fingerprint=graph.fingerprint, devices=cluster.devices,
+                  inputs=graph_inputs(graph),
                   cluster=cluster.spec, optimizer=optimizer, objective=objective,
                   lower_bound_s=lower_bound(graph, cluster, optimizer=optimizer, measured=measured),
                   search=search)
@@ -193,6 +194,11 @@ def plan_graph(
         **common,
     )
     return plan.with_search_time(time.perf_counter() - t0)
+
+
+def graph_inputs(graph: OpGraph) -> tuple:
+    """The shapes and dtypes of the model's example inputs, in order."""
+    return tuple(n.outputs[0] for n in graph.nodes if n.kind == "input" and n.outputs)
 
 
 def _predicted(s: Simulation) -> Predicted:

@@ -1,0 +1,95 @@
+"""The emitter: ``parallelize(model, plan)`` returns the module this rank runs.
+
+One module per plan kind, all on torch.distributed machinery:
+
+- ``data``: :mod:`flexsearch.emit.data` (DDP; FSDP2 ``fully_shard`` when the plan
+  shards parameters);
+- ``soap``: :mod:`flexsearch.emit.sharded` (DTensor placements per op);
+- ``pipeline`` / ``hybrid``: :mod:`flexsearch.emit.staged` (the model cut into stage
+  modules by :mod:`flexsearch.emit.stages`, ``torch.distributed.pipelining`` schedules,
+  data parallel and DTensor tensor parallel inside the stages).
+
+Every emitted module has ``train_step(inputs, target, loss_fn) -> loss``: every rank
+passes the same global batch and target; the step runs forward and backward as the
+plan says, leaves the gradients on the module's parameters for any torch optimizer,
+and returns the global mean loss (``loss_fn`` must average over the batch).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+
+from flexsearch.emit.runtime import Runtime
+from flexsearch.errors import EmitError, FlexsearchError
+from flexsearch.graph.opgraph import OpGraph
+from flexsearch.plan import Plan
+
+EMITTABLE_KINDS = ("data", "soap", "pipeline", "hybrid")
+
+
+def example_inputs(plan: Plan) -> tuple[torch.Tensor, ...]:
+    """Zero tensors of the plan's input shapes (tracing needs shapes, not values)."""
+    return tuple(torch.zeros(m.shape, dtype=getattr(torch, m.dtype)) for m in plan.inputs)
+
+
+def graph_of(model: nn.Module, plan: Plan) -> OpGraph:
+    """``model``'s graph, checked to be the one ``plan`` was made for."""
+    from flexsearch.graph.tracer import trace
+
+    if not plan.inputs:
+        raise EmitError("this plan records no input shapes (made by an older flexsearch); plan the model again")
+    try:
+        graph = trace(model, example_inputs(plan), name=plan.model)
+    except FlexsearchError as e:
+        raise EmitError(f"cannot trace the model to check it against the plan: {e}") from None
+    try:
+        plan.check_graph(graph)
+    except FlexsearchError as e:
+        raise EmitError(str(e)) from None
+    return graph
+
+
+def lift(model: nn.Module) -> fx.GraphModule:
+    """``model``'s FX graph module, as the tracer lifts it (same node names)."""
+    from flexsearch.graph.tracer import _Tracer
+
+    tracer = _Tracer()
+    try:
+        g = tracer.trace(model)
+    except Exception as e:  # noqa: BLE001 - any tracing failure is the same user error
+        raise EmitError(f"the emitter runs models torch.fx can trace; this one fails ({type(e).__name__}); "
+                        "use a data-parallel plan for it") from None
+    return fx.GraphModule(tracer.root, g, type(model).__name__)
+
+
+def parallelize(model: nn.Module, plan: Plan, *, group: dist.ProcessGroup | None = None) -> nn.Module:
+    """The module this rank runs for ``plan`` (made for ``model``) on the process group
+    ``group`` (default: the default group; its size must be the plan's devices).
+
+    The caller's ``model`` is not modified: the emitted module holds a copy (load a
+    checkpoint into it with :mod:`flexsearch.emit.checkpoint`)."""
+    if plan.kind not in EMITTABLE_KINDS:
+        raise EmitError(f"the emitter cannot run {plan.kind!r} plans yet (it runs {', '.join(EMITTABLE_KINDS)}); "
+                        "plan again without that kind")
+    rt = Runtime(plan, group)
+    graph = graph_of(model, plan)
+    if plan.kind == "data":
+        from flexsearch.emit.data import data_parallel
+
+        return data_parallel(model, rt, plan.shard_params)
+    if graph.via != "fx":
+        raise EmitError(f"the emitter runs {plan.kind} plans for models torch.fx can trace; {plan.model} was "
+                        "traced with torch.export; use a data-parallel plan")
+    if plan.kind == "soap":
+        from flexsearch.emit.sharded import shard
+
+        return shard(model, lift, graph, plan.node_configs(), rt)
+    from flexsearch.emit.staged import pipeline
+
+    return pipeline(model, graph, plan, rt)
+
+
+__all__ = ["EMITTABLE_KINDS", "parallelize"]

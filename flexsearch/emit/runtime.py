@@ -1,0 +1,77 @@
+"""What every emitted plan shares at run time: the process group, the device -> rank
+map, device meshes for configuration blocks, and process groups for transfers.
+
+Device ``i`` of a plan is rank ``i`` of the process group (``group`` or the default
+group). Every rank builds the same meshes and groups in the same order (torch's
+``new_group`` is collective over the default group), so they are made lazily but only
+from code that every rank runs identically.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from flexsearch.errors import EmitError
+from flexsearch.plan import Plan
+
+
+def device_type() -> str:
+    """``cuda`` when torch.distributed runs NCCL on GPUs here, else ``cpu`` (gloo)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl" and torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+class Runtime:
+    """The process group of one emitted plan and the meshes/groups built on it."""
+
+    def __init__(self, plan: Plan, group: dist.ProcessGroup | None = None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise EmitError(
+                "torch.distributed is not initialized; start the script with torchrun and call "
+                "torch.distributed.init_process_group() before flexsearch.parallelize()"
+            )
+        self.group = group if group is not None else dist.group.WORLD
+        self.ranks: tuple[int, ...] = tuple(dist.get_process_group_ranks(self.group))
+        if len(self.ranks) != plan.devices:
+            raise EmitError(
+                f"the plan is for {plan.devices} devices but the process group has {len(self.ranks)} "
+                f"ranks; launch with --nproc-per-node {plan.devices} (or plan again with "
+                f"--devices {len(self.ranks)})"
+            )
+        self.rank = dist.get_rank()
+        if self.rank not in self.ranks:
+            raise EmitError(f"rank {self.rank} is not in the process group given to parallelize()")
+        self.device = self.ranks.index(self.rank)
+        """This rank's device index in the plan."""
+        self.device_type = device_type()
+        self._meshes: dict[tuple, DeviceMesh] = {}
+        self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+
+    def mesh(self, devices: list[list[int]] | tuple, names: tuple[str, ...] = ("s", "t")) -> DeviceMesh:
+        """The device mesh of the plan's devices laid out as ``devices`` (nested lists)."""
+        key = (tuple(map(tuple, devices)) if isinstance(devices[0], (list, tuple)) else tuple(devices), names)
+        if key not in self._meshes:
+            ranks = torch.tensor([[self.ranks[d] for d in row] for row in devices]
+                                 if isinstance(devices[0], (list, tuple)) else
+                                 [self.ranks[d] for d in devices])
+            self._meshes[key] = DeviceMesh(self.device_type, ranks, mesh_dim_names=names)
+        return self._meshes[key]
+
+    def block_mesh(self, first: int, s: int, t: int) -> DeviceMesh:
+        """The ``s x t`` mesh of devices ``first .. first + s*t - 1`` (``t`` innermost)."""
+        return self.mesh([[first + i * t + j for j in range(t)] for i in range(s)])
+
+    def subgroup(self, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
+        """A process group over global ``ranks`` (sorted), made once; None when this rank
+        is not in it."""
+        key = tuple(sorted(set(ranks)))
+        if key not in self._groups:
+            if key == tuple(sorted(self.ranks)):
+                self._groups[key] = self.group
+            else:
+                g = dist.new_group(list(key), use_local_synchronization=False)
+                self._groups[key] = g if self.rank in key else None
+        return self._groups[key]

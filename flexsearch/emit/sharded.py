@@ -1,0 +1,411 @@
+"""SOAP plans on DTensor: every op runs with the placements its configuration names.
+
+The model's FX graph (the one the tracer lifted; node names are the plan's op names)
+is run by an interpreter (:class:`ShardedModule`). For an op with configuration
+``Config(s, kind, t, dim, first)`` (see :mod:`flexsearch.search.space`):
+
+- **mesh**: the ``s x t`` :class:`DeviceMesh` of devices ``first .. first+s*t-1``
+  (mesh dims ``("s", "t")``; ranks outside it hold empty shards and skip the op);
+- **inputs**: each tensor input is brought to that mesh with ``Shard(b)`` on ``s`` (``b``
+  the input dim the op's batch dim reads) and, on ``t``, ``Shard`` of the input dim an
+  attribute split reads, ``Shard`` of the reduced dim for a reduce split (row-wise
+  Linear, ``k`` of a matmul), else ``Replicate`` (parameter split, replication);
+- **parameters**: ``Replicate`` on ``s``; on ``t`` ``Shard(0)`` of Linear/Conv/Norm
+  weights and biases for a parameter split (column-wise), ``Shard(1)`` of a Linear
+  weight for a reduce split (row-wise); an Embedding table splits by columns
+  (``Shard(1)``) or by vocabulary (``Shard(0)``). The styles of
+  ``parallelize_module``'s ``ColwiseParallel``/``RowwiseParallel``, per op.
+
+Then the op itself runs on DTensors: DTensor's sharding propagation computes its
+output placement (e.g. ``Partial`` after a row-wise Linear) and redistributes when an
+op's strategy needs it, so every op computes exactly what the original did. Between
+ops on the *same* mesh, ``DTensor.redistribute`` moves data (all-gather, all-to-all,
+all-reduce); between *different* meshes (the operation dimension of SOAP: ops on
+different device blocks), :class:`_Move` gathers the tensor on its block and broadcasts
+it to the ranks of the next block (and the gradient back in the backward pass).
+
+Each parameter lives once, on the mesh and placement of the first op that uses it; a
+tied parameter used by another op on another layout is moved there (autograd-aware).
+After the backward pass a hook redistributes each gradient to its parameter's
+placements (the all-reduce of a data-parallel gradient, on the ranks that hold it).
+
+Calling convention: every rank calls the module with the same *global* batch and gets
+the whole output back (a plain tensor, the same on every rank), so the loss is computed
+as in single-process code; gradients land in the DTensor parameters, and any torch
+optimizer steps them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._pytree import tree_flatten, tree_map
+
+from flexsearch.emit.runtime import Runtime
+from flexsearch.errors import EmitError
+from flexsearch.graph.microbatch import batch_dim
+from flexsearch.graph.opgraph import OpGraph, OpNode
+from flexsearch.graph.regions import dim_map, reduced_input_dims
+from flexsearch.search.space import Config, is_source
+
+_REPLICATE = (Replicate(), Replicate())
+
+
+# ----------------------------------------------------------------------------- placements
+
+
+def input_placements(node: OpNode, k: int, shape: tuple[int, ...], c: Config) -> tuple[Placement, Placement]:
+    """Placements on the ``(s, t)`` mesh of input ``k`` (of ``shape``) of ``node`` under ``c``."""
+    dmap = dim_map(node, k, shape) if node.outputs else ()
+    out_shape = node.outputs[0].shape if node.outputs else ()
+
+    def shard_of(out_dim: int | None) -> Placement:
+        if out_dim is None or out_dim >= len(dmap) or dmap[out_dim] is None:
+            return Replicate()
+        i = dmap[out_dim][0]
+        return Shard(i) if shape[i] == out_shape[out_dim] else Replicate()
+
+    s_pl = shard_of(batch_dim(node)) if c.s > 1 else Replicate()
+    t_pl: Placement = Replicate()
+    if c.kind == "a":
+        t_pl = shard_of(c.dim)
+    elif c.kind == "r":
+        dims = reduced_input_dims(node, k, shape)
+        t_pl = Shard(dims[0]) if dims else Replicate()
+    return s_pl, t_pl
+
+
+def param_placement(module: nn.Module, name: str, c: Config) -> tuple[Placement, Placement]:
+    """Placements of ``module``'s parameter ``name`` for an op configured ``c``."""
+    if c.t == 1 or c.kind not in ("p", "r") or tensor_dim(module, name) == 0:
+        return _REPLICATE
+    if isinstance(module, nn.Embedding):
+        return (Replicate(), Shard(1) if c.kind == "p" else Shard(0))
+    if c.kind == "p" and isinstance(module, (nn.Linear, nn.modules.conv._ConvNd, nn.modules.batchnorm._NormBase,
+                                             nn.GroupNorm)):
+        return (Replicate(), Shard(0))
+    if c.kind == "r" and isinstance(module, nn.Linear) and name == "weight":
+        return (Replicate(), Shard(1))
+    return _REPLICATE
+
+
+def tensor_dim(module: nn.Module, name: str) -> int:
+    """Rank of ``module``'s parameter or buffer ``name``."""
+    return module.get_parameter(name).dim() if name in dict(module.named_parameters()) else \
+        module.get_buffer(name).dim()
+
+
+# ----------------------------------------------------------------------------- moving tensors
+
+
+def _mesh_ranks(mesh) -> frozenset[int]:
+    return frozenset(mesh.mesh.flatten().tolist())
+
+
+def _empty(mesh, placements, shape, dtype, device) -> DTensor:
+    """A DTensor on ``mesh`` as a rank outside it holds it: global metadata, no data."""
+    return DTensor.from_local(torch.empty(0, dtype=dtype, device=device), mesh, placements,
+                              run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+def _transfer(rt: Runtime, x: DTensor, dst, placements) -> DTensor:
+    """``x`` gathered on its mesh and sent to the ranks of ``dst`` (no autograd)."""
+    src = x.device_mesh
+    src_ranks, dst_ranks = _mesh_ranks(src), _mesh_ranks(dst)
+    shape, dtype = tuple(x.shape), x.dtype
+    device = x.to_local().device
+    full = None
+    if rt.rank in src_ranks:
+        full = x.redistribute(src, (Replicate(),) * src.ndim).to_local().contiguous()
+    group = rt.subgroup(tuple(src_ranks | dst_ranks))
+    if not dst_ranks <= src_ranks and group is not None:
+        root = min(src_ranks)
+        buf = full if rt.rank == root else torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(buf, src=root, group=group)
+        full = buf
+    if rt.rank not in dst_ranks:
+        return _empty(dst, placements, shape, dtype, device)
+    out = DTensor.from_local(full, dst, (Replicate(),) * dst.ndim, run_check=False)
+    return out.redistribute(dst, placements) if tuple(placements) != out.placements else out
+
+
+class _Move(torch.autograd.Function):
+    """A tensor from one device mesh to another (forward: gather + broadcast to the new
+    block; backward: the gradient the same way back)."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor, dst, placements, rt: Runtime) -> DTensor:  # type: ignore[override]
+        ctx.rt, ctx.src = rt, x.device_mesh
+        ctx.src_placements = tuple(Replicate() if isinstance(p, Partial) else p for p in x.placements)
+        rt.subgroup(tuple(_mesh_ranks(x.device_mesh) | _mesh_ranks(dst)))  # made by every rank, in order
+        return _transfer(rt, x, dst, placements)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):  # type: ignore[override]
+        return _transfer(ctx.rt, grad, ctx.src, ctx.src_placements), None, None, None
+
+
+class _Anchor(torch.autograd.Function):
+    """A zero that depends on a DTensor this rank holds no data of: outputs built on it
+    keep the tensor in the backward pass (its gradient is empty here)."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.spec = (x.device_mesh, x.placements, tuple(x.shape), x.dtype, x.to_local().device)
+        return torch.zeros((), device=ctx.spec[4])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return _empty(*ctx.spec)
+
+
+def to_layout(rt: Runtime, x: Any, mesh, placements) -> Any:
+    """``x`` (a DTensor anywhere, or a plain tensor every rank holds) as a DTensor on
+    ``mesh`` with ``placements``; other values unchanged."""
+    if isinstance(x, DTensor):
+        if x.device_mesh == mesh:
+            return x if x.placements == tuple(placements) else x.redistribute(mesh, placements)
+        return _Move.apply(x, mesh, tuple(placements), rt)
+    if isinstance(x, torch.Tensor):
+        if mesh.get_coordinate() is None:
+            return _empty(mesh, placements, tuple(x.shape), x.dtype, x.device)
+        d = DTensor.from_local(x, mesh, (Replicate(),) * mesh.ndim, run_check=False)
+        return d.redistribute(mesh, placements) if tuple(placements) != d.placements else d
+    return x
+
+
+# ----------------------------------------------------------------------------- the module
+
+
+def _canonical(model: nn.Module) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for n, p in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+        out.setdefault(id(p), n)
+    return out
+
+
+class ShardedModule(nn.Module):
+    """A model running a SOAP plan with DTensor (see the module docstring).
+
+    ``module`` is a copy of the user's model whose parameters and buffers are DTensors
+    (state-dict keys are the original names); the interpreter runs its FX graph."""
+
+    def __init__(self, model: nn.Module, gm: fx.GraphModule, graph: OpGraph,
+                 configs: Mapping[str, Config], rt: Runtime):
+        super().__init__()
+        self.module = model
+        self._gm = [gm]  # not a submodule: its layers are ``module``'s
+        self._graph = graph
+        self._configs = dict(configs)
+        self._rt = rt
+        self._world = rt.block_mesh(0, len(rt.ranks), 1)
+        self._distribute()
+
+    # -- placing parameters: each on the layout of its first user
+    def _mesh(self, c: Config):
+        return self._rt.block_mesh(c.first, c.s, c.t)
+
+    def _distribute(self) -> None:
+        gm = self._gm[0]
+        by = self._graph.by_name
+        homes: dict[int, tuple[Any, tuple]] = {}
+        for n in gm.graph.nodes:
+            node = by.get(n.name)
+            c = self._configs.get(n.name, Config())
+            if n.op == "call_module" and node is not None:
+                mod = gm.get_submodule(n.target)
+                for pname, p in list(mod.named_parameters(recurse=True)) + list(mod.named_buffers(recurse=True)):
+                    homes.setdefault(id(p), (self._mesh(c), param_placement(mod, pname, c)))
+            elif n.op == "get_attr":
+                user = next((u for u in n.users if u.name in by and not is_source(by[u.name])), None)
+                uc = self._configs.get(user.name, Config()) if user is not None else Config()
+                homes.setdefault(id(self._fetch(n.target)), (self._mesh(uc), _REPLICATE))
+        done: dict[int, torch.Tensor] = {}
+        for mod in self.module.modules():
+            for table in (mod._parameters, mod._buffers):
+                for key, p in list(table.items()):
+                    if p is None:
+                        continue
+                    if id(p) not in done:
+                        mesh, pl = homes.get(id(p), (self._world, _REPLICATE))
+                        d = distribute_tensor(p.detach(), mesh, pl, src_data_rank=None)
+                        if isinstance(p, nn.Parameter):
+                            d = nn.Parameter(d, requires_grad=p.requires_grad)
+                            d.register_post_accumulate_grad_hook(_sync_grad)
+                        done[id(p)] = d
+                    table[key] = done[id(p)]
+            if isinstance(mod, nn.RNNBase):
+                mod._init_flat_weights()  # it caches its weights
+
+    def _fetch(self, target: str) -> Any:
+        obj: Any = self._gm[0]
+        for part in target.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    # -- running the graph
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        gm, by, rt = self._gm[0], self._graph.by_name, self._rt
+        env: dict[fx.Node, Any] = {}
+        inputs = iter(args)
+        for n in gm.graph.nodes:
+            if n.op == "placeholder":
+                if n.target in kwargs:
+                    env[n] = kwargs[n.target]
+                else:
+                    env[n] = next(inputs, n.args[0] if n.args else None)
+                continue
+            if n.op == "get_attr":
+                env[n] = self._fetch(n.target)
+                continue
+            if n.op == "output":
+                return tree_map(self._gather_output, fx.node.map_arg(n.args[0], lambda a: env[a]))
+            node = by.get(n.name)
+            if node is None or is_source(node):
+                a, kw = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
+                env[n] = self._call(n, a, kw, None, None)
+                continue
+            c = self._configs.get(n.name, Config())
+            mesh = self._mesh(c)
+
+            def convert(a: fx.Node, node=node, c=c, mesh=mesh) -> Any:
+                v = env[a]
+                if not isinstance(v, torch.Tensor):
+                    return v
+                k = node.inputs.index(a.name) if a.name in node.inputs else -1
+                pl = input_placements(node, k, tuple(v.shape), c) if k >= 0 else _REPLICATE
+                return to_layout(rt, v, mesh, pl)
+
+            try:
+                a, kw = fx.node.map_arg((n.args, n.kwargs), convert)
+                env[n] = self._call(n, a, kw, c, mesh)
+            except Exception as e:
+                e.add_note(f"flexsearch: while running op {n.name} as {c.text} on rank {rt.rank}")
+                raise
+        raise EmitError("the model's graph has no output")
+
+    def _call(self, n: fx.Node, args, kwargs, c: Config | None, mesh) -> Any:
+        if c is None:
+            return _plain_call(self._gm[0], n, args, kwargs, {})
+        node = self._graph.by_name[n.name]
+        state = {}
+        if n.op == "call_module":
+            mod = self._gm[0].get_submodule(n.target)
+            for pname, p in list(mod.named_parameters(recurse=True)) + list(mod.named_buffers(recurse=True)):
+                want = param_placement(mod, pname, c)
+                if isinstance(p, DTensor) and (p.device_mesh != mesh or p.placements != want):
+                    state[pname] = to_layout(self._rt, p, mesh, want)
+        if node.kind in _LOCAL_KINDS or (node.kind in _LOCAL_OFF_MESH and mesh.get_coordinate() is None):
+            return self._call_local(n, node, args, kwargs, c, mesh, state)
+        with sdpa_kernel([SDPBackend.MATH]) if node.kind == "attention" else contextlib.nullcontext(), \
+                implicit_replication():
+            return _plain_call(self._gm[0], n, args, kwargs, state)
+
+    def _call_local(self, n: fx.Node, node: OpNode, args, kwargs, c: Config, mesh, state) -> Any:
+        """Run an op DTensor has no rule for on local tensors: its inputs and parameters
+        gathered on its mesh (every rank of the mesh computes it whole). Ranks outside
+        the mesh compute nothing; their empty outputs still depend on the inputs, so the
+        backward pass reaches every transfer a rank takes part in."""
+        rt = self._rt
+        if n.op == "call_module":
+            mod = self._gm[0].get_submodule(n.target)
+            for pname, p in list(mod.named_parameters(recurse=True)) + list(mod.named_buffers(recurse=True)):
+                state.setdefault(pname, p)
+        member = mesh.get_coordinate() is not None
+        anchors: list[torch.Tensor] = []
+
+        def local(v: Any) -> Any:
+            if not isinstance(v, torch.Tensor):
+                return v
+            r = to_layout(rt, v, mesh, _REPLICATE)
+            if member:
+                return r.to_local(grad_placements=_REPLICATE) if isinstance(r, DTensor) else r
+            if r.requires_grad:
+                anchors.append(_Anchor.apply(r))
+            return torch.empty(v.shape, dtype=v.dtype, device="meta")
+
+        largs, lkw = tree_map(local, (args, kwargs))
+        lstate = {k: local(v) for k, v in state.items()}
+        if member:
+            out = _plain_call(self._gm[0], n, largs, lkw, lstate)
+            return tree_map(lambda t: DTensor.from_local(t, mesh, _REPLICATE, run_check=False)
+                            if isinstance(t, torch.Tensor) else t, out)
+        with torch.no_grad():
+            meta = _plain_call(self._gm[0], n, largs, lkw, lstate)
+        anchor = sum(anchors, torch.zeros((), device=meta_device(args)))
+
+        def empty(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            e = torch.empty(0, dtype=t.dtype, device=anchor.device)
+            if t.dtype.is_floating_point:
+                e = e + anchor.to(t.dtype)
+            return DTensor.from_local(e, mesh, _REPLICATE, run_check=False, shape=t.shape, stride=t.stride())
+
+        return tree_map(empty, meta)
+
+    def named_original_parameters(self):
+        """Parameters (DTensors) under their names in the original model."""
+        return self.module.named_parameters()
+
+    def train_step(self, inputs: tuple, target: Any, loss_fn) -> torch.Tensor:
+        """Forward and backward of the global batch (the same on every rank); the loss."""
+        loss = loss_fn(self(*inputs), target)
+        loss.backward()
+        return loss.detach()
+
+    def _gather_output(self, v: Any) -> Any:
+        if isinstance(v, DTensor):
+            return to_layout(self._rt, v, self._world, _REPLICATE).to_local()
+        return v
+
+
+_LOCAL_KINDS = frozenset({"rnn", "opaque"})
+"""Op kinds run on local tensors (DTensor has no sharding rule for them)."""
+_LOCAL_OFF_MESH = frozenset({"conv"})
+"""Op kinds whose DTensor handler does not skip ranks outside the mesh."""
+
+
+def meta_device(tree: Any) -> torch.device:
+    """The device of the first tensor in ``tree`` (CPU when there is none)."""
+    for leaf in tree_flatten(tree)[0]:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.to_local().device if isinstance(leaf, DTensor) else leaf.device
+    return torch.device("cpu")
+
+
+def _plain_call(gm: fx.GraphModule, n: fx.Node, args, kwargs, state: Mapping[str, Any]) -> Any:
+    if n.op == "call_function":
+        return n.target(*args, **kwargs)
+    if n.op == "call_method":
+        return getattr(args[0], n.target)(*args[1:], **kwargs)
+    mod = gm.get_submodule(n.target)
+    if not state:
+        return mod(*args, **kwargs)
+    return torch.func.functional_call(mod, dict(state), args, kwargs, tie_weights=False, strict=False)
+
+
+def _sync_grad(p: torch.Tensor) -> None:
+    """After accumulation: the gradient takes its parameter's placements (a Partial
+    gradient of a replicated parameter is all-reduced over the ranks that hold it)."""
+    g = p.grad
+    if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+        p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
+def shard(model: nn.Module, gm_of, graph: OpGraph, configs: Mapping[str, Config], rt: Runtime) -> ShardedModule:
+    """A :class:`ShardedModule` running ``configs`` (every node of ``graph``) on a copy of
+    ``model``; ``gm_of(copy)`` lifts the copy into its FX graph module."""
+    m = copy.deepcopy(model)
+    return ShardedModule(m, gm_of(m), graph, configs, rt)

@@ -46,10 +46,17 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
 from torch.distributed.tensor.experimental import implicit_replication
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from flexsearch.emit.runtime import Runtime
 from flexsearch.errors import EmitError
@@ -299,61 +306,76 @@ class ShardedModule(nn.Module):
         if c is None:
             return _plain_call(self._gm[0], n, args, kwargs, {})
         node = self._graph.by_name[n.name]
+        mod = self._gm[0].get_submodule(n.target) if n.op == "call_module" else None
+        if node.kind in _LOCAL_KINDS or isinstance(mod, _LOCAL_MODULES):
+            return self._call_local(n, node, mod, args, kwargs, c, mesh)
         state = {}
-        if n.op == "call_module":
-            mod = self._gm[0].get_submodule(n.target)
-            for pname, p in list(mod.named_parameters(recurse=True)) + list(mod.named_buffers(recurse=True)):
+        if mod is not None:
+            for pname, p in _state(mod):
                 want = param_placement(mod, pname, c)
                 if isinstance(p, DTensor) and (p.device_mesh != mesh or p.placements != want):
                     state[pname] = to_layout(self._rt, p, mesh, want)
-        if node.kind in _LOCAL_KINDS or (node.kind in _LOCAL_OFF_MESH and mesh.get_coordinate() is None):
-            return self._call_local(n, node, args, kwargs, c, mesh, state)
         with sdpa_kernel([SDPBackend.MATH]) if node.kind == "attention" else contextlib.nullcontext(), \
                 implicit_replication():
             return _plain_call(self._gm[0], n, args, kwargs, state)
 
-    def _call_local(self, n: fx.Node, node: OpNode, args, kwargs, c: Config, mesh, state) -> Any:
-        """Run an op DTensor has no rule for on local tensors: its inputs and parameters
-        gathered on its mesh (every rank of the mesh computes it whole). Ranks outside
-        the mesh compute nothing; their empty outputs still depend on the inputs, so the
-        backward pass reaches every transfer a rank takes part in."""
+    def _call_local(self, n: fx.Node, node: OpNode, mod: nn.Module | None, args, kwargs, c: Config, mesh) -> Any:
+        """Run an op on local tensors with explicit placements (``local_map``'s contract),
+        for ops DTensor has no rule for (RNNs, opaque ops) or runs wrongly (convolutions
+        with split channels). Convolutions and RNN layers keep their sample split (and a
+        conv its output-channel split); anything else is gathered and computed whole on
+        every rank of its mesh. Ranks outside the mesh compute nothing; their empty
+        outputs still depend on the inputs, so the backward pass reaches every transfer a
+        rank takes part in."""
         rt = self._rt
-        if n.op == "call_module":
-            mod = self._gm[0].get_submodule(n.target)
-            for pname, p in list(mod.named_parameters(recurse=True)) + list(mod.named_buffers(recurse=True)):
-                state.setdefault(pname, p)
         member = mesh.get_coordinate() is not None
+        split = isinstance(mod, _LOCAL_MODULES)
         anchors: list[torch.Tensor] = []
+        t_grad = Partial() if split and c.kind == "p" else Replicate()
 
-        def local(v: Any) -> Any:
-            if not isinstance(v, torch.Tensor):
-                return v
-            r = to_layout(rt, v, mesh, _REPLICATE)
+        def local(v: torch.Tensor, pl: tuple, grad_pl: tuple) -> torch.Tensor:
+            r = to_layout(rt, v, mesh, pl)
             if member:
-                return r.to_local(grad_placements=_REPLICATE) if isinstance(r, DTensor) else r
+                return r.to_local(grad_placements=grad_pl) if isinstance(r, DTensor) else r
             if r.requires_grad:
                 anchors.append(_Anchor.apply(r))
             return torch.empty(v.shape, dtype=v.dtype, device="meta")
 
-        largs, lkw = tree_map(local, (args, kwargs))
-        lstate = {k: local(v) for k, v in state.items()}
-        if member:
-            out = _plain_call(self._gm[0], n, largs, lkw, lstate)
-            return tree_map(lambda t: DTensor.from_local(t, mesh, _REPLICATE, run_check=False)
-                            if isinstance(t, torch.Tensor) else t, out)
+        flat, spec = tree_flatten((args, kwargs))
+        tensors = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
+        lflat, mflat = list(flat), list(flat)
+        for j, i in enumerate(tensors):
+            v = flat[i]
+            mflat[i] = torch.empty(v.shape, dtype=v.dtype, device="meta")
+            s_pl = Shard(_split_dim(mod, j)) if split and c.s > 1 else Replicate()
+            lflat[i] = local(v, (s_pl, Replicate()), (s_pl, t_grad))
+        lstate, mstate = {}, {}
+        for pname, p in _state(mod) if mod is not None else ():
+            pl = param_placement(mod, pname, c) if split else _REPLICATE
+            grad_pl = ((Partial() if c.s > 1 else Replicate()), pl[1]) if split else _REPLICATE
+            lstate[pname] = local(p, pl, grad_pl if p.requires_grad else pl)
+            mstate[pname] = torch.empty(p.shape, dtype=p.dtype, device="meta")
         with torch.no_grad():
-            meta = _plain_call(self._gm[0], n, largs, lkw, lstate)
+            meta = _plain_call(self._gm[0], n, *tree_unflatten(mflat, spec), mstate)
+        mout, mspec = tree_flatten(meta)
+        places = [(Shard(_split_dim(mod, j, output=True)) if split and c.s > 1 else Replicate(),
+                   Shard(1) if split and c.kind == "p" else Replicate()) for j in range(len(mout))]
+        if member:
+            out = tree_flatten(_plain_call(self._gm[0], n, *tree_unflatten(lflat, spec), lstate))[0]
+            wrapped = [DTensor.from_local(t, mesh, pl, run_check=False, shape=g.shape, stride=g.stride())
+                       if isinstance(t, torch.Tensor) else t for t, g, pl in zip(out, mout, places, strict=True)]
+            return tree_unflatten(wrapped, mspec)
         anchor = sum(anchors, torch.zeros((), device=meta_device(args)))
 
-        def empty(t: Any) -> Any:
+        def empty(t: Any, pl: tuple) -> Any:
             if not isinstance(t, torch.Tensor):
                 return t
             e = torch.empty(0, dtype=t.dtype, device=anchor.device)
             if t.dtype.is_floating_point:
                 e = e + anchor.to(t.dtype)
-            return DTensor.from_local(e, mesh, _REPLICATE, run_check=False, shape=t.shape, stride=t.stride())
+            return DTensor.from_local(e, mesh, pl, run_check=False, shape=t.shape, stride=t.stride())
 
-        return tree_map(empty, meta)
+        return tree_unflatten([empty(t, pl) for t, pl in zip(mout, places, strict=True)], mspec)
 
     def named_original_parameters(self):
         """Parameters (DTensors) under their names in the original model."""
@@ -373,8 +395,21 @@ class ShardedModule(nn.Module):
 
 _LOCAL_KINDS = frozenset({"rnn", "opaque"})
 """Op kinds run on local tensors (DTensor has no sharding rule for them)."""
-_LOCAL_OFF_MESH = frozenset({"conv"})
-"""Op kinds whose DTensor handler does not skip ranks outside the mesh."""
+_LOCAL_MODULES = (nn.modules.conv._ConvNd, nn.RNNBase)
+"""Layers run on local shards with their sample (and channel) split kept."""
+
+
+def _state(mod: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return list(mod.named_parameters(recurse=True)) + list(mod.named_buffers(recurse=True))
+
+
+def _split_dim(mod: nn.Module | None, j: int, output: bool = False) -> int:
+    """The batch dim of the ``j``-th tensor input (or output) of a sample-split layer:
+    dim 0 for a convolution; for an RNN its sequence tensor's batch dim, then dim 1 of
+    the (layers, batch, hidden) states."""
+    if isinstance(mod, nn.RNNBase):
+        return (0 if mod.batch_first else 1) if j == 0 else 1
+    return 0
 
 
 def meta_device(tree: Any) -> torch.device:

@@ -43,8 +43,10 @@ def graph_of(model: nn.Module, plan: Plan) -> OpGraph:
         raise EmitError("this plan records no input shapes (made by an older flexsearch); plan the model again")
     try:
         graph = trace(model, example_inputs(plan), name=plan.model)
-    except FlexsearchError as e:
-        raise EmitError(f"cannot trace the model to check it against the plan: {e}") from None
+    except FlexsearchError:
+        raise EmitError(f"this plan was made for another model or input shapes (model {plan.model!r}, inputs "
+                        f"{[m.shape for m in plan.inputs]}): the model does not run on them; plan this model "
+                        "with `flexsearch plan`") from None
     try:
         plan.check_graph(graph)
     except FlexsearchError as e:

@@ -33,6 +33,19 @@ def batch_shard(x: Any, index: int, parts: int) -> Any:
     return x[index * n:(index + 1) * n]
 
 
+def _shard_units(model: nn.Module) -> list[nn.Module]:
+    """The top-level layers that hold parameters (containers are looked into)."""
+    out = []
+    for child in model.children():
+        if not any(True for _ in child.parameters()):
+            continue
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            out.extend(_shard_units(child))
+        else:
+            out.append(child)
+    return out
+
+
 class DataParallelModule(nn.Module):
     """A data-parallel model: ``module`` is the DDP wrapper or the fully-sharded model."""
 
@@ -44,9 +57,8 @@ class DataParallelModule(nn.Module):
             from torch.distributed.fsdp import fully_shard
 
             mesh = rt.mesh(list(range(len(rt.ranks))), ("dp",))
-            for child in model.children():  # one unit per top-level child, then the root
-                if any(True for _ in child.parameters()):
-                    fully_shard(child, mesh=mesh, reshard_after_forward=True)
+            for unit in _shard_units(model):  # one unit per top-level layer, then the root
+                fully_shard(unit, mesh=mesh, reshard_after_forward=True)
             fully_shard(model, mesh=mesh, reshard_after_forward=True)
             self.module = model
         else:

@@ -50,14 +50,23 @@ class Runtime:
         self._meshes: dict[tuple, DeviceMesh] = {}
         self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
 
-    def mesh(self, devices: list[list[int]] | tuple, names: tuple[str, ...] = ("s", "t")) -> DeviceMesh:
-        """The device mesh of the plan's devices laid out as ``devices`` (nested lists)."""
-        key = (tuple(map(tuple, devices)) if isinstance(devices[0], (list, tuple)) else tuple(devices), names)
+    def sub(self, devices: list[int]) -> Runtime:
+        """A runtime over some of this one's devices (device ``i`` of the sub-runtime is
+        ``devices[i]``), sharing the mesh and group caches."""
+        out = object.__new__(Runtime)
+        out.__dict__.update(self.__dict__)
+        out.ranks = tuple(self.ranks[d] for d in devices)
+        out.device = out.ranks.index(self.rank) if self.rank in out.ranks else -1
+        out.group = None
+        return out
+
+    def mesh(self, devices: list[list[int]] | list[int], names: tuple[str, ...] = ("s", "t")) -> DeviceMesh:
+        """The device mesh of this runtime's devices laid out as ``devices`` (nested lists)."""
+        nested = isinstance(devices[0], (list, tuple))
+        ranks = [[self.ranks[d] for d in row] for row in devices] if nested else [self.ranks[d] for d in devices]
+        key = (repr(ranks), names)
         if key not in self._meshes:
-            ranks = torch.tensor([[self.ranks[d] for d in row] for row in devices]
-                                 if isinstance(devices[0], (list, tuple)) else
-                                 [self.ranks[d] for d in devices])
-            self._meshes[key] = DeviceMesh(self.device_type, ranks, mesh_dim_names=names)
+            self._meshes[key] = DeviceMesh(self.device_type, torch.tensor(ranks), mesh_dim_names=names)
         return self._meshes[key]
 
     def block_mesh(self, first: int, s: int, t: int) -> DeviceMesh:
@@ -69,8 +78,8 @@ class Runtime:
         is not in it."""
         key = tuple(sorted(set(ranks)))
         if key not in self._groups:
-            if key == tuple(sorted(self.ranks)):
-                self._groups[key] = self.group
+            if key == tuple(range(dist.get_world_size())):
+                self._groups[key] = dist.group.WORLD
             else:
                 g = dist.new_group(list(key), use_local_synchronization=False)
                 self._groups[key] = g if self.rank in key else None

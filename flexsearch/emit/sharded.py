@@ -163,6 +163,34 @@ class _Move(torch.autograd.Function):
         return _transfer(ctx.rt, grad, ctx.src, ctx.src_placements), None, None, None
 
 
+class _Whole(torch.autograd.Function):
+    """A DTensor replicated on every rank -> the plain tensor (its gradient comes back
+    dense, as every rank computed it)."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.mesh, ctx.shape = x.device_mesh, x.shape
+        return x.to_local().contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return DTensor.from_local(grad.contiguous(), ctx.mesh, _REPLICATE, run_check=False, shape=ctx.shape,
+                                  stride=grad.contiguous().stride())
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose gradient is made contiguous (callers such as the pipeline runtime
+    may pass gradients with any strides; views in DTensor's backward need dense ones)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad.contiguous()
+
+
 class _Anchor(torch.autograd.Function):
     """A zero that depends on a DTensor this rank holds no data of: outputs built on it
     keep the tensor in the backward pass (its gradient is empty here)."""
@@ -246,7 +274,7 @@ class ShardedModule(nn.Module):
                         continue
                     if id(p) not in done:
                         mesh, pl = homes.get(id(p), (self._world, _REPLICATE))
-                        d = distribute_tensor(p.detach(), mesh, pl, src_data_rank=None)
+                        d = distribute_tensor(p.detach(), mesh, pl, src_data_rank=0)  # the mesh's first rank's values
                         if isinstance(p, nn.Parameter):
                             d = nn.Parameter(d, requires_grad=p.requires_grad)
                             d.register_post_accumulate_grad_hook(_sync_grad)
@@ -307,6 +335,8 @@ class ShardedModule(nn.Module):
             return _plain_call(self._gm[0], n, args, kwargs, {})
         node = self._graph.by_name[n.name]
         mod = self._gm[0].get_submodule(n.target) if n.op == "call_module" else None
+        if isinstance(mod, nn.Embedding) and c.kind == "r" and c.t > 1:
+            return self._vocab_parallel(n, mod, args, c, mesh)
         if node.kind in _LOCAL_KINDS or isinstance(mod, _LOCAL_MODULES):
             return self._call_local(n, node, mod, args, kwargs, c, mesh)
         state = {}
@@ -317,7 +347,38 @@ class ShardedModule(nn.Module):
                     state[pname] = to_layout(self._rt, p, mesh, want)
         with sdpa_kernel([SDPBackend.MATH]) if node.kind == "attention" else contextlib.nullcontext(), \
                 implicit_replication():
-            return _plain_call(self._gm[0], n, args, kwargs, state)
+            out = _plain_call(self._gm[0], n, args, kwargs, state)
+        if node.kind == "embedding" and isinstance(out, DTensor):
+            out = _ContiguousGrad.apply(out)  # DTensor's embedding backward needs a dense gradient
+        return out
+
+    def _vocab_parallel(self, n: fx.Node, mod: nn.Embedding, args, c: Config, mesh) -> DTensor:
+        """An Embedding split by vocabulary (Megatron's vocab-parallel embedding): each of
+        the ``t`` ranks looks up the ids in its rows and zeros the rest; the output is the
+        ``Partial`` sum over ``t``."""
+        if mod.padding_idx is not None or mod.max_norm is not None or mod.sparse:
+            raise EmitError(f"{n.name}: a vocabulary split of an Embedding with padding_idx, max_norm or "
+                            "sparse gradients is not supported; plan again")
+        ids = args[0]
+        s_pl = Shard(0) if c.s > 1 else Replicate()
+        idx = to_layout(self._rt, ids, mesh, (s_pl, Replicate()))
+        w = to_layout(self._rt, mod.weight, mesh, (Replicate(), Shard(0)))
+        out_shape = (*ids.shape, mod.embedding_dim)
+        out_pl = (s_pl, Partial())
+        if mesh.get_coordinate() is None:
+            anchor = _Anchor.apply(w) if w.requires_grad else torch.zeros(())
+            e = torch.empty(0, dtype=w.dtype, device=anchor.device) + anchor.to(w.dtype)
+            return DTensor.from_local(e, mesh, out_pl, run_check=False, shape=torch.Size(out_shape),
+                                      stride=torch.empty(out_shape, device="meta").stride())
+        rows = mod.num_embeddings // c.t
+        lo = mesh.get_local_rank("t") * rows
+        li = idx.to_local()
+        wl = w.to_local(grad_placements=(Partial() if c.s > 1 else Replicate(), Shard(0)))
+        outside = (li < lo) | (li >= lo + rows)
+        local = torch.nn.functional.embedding(torch.where(outside, 0, li - lo), wl)
+        local = local.masked_fill(outside.unsqueeze(-1), 0.0)
+        return DTensor.from_local(local, mesh, out_pl, run_check=False, shape=torch.Size(out_shape),
+                                  stride=torch.empty(out_shape, device="meta").stride())
 
     def _call_local(self, n: fx.Node, node: OpNode, mod: nn.Module | None, args, kwargs, c: Config, mesh) -> Any:
         """Run an op on local tensors with explicit placements (``local_map``'s contract),
@@ -389,7 +450,7 @@ class ShardedModule(nn.Module):
 
     def _gather_output(self, v: Any) -> Any:
         if isinstance(v, DTensor):
-            return to_layout(self._rt, v, self._world, _REPLICATE).to_local()
+            return _Whole.apply(to_layout(self._rt, v, self._world, _REPLICATE))
         return v
 
 

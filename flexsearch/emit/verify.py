@@ -50,7 +50,7 @@ def verify(model: nn.Module, plan: Plan, inputs: tuple, target: Any,
     ref_loss.backward()
     torch.testing.assert_close(loss.float(), ref_loss.detach().float(), rtol=rtol, atol=atol,
                                msg=lambda m: f"loss differs: {m}")
-    ref_params = dict(ref.named_parameters())
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
     mine = original_parameters(emitted)
     unknown = sorted(set(mine) - set(ref_params))
     if unknown:

@@ -1,0 +1,244 @@
+"""Pipeline and hybrid plans on ``torch.distributed.pipelining``.
+
+The plan's layout (:mod:`flexsearch.search.pipeline`): ``p`` pipeline ranks x ``d``
+data-parallel replicas x ``t`` tensor-parallel devices; pipeline rank ``r`` holds
+devices ``r*d*t .. (r+1)*d*t - 1``, replica ``j`` of it devices ``r*d*t + j*t ..
++ t - 1``; stage ``k`` runs on pipeline rank ``k mod p`` (``chunks = stages / p``
+stages per rank, interleaved).
+
+This rank (pipeline rank ``r``, replica ``j``, tensor index ``i``) builds:
+
+- its stage modules, cut from the model by :func:`flexsearch.emit.stages.cut`; with
+  ``t > 1`` each is a :class:`~flexsearch.emit.sharded.ShardedModule` running the
+  stage's Megatron configurations on DTensor over its ``t`` devices; with
+  ``recompute``, each stage's forward runs under activation checkpointing;
+- a :class:`PipelineStage` per stage on the pipeline group of (``j``, ``i``), and the
+  schedule the plan names (``ScheduleGPipe``, ``Schedule1F1B``,
+  ``ScheduleInterleaved1F1B``) with the plan's microbatch count;
+- after each step: gradients all-reduced (averaged) over the ``d`` replicas of the
+  stage, and tied weights held by two stages summed between them.
+
+:meth:`PipelineModule.train_step` takes the global batch on every rank; replica ``j``
+runs slice ``j`` of it through the pipeline (split into microbatches by the schedule).
+``forward`` is not available: a pipeline runs forward and backward together.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.checkpoint import checkpoint
+
+from flexsearch.emit.data import batch_shard
+from flexsearch.emit.runtime import Runtime
+from flexsearch.emit.sharded import ShardedModule
+from flexsearch.emit.stages import cut
+from flexsearch.errors import EmitError
+from flexsearch.graph.opgraph import OpGraph
+from flexsearch.plan import Plan
+
+SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+
+
+class _Recompute(nn.Module):
+    """A stage whose activations are recomputed in the backward pass."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any) -> Any:
+        return checkpoint(self.inner, *args, use_reentrant=False)
+
+
+def _layout(plan: Plan) -> tuple[int, int, int]:
+    """(pipeline ranks p, replicas d, tensor degree t) of a pipeline plan."""
+    chunks = plan.chunks or 1
+    if not plan.stages or len(plan.stages) % chunks:
+        raise EmitError(f"the plan's {len(plan.stages)} stages do not split into {chunks} chunks per rank; "
+                        "it is damaged, plan again")
+    p = len(plan.stages) // chunks
+    d = plan.stages[0].replicas
+    g = len(plan.stages[0].devices)
+    if g % d or p * g != plan.devices:
+        raise EmitError(f"the plan's stages ({p} x {g} devices) do not cover its {plan.devices} devices; "
+                        "it is damaged, plan again")
+    return p, d, g // d
+
+
+class PipelineModule(nn.Module):
+    """This rank's stages of a pipeline or hybrid plan (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, graph: OpGraph, plan: Plan, rt: Runtime, lift):
+        super().__init__()
+        if plan.schedule not in SCHEDULE_CLASSES:
+            raise EmitError(f"the emitter runs the {', '.join(SCHEDULE_CLASSES)} schedules, not "
+                            f"{plan.schedule!r}; plan again")
+        self._rt, self._plan = rt, plan
+        p, d, t = _layout(plan)
+        self.p, self.d, self.t = p, d, t
+        g = d * t
+        r, rem = divmod(rt.device, g)
+        self.replica, self.tensor_index = divmod(rem, t)
+        self.pipeline_rank = r
+        nstages = len(plan.stages)
+        mine = [k for k in range(nstages) if k % p == r]
+        self._dp_group = None
+        self.stage_indices = mine
+        ids: dict[int, str] = {}
+        for name, q in model.named_parameters(remove_duplicate=False):
+            ids.setdefault(id(q), name)
+        gm = lift(model)
+        cuts = cut(gm, graph, [s.nodes for s in plan.stages])
+        configs = plan.node_configs()
+        # every rank builds every tensor-parallel mesh and group, in the same order
+        subs: dict[tuple[int, int], Runtime] = {}
+        for rr in range(p):
+            for jj in range(d):
+                devs = [rr * g + jj * t + ii for ii in range(t)]
+                sub = rt.sub(devs)
+                if t > 1:
+                    sub.block_mesh(0, 1, t)
+                    sub.block_mesh(0, t, 1)
+                subs[rr, jj] = sub
+        self._pp_group = None
+        for jj in range(d):
+            for ii in range(t):
+                grp = rt.subgroup(tuple(rt.ranks[rr * g + jj * t + ii] for rr in range(p)))
+                if jj == self.replica and ii == self.tensor_index:
+                    self._pp_group = grp
+        for rr in range(p):
+            for ii in range(t):
+                grp = rt.subgroup(tuple(rt.ranks[rr * g + jj * t + ii] for jj in range(d)))
+                if rr == r and ii == self.tensor_index:
+                    self._dp_group = grp
+        self._tied = self._tie_groups(cuts, ids, rt, p, g, t)
+        mods = []
+        for k in mine:
+            m = cuts[k]
+            if t > 1:
+                m = ShardedModule(m, m, graph, {n.name: configs[n.name] for n in m.graph.nodes if n.name in configs},
+                                  subs[r, self.replica])
+            mods.append(m)
+        self.stages = nn.ModuleList(mods)
+        device = torch.device(rt.device_type, torch.cuda.current_device()) if rt.device_type == "cuda" else \
+            torch.device("cpu")
+        self._pipe_stages = [
+            PipelineStage(_Recompute(m) if plan.recompute else m, k, nstages, device, group=self._pp_group)
+            for k, m in zip(mine, mods, strict=True)
+        ]
+        self._schedule = None
+        self._loss_fn = None
+        self._canon = ids
+
+    def _tie_groups(self, cuts, ids, rt: Runtime, p: int, g: int, t: int) -> list[tuple[str, Any]]:
+        """(parameter name in this rank's stage, group of ranks holding a copy) for every
+        weight that several pipeline ranks hold; groups made by every rank in order."""
+        holders: dict[str, set[int]] = {}
+        for k, m in enumerate(cuts):
+            for name, _ in m.named_parameters():
+                holders.setdefault(name, set()).add(k % p)
+        by_canon: dict[str, set[int]] = {}
+        names_of: dict[str, list[str]] = {}
+        for name, ranks in holders.items():
+            canon = ids.get(id(cuts_param(cuts, name)), name)
+            by_canon.setdefault(canon, set()).update(ranks)
+            names_of.setdefault(canon, []).append(name)
+        out = []
+        for canon in sorted(by_canon):
+            prs = sorted(by_canon[canon])
+            if len(prs) < 2:
+                continue
+            rem = self._rt.device % g
+            for off in range(g):
+                grp = rt.subgroup(tuple(rt.ranks[pr * g + off] for pr in prs))
+                if off == rem and self.pipeline_rank in prs:
+                    held = {n for k in range(len(cuts)) if k % p == self.pipeline_rank
+                            for n, _ in cuts[k].named_parameters()}
+                    out.extend((n, grp) for n in names_of[canon] if n in held)
+        return out
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise EmitError("a pipelined module runs forward and backward together: call "
+                        "module.train_step(inputs, target, loss_fn)")
+
+    def stage_modules(self) -> list[nn.Module]:
+        """This rank's stages; their state-dict keys are the original model's."""
+        return [m.module if isinstance(m, ShardedModule) else m for m in self.stages]
+
+    def named_original_parameters(self):
+        for m in self.stages:
+            inner = m.module if isinstance(m, ShardedModule) else m
+            yield from inner.named_parameters()
+
+    def _make_schedule(self, loss_fn: Callable) -> None:
+        cls = SCHEDULE_CLASSES[self._plan.schedule]
+        m = self._plan.microbatches or 1
+        if cls is ScheduleInterleaved1F1B:
+            self._schedule = cls(self._pipe_stages, m, loss_fn=loss_fn)
+        else:
+            self._schedule = cls(self._pipe_stages[0], m, loss_fn=loss_fn)
+        self._loss_fn = loss_fn
+
+    def train_step(self, inputs: tuple, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+        if self._schedule is None or self._loss_fn is not loss_fn:
+            self._make_schedule(loss_fn)
+        j, d = self.replica, self.d
+        first = 0 in self.stage_indices
+        last = len(self._plan.stages) - 1 in self.stage_indices
+        losses: list[torch.Tensor] = []
+        args = tuple(batch_shard(x, j, d) for x in inputs) if first else ()
+        tgt = batch_shard(target, j, d) if last else None
+        self._schedule.step(*args, target=tgt, losses=losses, return_outputs=False)
+        self._sync_gradients()
+        mean = torch.stack([x.detach().float() for x in losses]).mean() if last and losses else torch.zeros(())
+        dist.all_reduce(mean, group=self._rt.group)
+        return mean / (d * self.t)
+
+    def _sync_gradients(self) -> None:
+        params = dict(self.named_original_parameters())
+        if self.d > 1:
+            for q in params.values():
+                if q.grad is None:
+                    continue
+                local = q.grad.to_local() if isinstance(q.grad, DTensor) else q.grad
+                dist.all_reduce(local, group=self._dp_group)
+                local /= self.d
+        for name, grp in self._tied:
+            q = params[name]
+            if q.grad is None:
+                q.grad = torch.zeros_like(q)
+            g = q.grad
+            whole = g.full_tensor() if isinstance(g, DTensor) else g
+            whole = whole.contiguous()
+            dist.all_reduce(whole, group=grp)
+            q.grad = distribute_tensor(whole, g.device_mesh, g.placements, src_data_rank=None) \
+                if isinstance(g, DTensor) else whole
+
+
+def cuts_param(cuts, name: str) -> torch.Tensor:
+    for m in cuts:
+        try:
+            return m.get_parameter(name)
+        except AttributeError:
+            continue
+    raise KeyError(name)
+
+
+def pipeline(model: nn.Module, graph: OpGraph, plan: Plan, rt: Runtime) -> PipelineModule:
+    """A :class:`PipelineModule` over a copy of ``model``."""
+    from flexsearch.emit import lift
+
+    return PipelineModule(copy.deepcopy(model), graph, plan, rt, lift)

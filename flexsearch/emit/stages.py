@@ -1,0 +1,112 @@
+"""Cutting a model into pipeline stages (the mechanism; where to cut is the planner's).
+
+:func:`cut` takes the model's FX graph module and the plan's stages (op names, in
+order) and returns one ``fx.GraphModule`` per stage:
+
+- every op runs in the stage the plan put it in, except that a ``getitem`` of a
+  tuple-valued op stays with that op (a stage boundary carries tensors only);
+- nodes that are not ops (parameter fetches, ``x.size(1)``, ``getattr``) are copied
+  into every stage that uses them (a parameter used by two stages, a tied weight,
+  is held by both: :func:`tied_parameters` names them, the runtime sums their
+  gradients);
+- stage 0 takes the model's inputs; stage ``k`` takes the tensors live across boundary
+  ``k-1`` and returns those live across boundary ``k`` (defined at or before ``k``,
+  used after it), in graph order and contiguous (they are sent as dense buffers), so a
+  value skipping stages is passed along; the last stage returns the model's output.
+
+Stage modules are built from the original module (``fx.GraphModule(root, graph)``), so
+their parameter names are the original qualified names.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch.fx as fx
+from torch import nn
+
+from flexsearch.errors import EmitError
+from flexsearch.graph.opgraph import OpGraph
+
+
+def assign(gm: fx.GraphModule, graph: OpGraph, stages: Sequence[Sequence[str]]) -> dict[fx.Node, set[int]]:
+    """The stage(s) each FX node runs in."""
+    stage_of = {name: k for k, names in enumerate(stages) for name in names}
+    by = graph.by_name
+    out: dict[fx.Node, set[int]] = {}
+    nodes = list(gm.graph.nodes)
+    for n in nodes:
+        if n.op == "placeholder":
+            out[n] = {0}
+        elif n.op == "output":
+            out[n] = {len(stages) - 1}
+        elif n.name in stage_of:
+            k = stage_of[n.name]
+            if n.op == "call_function" and n.target is operator.getitem:
+                src = n.args[0]
+                if isinstance(src, fx.Node) and src.name in by and len(by[src.name].outputs) > 1:
+                    k = min(out[src])
+            out[n] = {k}
+    for n in reversed(nodes):  # non-op nodes: wherever they are used
+        if n not in out:
+            out[n] = set().union(*(out[u] for u in n.users)) if n.users else {0}
+    return out
+
+
+def cut(gm: fx.GraphModule, graph: OpGraph, stages: Sequence[Sequence[str]]) -> list[fx.GraphModule]:
+    """One graph module per stage (see the module docstring)."""
+    where = assign(gm, graph, stages)
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    copied = {n for n in nodes if len(where[n]) > 1 or n.op == "get_attr"}  # recomputed where used
+    defined = {n: min(where[n]) for n in nodes if n not in copied}
+    last = len(stages) - 1
+
+    def live(k: int) -> list[fx.Node]:
+        """Tensors crossing boundary k (between stage k and k + 1)."""
+        out = []
+        for n, d in defined.items():
+            if n.op == "output" or d > k:
+                continue
+            if any(max(where[u]) > k for u in n.users):
+                out.append(n)
+        return sorted(out, key=order.__getitem__)
+
+    modules = []
+    for k in range(len(stages)):
+        g = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        inputs = [n for n in nodes if n.op == "placeholder"] if k == 0 else live(k - 1)
+        for n in inputs:
+            env[n] = g.placeholder(n.name)
+            if k == 0 and n.op == "placeholder":
+                env[n].meta = dict(n.meta)
+        for n in nodes:
+            if n.op == "placeholder" or k not in where[n] or n in env:
+                continue
+            if n.op == "output":
+                continue
+            missing = [a for a in n.all_input_nodes if a not in env]
+            if missing:
+                raise EmitError(f"stage {k} needs {missing[0].name} before {n.name}; the model cannot be cut "
+                                "there (a non-tensor value crosses the stage boundary)")
+            env[n] = g.node_copy(n, env.__getitem__)
+        if k == last:
+            out = next(n for n in nodes if n.op == "output")
+            g.output(fx.node.map_arg(out.args[0], env.__getitem__))
+        else:
+            outs = [g.call_method("contiguous", (env[n],)) for n in live(k)]  # sent as dense buffers
+            g.output(tuple(outs) if len(outs) != 1 else outs[0])
+        g.lint()
+        modules.append(fx.GraphModule(gm, g, f"stage{k}"))
+    return modules
+
+
+def tied_parameters(stages: Sequence[nn.Module]) -> dict[str, list[int]]:
+    """Parameter names held by more than one stage -> the stages holding them."""
+    held: dict[str, list[int]] = {}
+    for k, m in enumerate(stages):
+        for name, _ in m.named_parameters():
+            held.setdefault(name, []).append(k)
+    return {n: ks for n, ks in held.items() if len(ks) > 1}

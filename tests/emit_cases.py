@@ -1,0 +1,106 @@
+"""Plans of every emittable kind for the zoo's tiny models, and the per-rank job that
+checks an emitted plan against the single-process model (used by test_emit.py)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.nn.functional as F
+
+import flexsearch
+from flexsearch.graph.microbatch import batch_size, microbatch_graph
+from flexsearch.graph.tracer import trace
+from flexsearch.plan import Plan
+from flexsearch.search.pipeline import (
+    PipelineResult,
+    search_pipelines,
+    simulate_stages,
+    stage_configs,
+)
+from flexsearch.search.planner import pipeline_plan, plan_graph
+from flexsearch.search.space import Space
+
+FAMILIES = {
+    "mlp": "benchmarks/models/mlp.py:mlp_tiny",
+    "gpt": "benchmarks/models/gpt.py:gpt_tiny",
+    "cnn": "benchmarks/models/alexnet.py:alexnet_tiny",
+    "rnn": "benchmarks/models/rnn.py:rnnlm_tiny",
+}
+KINDS = ("data", "fsdp", "soap", "gpipe", "1f1b", "interleaved", "hybrid")
+
+
+def load(spec: str):
+    from conftest import ROOT
+
+    return flexsearch.load_model(f"{ROOT}/{spec}")
+
+
+def make_plan(spec: str, devices: int, kind: str, seed: int = 0, cluster: str = "cpu") -> Plan | None:
+    """A plan of ``kind`` for the model (None when the model has no such plan here)."""
+    model, x = load(spec)
+    graph = trace(model, x)
+    cl = flexsearch.Cluster.resolve(cluster, devices)
+    base = plan_graph(graph, cl, max_iters=0, pipelines=False)
+    space = Space(graph, devices)
+    if kind in ("data", "fsdp"):
+        configs = space.expand({u.name: space.data_parallel(u) for u in space.units})
+        return base.model_copy(update=dict(kind="data", shard_params=kind == "fsdp",
+                                           configs={k: v.text for k, v in configs.items()}))
+    if kind == "soap":
+        rnd = random.Random(f"{spec}{devices}{seed}")
+        decisions = {u.name: rnd.choice(space.candidates(u)) for u in space.units}
+        configs = space.expand(decisions)
+        return base.model_copy(update=dict(kind="soap", decisions={k: v.text for k, v in decisions.items()},
+                                           configs={k: v.text for k, v in configs.items()}))
+    schedule = {"hybrid": "1f1b"}.get(kind, kind)
+    results = search_pipelines(graph, cl, simulate_top=1000, schedules=(schedule,))
+    want = [r for r in results if (r.tensor > 1) == (kind == "hybrid") and r.schedule == schedule
+            and len(r.stages) > 1]
+    r = want[seed % len(want)] if want else forced_pipeline(graph, cl, schedule, 2 if kind == "hybrid" else 1)
+    if r is None:
+        return None
+    fields = {k: getattr(base, k) for k in ("model", "graph_fingerprint", "devices", "cluster", "optimizer",
+                                            "objective", "lower_bound_s", "inputs")}
+    return pipeline_plan(graph, r, baselines={}, **fields)
+
+
+def forced_pipeline(graph, cl, schedule: str, t: int) -> PipelineResult | None:
+    """Two pipeline ranks over nodes split evenly (the search finds no pipeline worth
+    running for some tiny models; the emitter must still run one)."""
+    p, chunks = 2, 2 if schedule == "interleaved" else 1
+    if cl.devices % (p * t):
+        return None
+    d = cl.devices // (p * t)
+    m = 2
+    if batch_size(graph) % (d * m):
+        return None
+    configs = stage_configs(microbatch_graph(graph, d * m), t)
+    if configs is None:
+        return None
+    n, stages = len(graph.nodes), p * chunks
+    bounds = [(n * k // stages, n * (k + 1) // stages) for k in range(stages)]
+    sim = simulate_stages(graph, cl, bounds=bounds, tensor=t, replicas=d, schedule=schedule, microbatches=m,
+                          chunks=chunks)
+    g = d * t
+    placed = tuple((a, b, tuple(range((k % p) * g, (k % p + 1) * g))) for k, (a, b) in enumerate(bounds))
+    return PipelineResult("hybrid" if t > 1 else "pipeline", schedule, m, chunks, False, t, d, placed, configs, sim)
+
+
+def mse(out, target):
+    return F.mse_loss(out.float(), target)
+
+
+def check_job(rank: int, world: int, spec: str, plans: list) -> list:
+    """On every rank: each plan emitted and verified (loss, gradients, 3 steps)."""
+    from flexsearch.emit.verify import verify
+
+    out = []
+    for plan in plans:
+        model, x = load(spec)
+        torch.manual_seed(1)
+        with torch.no_grad():
+            y = torch.randn(model(*x).shape)
+        r = verify(model, plan, x, y, mse)
+        out.append((plan.kind, plan.schedule, r["loss"], r["reference_loss"], r["params"]))
+    return out

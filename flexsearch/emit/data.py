@@ -46,6 +46,15 @@ def _shard_units(model: nn.Module) -> list[nn.Module]:
     return out
 
 
+def _untied(units: list[nn.Module]) -> list[nn.Module]:
+    """The units sharing no parameter with another (tied weights stay in the root group)."""
+    seen: dict[int, int] = {}
+    for u in units:
+        for q in u.parameters():
+            seen[id(q)] = seen.get(id(q), 0) + 1
+    return [u for u in units if all(seen[id(q)] == 1 for q in u.parameters())]
+
+
 class DataParallelModule(nn.Module):
     """A data-parallel model: ``module`` is the DDP wrapper or the fully-sharded model."""
 
@@ -57,7 +66,7 @@ class DataParallelModule(nn.Module):
             from torch.distributed.fsdp import fully_shard
 
             mesh = rt.mesh(list(range(len(rt.ranks))), ("dp",))
-            for unit in _shard_units(model):  # one unit per top-level layer, then the root
+            for unit in _untied(_shard_units(model)):  # one unit per top-level layer, then the root
                 fully_shard(unit, mesh=mesh, reshard_after_forward=True)
             fully_shard(model, mesh=mesh, reshard_after_forward=True)
             self.module = model

@@ -56,15 +56,13 @@ def graph_of(model: nn.Module, plan: Plan) -> OpGraph:
 
 def lift(model: nn.Module) -> fx.GraphModule:
     """``model``'s FX graph module, as the tracer lifts it (same node names)."""
-    from flexsearch.graph.tracer import _Tracer
+    from flexsearch.graph.tracer import fx_graph_module
 
-    tracer = _Tracer()
     try:
-        g = tracer.trace(model)
+        return fx_graph_module(model)
     except Exception as e:  # noqa: BLE001 - any tracing failure is the same user error
         raise EmitError(f"the emitter runs models torch.fx can trace; this one fails ({type(e).__name__}); "
                         "use a data-parallel plan for it") from None
-    return fx.GraphModule(tracer.root, g, type(model).__name__)
 
 
 def parallelize(model: nn.Module, plan: Plan, *, group: dist.ProcessGroup | None = None) -> nn.Module:

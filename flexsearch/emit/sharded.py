@@ -119,11 +119,15 @@ def _mesh_ranks(mesh) -> frozenset[int]:
     return frozenset(mesh.mesh.flatten().tolist())
 
 
+def _dense_stride(shape) -> tuple[int, ...]:
+    return torch.empty(shape, device="meta").stride()
+
+
 def _empty(mesh, placements, shape, dtype, device) -> DTensor:
     """A DTensor on ``mesh`` as a rank outside it holds it: global metadata, no data."""
     return DTensor.from_local(torch.empty(0, dtype=dtype, device=device), mesh, placements,
                               run_check=False, shape=torch.Size(shape),
-                              stride=torch.empty(shape, device="meta").stride())
+                              stride=_dense_stride(shape))
 
 
 def _transfer(rt: Runtime, x: DTensor, dst, placements) -> DTensor:
@@ -178,19 +182,6 @@ class _Whole(torch.autograd.Function):
                                   stride=grad.contiguous().stride())
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose gradient is made contiguous (callers such as the pipeline runtime
-    may pass gradients with any strides; views in DTensor's backward need dense ones)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return grad.contiguous()
-
-
 class _Anchor(torch.autograd.Function):
     """A zero that depends on a DTensor this rank holds no data of: outputs built on it
     keep the tensor in the backward pass (its gradient is empty here)."""
@@ -221,13 +212,6 @@ def to_layout(rt: Runtime, x: Any, mesh, placements) -> Any:
 
 
 # ----------------------------------------------------------------------------- the module
-
-
-def _canonical(model: nn.Module) -> dict[int, str]:
-    out: dict[int, str] = {}
-    for n, p in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
-        out.setdefault(id(p), n)
-    return out
 
 
 class ShardedModule(nn.Module):
@@ -347,10 +331,7 @@ class ShardedModule(nn.Module):
                     state[pname] = to_layout(self._rt, p, mesh, want)
         with sdpa_kernel([SDPBackend.MATH]) if node.kind == "attention" else contextlib.nullcontext(), \
                 implicit_replication():
-            out = _plain_call(self._gm[0], n, args, kwargs, state)
-        if node.kind == "embedding" and isinstance(out, DTensor):
-            out = _ContiguousGrad.apply(out)  # DTensor's embedding backward needs a dense gradient
-        return out
+            return _plain_call(self._gm[0], n, args, kwargs, state)
 
     def _vocab_parallel(self, n: fx.Node, mod: nn.Embedding, args, c: Config, mesh) -> DTensor:
         """An Embedding split by vocabulary (Megatron's vocab-parallel embedding): each of
@@ -369,7 +350,7 @@ class ShardedModule(nn.Module):
             anchor = _Anchor.apply(w) if w.requires_grad else torch.zeros(())
             e = torch.empty(0, dtype=w.dtype, device=anchor.device) + anchor.to(w.dtype)
             return DTensor.from_local(e, mesh, out_pl, run_check=False, shape=torch.Size(out_shape),
-                                      stride=torch.empty(out_shape, device="meta").stride())
+                                      stride=_dense_stride(out_shape))
         rows = mod.num_embeddings // c.t
         lo = mesh.get_local_rank("t") * rows
         li = idx.to_local()
@@ -378,7 +359,7 @@ class ShardedModule(nn.Module):
         local = torch.nn.functional.embedding(torch.where(outside, 0, li - lo), wl)
         local = local.masked_fill(outside.unsqueeze(-1), 0.0)
         return DTensor.from_local(local, mesh, out_pl, run_check=False, shape=torch.Size(out_shape),
-                                  stride=torch.empty(out_shape, device="meta").stride())
+                                  stride=_dense_stride(out_shape))
 
     def _call_local(self, n: fx.Node, node: OpNode, mod: nn.Module | None, args, kwargs, c: Config, mesh) -> Any:
         """Run an op on local tensors with explicit placements (``local_map``'s contract),
@@ -419,7 +400,7 @@ class ShardedModule(nn.Module):
         with torch.no_grad():
             meta = _plain_call(self._gm[0], n, *tree_unflatten(mflat, spec), mstate)
         mout, mspec = tree_flatten(meta)
-        places = [(Shard(_split_dim(mod, j, output=True)) if split and c.s > 1 else Replicate(),
+        places = [(Shard(_split_dim(mod, j)) if split and c.s > 1 else Replicate(),
                    Shard(1) if split and c.kind == "p" else Replicate()) for j in range(len(mout))]
         if member:
             out = tree_flatten(_plain_call(self._gm[0], n, *tree_unflatten(lflat, spec), lstate))[0]
@@ -464,8 +445,8 @@ def _state(mod: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(mod.named_parameters(recurse=True)) + list(mod.named_buffers(recurse=True))
 
 
-def _split_dim(mod: nn.Module | None, j: int, output: bool = False) -> int:
-    """The batch dim of the ``j``-th tensor input (or output) of a sample-split layer:
+def _split_dim(mod: nn.Module | None, j: int) -> int:
+    """The batch dim of the ``j``-th tensor input or output of a sample-split layer:
     dim 0 for a convolution; for an RNN its sequence tensor's batch dim, then dim 1 of
     the (layers, batch, hidden) states."""
     if isinstance(mod, nn.RNNBase):

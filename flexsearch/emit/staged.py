@@ -124,7 +124,7 @@ class PipelineModule(nn.Module):
                 grp = rt.subgroup(tuple(rt.ranks[rr * g + jj * t + ii] for jj in range(d)))
                 if rr == r and ii == self.tensor_index:
                     self._dp_group = grp
-        self._tied = self._tie_groups(cuts, ids, rt, p, g, t)
+        self._tied = self._tie_groups(cuts, ids, rt, p, g)
         mods = []
         for k in mine:
             m = cuts[k]
@@ -141,33 +141,27 @@ class PipelineModule(nn.Module):
         ]
         self._schedule = None
         self._loss_fn = None
-        self._canon = ids
 
-    def _tie_groups(self, cuts, ids, rt: Runtime, p: int, g: int, t: int) -> list[tuple[str, Any]]:
-        """(parameter name in this rank's stage, group of ranks holding a copy) for every
+    def _tie_groups(self, cuts, ids: dict[int, str], rt: Runtime, p: int, g: int) -> list[tuple[str, Any]]:
+        """(parameter name in this rank's stages, group of ranks holding a copy) for every
         weight that several pipeline ranks hold; groups made by every rank in order."""
-        holders: dict[str, set[int]] = {}
+        ranks_of: dict[str, set[int]] = {}  # canonical name -> pipeline ranks holding it
+        names_of: dict[str, set[str]] = {}
         for k, m in enumerate(cuts):
-            for name, _ in m.named_parameters():
-                holders.setdefault(name, set()).add(k % p)
-        by_canon: dict[str, set[int]] = {}
-        names_of: dict[str, list[str]] = {}
-        for name, ranks in holders.items():
-            canon = ids.get(id(cuts_param(cuts, name)), name)
-            by_canon.setdefault(canon, set()).update(ranks)
-            names_of.setdefault(canon, []).append(name)
+            for name, q in m.named_parameters():
+                canon = ids.get(id(q), name)
+                ranks_of.setdefault(canon, set()).add(k % p)
+                names_of.setdefault(canon, set()).add(name)
+        held = {n for k in self.stage_indices for n, _ in cuts[k].named_parameters()}
         out = []
-        for canon in sorted(by_canon):
-            prs = sorted(by_canon[canon])
+        for canon in sorted(ranks_of):
+            prs = sorted(ranks_of[canon])
             if len(prs) < 2:
                 continue
-            rem = self._rt.device % g
             for off in range(g):
                 grp = rt.subgroup(tuple(rt.ranks[pr * g + off] for pr in prs))
-                if off == rem and self.pipeline_rank in prs:
-                    held = {n for k in range(len(cuts)) if k % p == self.pipeline_rank
-                            for n, _ in cuts[k].named_parameters()}
-                    out.extend((n, grp) for n in names_of[canon] if n in held)
+                if off == rt.device % g and self.pipeline_rank in prs:
+                    out.extend((n, grp) for n in sorted(names_of[canon] & held))
         return out
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -226,15 +220,6 @@ class PipelineModule(nn.Module):
             dist.all_reduce(whole, group=grp)
             q.grad = distribute_tensor(whole, g.device_mesh, g.placements, src_data_rank=None) \
                 if isinstance(g, DTensor) else whole
-
-
-def cuts_param(cuts, name: str) -> torch.Tensor:
-    for m in cuts:
-        try:
-            return m.get_parameter(name)
-        except AttributeError:
-            continue
-    raise KeyError(name)
 
 
 def pipeline(model: nn.Module, graph: OpGraph, plan: Plan, rt: Runtime) -> PipelineModule:

@@ -128,12 +128,18 @@ class _Tracer(fx.Tracer):
         self.record_stack_traces = True
 
 
+def fx_graph_module(model: nn.Module) -> fx.GraphModule:
+    """``model`` symbolically traced with every ``torch.nn`` layer kept whole (the node
+    names of the op graph; the emitter re-lifts models with it)."""
+    tracer = _Tracer()
+    graph = tracer.trace(model)
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
 def _lift(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, str, list]:
     """The graph module, how it was made, and the flat list of its placeholder values."""
     try:
-        tracer = _Tracer()
-        graph = tracer.trace(model)
-        gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+        gm = fx_graph_module(model)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         values = list(args)
         for ph in placeholders[len(args) :]:

@@ -58,6 +58,9 @@ class SearchInfo(_Frozen):
     iterations: int = 0
     ilp: str = "skipped"
     """ILP status: optimal, feasible, infeasible, or why it was skipped."""
+    curve: tuple[tuple[int, float], ...] = ()
+    """The search's convergence: (iteration, best predicted iteration time in s) at
+    every improvement of the MCMC search (iteration 0: the best seed)."""
 
 
 class Plan(_Frozen):
@@ -95,7 +98,14 @@ class Plan(_Frozen):
     """The model's example inputs (positional), so the emitter can re-trace the model
     and check it is the one the plan was made for."""
     topology: str | None = None
+    """Decentralized plans: the gossip topology's name (:mod:`flexsearch.search.topology`)."""
+    topology_edges: tuple[tuple[int, int], ...] = ()
+    """Decentralized plans with a custom topology: its edges (rank pairs)."""
     spectral_gap: float | None = None
+    """Decentralized plans: ``1 - beta`` of the mixing matrix (REFERENCE section 3)."""
+    iterations_factor: float | None = None
+    """Decentralized plans: iterations to reach the same accuracy as synchronous SGD,
+    relative to it (>= 1; the time-to-accuracy model of :mod:`flexsearch.search.topology`)."""
     search: SearchInfo = SearchInfo()
 
     _search_time_s: float | None = PrivateAttr(default=None)

@@ -167,7 +167,7 @@ def plan_graph(
         else:
             infeasible.append("pipedream")
     search = SearchInfo(seed=seed, max_iters=max_iters, budget_s=budget_s, iterations=result.iterations,
-                        ilp=ilp_status)
+                        ilp=ilp_status, curve=tuple((it, t) for it, _, t in result.improvements))
     common = dict(model=graph.model, graph_fingerprint=graph.fingerprint, devices=cluster.devices,
                   inputs=graph_inputs(graph),
                   cluster=cluster.spec, optimizer=optimizer, objective=objective,

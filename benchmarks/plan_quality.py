@@ -40,7 +40,7 @@ from zoo import build, entries  # noqa: E402
 import flexsearch  # noqa: E402
 from flexsearch.cost.hardware import Cluster  # noqa: E402
 from flexsearch.errors import InfeasiblePlanError  # noqa: E402
-from flexsearch.search.planner import ASYNCHRONOUS_BASELINES, plan_graph, run_baselines  # noqa: E402
+from flexsearch.search.planner import REFERENCE_BASELINES, plan_graph, run_baselines  # noqa: E402
 from flexsearch.search.space import Space  # noqa: E402
 from flexsearch.sim.simulator import Simulator  # noqa: E402
 
@@ -92,7 +92,7 @@ def run_case(graph, preset: str, devices: int, args) -> dict:
     except Exception as e:  # reported, not fatal: one case must not end the sweep
         return {"status": "error", "violations": 0, "note": f"{type(e).__name__}: {e}"[:120]}
     t = plan.predicted.iteration_time_s
-    slower = [k for k, v in plan.baselines.items() if t > v * (1 + 1e-9) and k not in ASYNCHRONOUS_BASELINES]
+    slower = [k for k, v in plan.baselines.items() if t > v * (1 + 1e-9) and k not in REFERENCE_BASELINES]
     return {
         "status": "ok",
         "plan": plan,

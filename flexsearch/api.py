@@ -49,6 +49,7 @@ def plan(
     objective: Literal["iteration", "time_to_accuracy"] = "iteration",
     optimizer: Literal["adam", "momentum", "sgd"] = "adam",
     progress: Callable[[int, float], None] | None = None,
+    decentralized: bool = True,
 ) -> Plan:
     """Search every plan kind for ``model`` on ``devices`` devices of ``cluster`` and
     return the fastest that fits in memory.
@@ -56,7 +57,9 @@ def plan(
     Budgets: ``max_iters`` (reproducible: same seed, same plan) or ``budget_s``
     (seconds); neither means the default iteration budget. ``objective`` is accepted
     for the decentralized plans; for synchronous plans (data, SOAP) iterations to
-    accuracy equal plain SGD's, so both objectives rank them by iteration time."""
+    accuracy equal plain SGD's, so both objectives rank them by iteration time.
+    ``decentralized=False`` keeps synchronous training: D-PSGD plans are simulated for
+    the notes but never returned."""
     if objective not in ("iteration", "time_to_accuracy"):
         raise FlexsearchError(f"unknown objective {objective!r}; use 'iteration' or 'time_to_accuracy'")
     if max_iters is not None and (isinstance(max_iters, bool) or max_iters < 0):
@@ -68,7 +71,7 @@ def plan(
     cl = resolve_cluster(cluster, devices)
     graph = trace(model, example_inputs)
     return plan_graph(graph, cl, budget_s=budget_s, max_iters=max_iters, seed=seed,
-                      optimizer=optimizer, objective=objective, progress=progress)
+                      optimizer=optimizer, objective=objective, progress=progress, decentralized=decentralized)
 
 
 def simulate(graph: OpGraph, plan: Plan, cluster: str | os.PathLike[str] | Cluster | None = None) -> Simulation:
@@ -81,6 +84,8 @@ def simulate(graph: OpGraph, plan: Plan, cluster: str | os.PathLike[str] | Clust
         cl = resolve_cluster(cluster, plan.devices)
     if plan.kind in ("pipeline", "hybrid"):
         return _simulate_pipeline(graph, plan, cl)
+    if plan.kind == "decentralized":
+        return _simulate_decentralized(graph, plan, cl)
     configs = plan.node_configs()
     missing = [n.name for n in graph.nodes if n.name not in configs]
     missing += [k for k in plan.decisions if k not in configs]
@@ -92,7 +97,29 @@ def simulate(graph: OpGraph, plan: Plan, cluster: str | os.PathLike[str] | Clust
                 f"the plan's configuration {configs[n.name].text} for {n.name} is not legal on "
                 f"{cl.devices} devices; the file is damaged or edited, plan again"
             )
-    return Simulator(graph, cl, optimizer=plan.optimizer).simulate(configs)  # type: ignore[arg-type]
+    sim = Simulator(graph, cl, optimizer=plan.optimizer).simulate(configs)  # type: ignore[arg-type]
+    if plan.kind == "data":
+        from flexsearch.search.planner import ddp_simulation
+
+        return ddp_simulation(graph, cl, sim, timeline=True, optimizer=plan.optimizer)
+    return sim
+
+
+def _simulate_decentralized(graph: OpGraph, plan: Plan, cl: Cluster) -> Simulation:
+    """Re-simulate a D-PSGD plan on its topology."""
+    from flexsearch.search.decentralized import replica_cost
+    from flexsearch.search.topology import build
+    from flexsearch.sim.decentralized import simulate_gossip
+    from flexsearch.sim.taskgraph import CostContext
+
+    if plan.topology is None:
+        raise PlanFileError("the decentralized plan names no topology; the file is damaged, plan again")
+    try:
+        top = build(plan.topology, plan.devices, edges=plan.topology_edges or None)
+        cost = replica_cost(graph, cl)
+    except (FlexsearchError, ValueError) as e:
+        raise PlanFileError(f"the decentralized plan cannot be simulated: {e}; plan again") from None
+    return simulate_gossip(CostContext(cl, None), cost, top, optimizer=plan.optimizer)
 
 
 def _simulate_pipeline(graph: OpGraph, plan: Plan, cl: Cluster) -> Simulation:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -102,8 +104,10 @@ def profile(
     comm: Annotated[bool, typer.Option("--comm", help="Measure this machine's gloo links and compute peak; rewrite the cpu preset.")] = False,
     ranks: Annotated[int, typer.Option(help="gloo processes for --comm.", min=2)] = 2,
 ) -> None:
-    """Measure each op's forward and backward time on this device (full and partitioned
-    shapes), cached in profiles/<device>.json; with --comm, measure gloo links."""
+    """Measure each op's forward and backward time on this device.
+
+    Full and partitioned shapes, cached in profiles/<device>.json (an existing --out file
+    is added to, never overwritten); with --comm, measure this machine's gloo links."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     if model is None and not comm:
@@ -121,7 +125,7 @@ def profile(
     module, inputs = load_model(model)
     with Progress(
         TextColumn("profiling"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        TextColumn("{task.description}"), console=err, transient=True,
+        TextColumn("{task.description}"), console=err, transient=True, disable=not err.is_terminal,
     ) as bar:  # fmt: skip
         task = bar.add_task("tracing", total=None)
 
@@ -175,8 +179,6 @@ def cluster(
 
 
 def _refuse_overwrite(path: str | None, force: bool, flag: str) -> None:
-    from pathlib import Path
-
     if path is not None and Path(path).exists() and not force:
         raise FlexsearchError(f"{path} exists; pass --force to overwrite it or choose another {flag} path")
 
@@ -194,6 +196,12 @@ def _plan_summary(p, search_time_s: float | None) -> dict:
         "infeasible_baselines": list(p.infeasible_baselines),
         "speedup_over_data": p.speedup_over_data,
         "search_time_s": search_time_s,
+        "interrupted": p.interrupted,
+        "objective": p.objective,
+        "topology": p.topology,
+        "spectral_gap": p.spectral_gap,
+        "iterations_factor": p.iterations_factor,
+        "notes": list(p.notes),
     }
 
 
@@ -201,12 +209,14 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms"
 
 
-def _print_plan(p, search_time_s: float | None) -> None:
+def _print_plan(p, search_time_s: float | None, *, default_cluster: bool = False) -> None:
     table = Table(title=f"{p.model}: {p.devices} x {p.cluster.device.name} ({p.cluster.name})")
     table.add_column("what")
     table.add_column("value", justify="right")
     dp = p.baselines.get("data")
+    cluster_note = " (the default; choose with --cluster)" if default_cluster else ""
     rows = [
+        ("cluster", f"{p.cluster.name}, {p.devices} x {p.cluster.device.name}{cluster_note}"),
         ("plan kind", p.kind),
         ("predicted iteration", _ms(p.predicted.iteration_time_s)),
         ("speedup over data parallel", f"{dp / p.predicted.iteration_time_s:.2f}x" if dp else "data parallel does not fit"),
@@ -222,12 +232,19 @@ def _print_plan(p, search_time_s: float | None) -> None:
         for i, st in enumerate(p.stages):
             rows.append((f"stage {i}", f"{st.nodes[0]} .. {st.nodes[-1]} ({len(st.nodes)} ops) on devices "
                          f"{st.devices[0]}-{st.devices[-1]}"))
+    if p.kind == "decentralized":
+        rows.append(("topology", f"{p.topology}, spectral gap {p.spectral_gap:.4f}"))
+        rows.append(("iterations to same accuracy", f"{p.iterations_factor:.2f}x synchronous SGD's "
+                                                    f"(objective: {p.objective})"))
     for name, t in sorted(p.baselines.items()):
         rows.append((f"baseline {name}", _ms(t)))
     for name in p.infeasible_baselines:
         rows.append((f"baseline {name}", "does not fit"))
     if search_time_s is not None:
-        rows.append(("search time", f"{search_time_s:.1f} s ({p.search.iterations} MCMC steps, ILP {p.search.ilp})"))
+        stopped = ", interrupted" if p.interrupted else ""
+        rows.append(("search time", f"{search_time_s:.1f} s ({p.search.iterations} MCMC steps{stopped}, "
+                                    f"ILP {p.search.ilp})"))
+    rows += [("why", note) for note in p.notes]
     for row in rows:
         table.add_row(*row)
     stdout.print(table)
@@ -237,20 +254,24 @@ def _print_plan(p, search_time_s: float | None) -> None:
 def plan(
     model: ModelArg,
     devices: Annotated[int, typer.Option(help="Number of devices.", min=1)] = 8,
-    cluster: Annotated[str, typer.Option(help="Cluster preset name or cluster JSON file.")] = "dgx-h100",
+    cluster: Annotated[str | None, typer.Option(help="Cluster preset name or cluster JSON file [default: dgx-h100].", show_default=False)] = None,
     budget: Annotated[float | None, typer.Option(help="Search budget in seconds.", min=0.001)] = None,
     max_iters: Annotated[int | None, typer.Option(help="Search budget in MCMC steps (reproducible).", min=0)] = None,
     seed: Annotated[int, typer.Option(help="Random seed of the search.")] = 0,
     objective: Annotated[str, typer.Option(help="iteration or time_to_accuracy.")] = "iteration",
+    decentralized: Annotated[bool, typer.Option(help="Consider D-PSGD plans (each device its own model, gossip "
+                                                     "averaging); --no-decentralized keeps synchronous SGD.")] = True,
     out: Annotated[str | None, typer.Option(help="Write the plan JSON here.")] = None,
     trace_out: Annotated[str | None, typer.Option("--trace", help="Write the plan's timeline (Chrome trace JSON) here.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out / --trace files that exist.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Search parallelization plans for MODEL and print the fastest that fits."""
+    """Search parallelization plans for MODEL and print the fastest that fits.
+
+    Ctrl-C during the search returns the best plan found so far."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from flexsearch.api import resolve_cluster, simulate
+    from flexsearch.api import DEFAULT_CLUSTER, resolve_cluster, simulate
     from flexsearch.graph import trace as trace_graph
     from flexsearch.model_files import load_model
     from flexsearch.search.planner import DEFAULT_MAX_ITERS, plan_graph
@@ -259,7 +280,7 @@ def plan(
         raise typer.BadParameter("use iteration or time_to_accuracy", param_hint="--objective")
     _refuse_overwrite(out, force, "--out")
     _refuse_overwrite(trace_out, force, "--trace")
-    cl = resolve_cluster(cluster, devices)
+    cl = resolve_cluster(cluster if cluster is not None else DEFAULT_CLUSTER, devices)
     from flexsearch.graph.pipedream_profile import is_profile_file
 
     if is_profile_file(model):
@@ -270,15 +291,21 @@ def plan(
         return
     module, inputs = load_model(model)
     total = max_iters if max_iters is not None else (None if budget is not None else DEFAULT_MAX_ITERS)
-    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err, transient=True) as bar:
+    of = f"/{total}" if total is not None else ""
+    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("tracing", total=None)
         graph = trace_graph(module, inputs, name=model)
-        bar.update(task, description="searching", total=total, completed=0)
+        bar.update(task, description="searching: baselines and ILP seed", total=total, completed=0)
 
-        def report(it: int, best: float) -> None:
-            bar.update(task, completed=it, description=f"searching (best {best * 1e3:.3f} ms)")
+        def progress(it: int, best: float) -> None:
+            found = f"best {_ms(best)}" if best < float("inf") else "nothing fits yet"
+            bar.update(task, completed=it, description=f"searching: step {it}{of}, {found}")
 
-        p = plan_graph(graph, cl, budget_s=budget, max_iters=max_iters, seed=seed, objective=objective, progress=report)
+        p = plan_graph(graph, cl, budget_s=budget, max_iters=max_iters, seed=seed, objective=objective, progress=progress,
+                       decentralized=decentralized)
+    if p.interrupted:
+        err.print(f"interrupted: returning the best plan found so far ({p.search.iterations} MCMC steps; "
+                  "the remaining searches were skipped)", markup=False, soft_wrap=True)
     if out is not None:
         p.save(out)
     if trace_out is not None:
@@ -286,7 +313,7 @@ def plan(
     if as_json:
         sys.stdout.write(json.dumps(_plan_summary(p, p.search_time_s)) + "\n")
         return
-    _print_plan(p, p.search_time_s)
+    _print_plan(p, p.search_time_s, default_cluster=cluster is None)
     if out is not None:
         stdout.print(f"plan written to {out}")
     if trace_out is not None:
@@ -328,8 +355,6 @@ def _plan_profile(path: str, cl, as_json: bool) -> None:
 
 def _plan_graph_for(p, plan_path: str):
     """Re-trace the model a plan names (as given, else relative to the plan file)."""
-    from pathlib import Path
-
     from flexsearch.graph import trace as trace_graph
     from flexsearch.model_files import load_model, split_spec
 
@@ -391,6 +416,8 @@ def show(plan_file: Annotated[str, typer.Argument(metavar="PLAN.json", help="A p
 
     p = Plan.load(plan_file)
     _print_plan(p, None)
+    if not p.decisions:
+        return
     table = Table(title="decisions (s: sample split, p/a/r: parameter/attribute/reduce split of degree t on dim, x: replicated, @: first device)")
     table.add_column("op")
     table.add_column("configuration")
@@ -399,16 +426,115 @@ def show(plan_file: Annotated[str, typer.Argument(metavar="PLAN.json", help="A p
     stdout.print(table)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point: run the app, turn user errors into one line and exit code 2."""
+@app.command()
+def report(
+    plan_file: Annotated[str, typer.Argument(metavar="PLAN.json", help="A plan written by `flexsearch plan --out`.")],
+    out: Annotated[str, typer.Option(help="Write the HTML page here.")],
+    force: Annotated[bool, typer.Option("--force", help="Overwrite the --out file if it exists.")] = False,
+) -> None:
+    """Write a self-contained HTML report about a saved plan.
+
+    The page shows the simulated timeline, memory per device against capacity, the
+    search's convergence and the plan against its baselines and lower bound (the plan's
+    model file is traced again)."""
+    from flexsearch.api import simulate as simulate_plan
+    from flexsearch.plan import Plan
+    from flexsearch.report import render
+
+    _refuse_overwrite(out, force, "--out")
+    p = Plan.load(plan_file)
+    graph = _plan_graph_for(p, plan_file)
+    Path(out).write_text(render(p, simulate_plan(graph, p)), encoding="utf-8")
+    stdout.print(f"report written to {out}")
+
+
+def _rel(path: Path) -> str:
+    """``path`` relative to the working directory when it is under it."""
     try:
-        app(args=argv, prog_name="flexsearch", standalone_mode=False)
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+_STATUS_STYLE = {"regressed": "red", "new": "yellow", "improved": "green"}
+
+
+@app.command()
+def bench(
+    check: Annotated[bool, typer.Option("--check", help="Exit 1 when a plan got more than 1% slower, became infeasible, or is not in the baseline.")] = False,
+    update: Annotated[bool, typer.Option("--update", help="Rewrite the baseline with this run's results.")] = False,
+    baseline: Annotated[str | None, typer.Option(help="Baseline file [default: benchmarks/baseline.json].", show_default=False)] = None,
+) -> None:
+    """Check predicted plan costs against the recorded baseline.
+
+    Plans a fixed matrix of zoo models x clusters x device counts (fixed seed and
+    budget: deterministic) and compares each predicted iteration time with the baseline
+    file."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from flexsearch import bench as b
+
+    if check and update:
+        raise typer.BadParameter("--check compares with the baseline, --update rewrites it: pass one", param_hint="--update")
+    path = b.BASELINE_PATH if baseline is None else Path(baseline)
+    if check and not path.exists():
+        raise FlexsearchError(f"no baseline at {path}; record one with `flexsearch bench --update`")
+    with Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.description}"), console=err, transient=True, disable=not err.is_terminal) as bar:
+        task = bar.add_task("", total=None)
+
+        def progress(done: int, total: int, case) -> None:
+            bar.update(task, completed=done, total=total, description=f"{case.name} on {case.devices} x {case.cluster}")
+
+        run = b.bench(baseline_path=path, progress=progress)
+    cmp = run.comparison
+    table = Table(title=f"bench: {len(run.results)} plans (seed {run.seed}, {run.max_iters} MCMC steps) vs {_rel(path)}",
+                  box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1), collapse_padding=True)
+    for col in ("model", "cluster", "N", "kind", "ms", "baseline ms", "change", "status"):
+        table.add_column(col, justify="right" if col in ("N", "ms", "baseline ms", "change") else "left", no_wrap=True)
+
+    def ms(t: float | None) -> str:
+        return f"{t * 1e3:.3f}" if t is not None else "does not fit"
+
+    for r in cmp.rows:
+        now, before = r.now, r.before
+        t = ms(now.iteration_time_s)
+        was = "-" if before is None else ms(before.iteration_time_s)
+        change = f"{r.change:+.2%}" if r.change is not None else "-"
+        style = _STATUS_STYLE.get(r.status, "")
+        table.add_row(now.model.rsplit(":", 1)[-1], now.cluster, str(now.devices), now.kind or "-", t, was, change,
+                      f"[{style}]{r.status}[/]" if style else r.status)
+    stdout.print(table)
+    for r in cmp.rows:
+        if r.status == "improved":
+            change = f" ({r.change:+.2%})" if r.change is not None else ""
+            stdout.print(f"improved: {r.label}: {ms(r.before.iteration_time_s)} -> {ms(r.now.iteration_time_s)} ms"
+                         f"{change}", markup=False)
+    if update:
+        b.write_baseline(run.baseline(), path)
+        stdout.print(f"baseline written to {_rel(path)} ({len(run.results)} plans)")
+    stdout.print(f"cases={len(cmp.rows)} regressed={cmp.count('regressed')} improved={cmp.count('improved')} "
+                 f"new={cmp.count('new')} infeasible={sum(r.iteration_time_s is None for r in run.results)} "
+                 f"seconds={run.seconds:.1f}", markup=False)
+    if check and cmp.failed:
+        why = cmp.stale or ", ".join(f"{r.label} {r.status}" for r in cmp.rows if r.status in b.FAILING)
+        err.print(f"bench --check failed: {why}; fix the regression, or record the change on purpose "
+                  "with `flexsearch bench --update`", markup=False, soft_wrap=True)
+        raise typer.Exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: run the app; user errors become one line on stderr and exit code 2,
+    Ctrl-C outside a search exit code 130. Returns the exit code."""
+    try:
+        # Without standalone mode the app returns a command's typer.Exit code (and 130
+        # for a KeyboardInterrupt) instead of exiting.
+        code = app(args=argv, prog_name="flexsearch", standalone_mode=False)
     except FlexsearchError as exc:
         err.print(f"error: {exc}", markup=False, soft_wrap=True)
         return 2
-    except typer.Abort:
-        err.print("aborted", soft_wrap=True)
-        return 130
+    except (typer.Abort, KeyboardInterrupt):
+        code = 130
     except UsageError as exc:
         ctx = getattr(exc, "ctx", None)
         cmd = ctx.command_path if ctx is not None else "flexsearch"
@@ -418,8 +544,11 @@ def main(argv: list[str] | None = None) -> int:
         err.print(f"error: {exc.format_message()}", markup=False, soft_wrap=True)
         return 2
     except typer.Exit as exc:
-        return exc.exit_code
-    return 0
+        code = exc.exit_code
+    code = code if isinstance(code, int) else 0
+    if code == 130:
+        err.print("interrupted", soft_wrap=True)
+    return code
 
 
 def entry() -> None:

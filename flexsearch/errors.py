@@ -43,3 +43,7 @@ class ProfileError(FlexsearchError):
 class EmitError(FlexsearchError):
     """A plan cannot be emitted here: another model or world size, or a kind the
     emitter does not run."""
+
+
+class TopologyError(FlexsearchError):
+    """A decentralized-training topology is malformed or cannot be built for this many ranks."""

@@ -107,8 +107,16 @@ class Plan(_Frozen):
     """Decentralized plans: iterations to reach the same accuracy as synchronous SGD,
     relative to it (>= 1; the time-to-accuracy model of :mod:`flexsearch.search.topology`)."""
     search: SearchInfo = SearchInfo()
+    notes: tuple[str, ...] = ()
+    """Why the planner chose this plan over others it considered (one line each)."""
 
     _search_time_s: float | None = PrivateAttr(default=None)
+    _interrupted: bool = PrivateAttr(default=False)
+
+    @property
+    def interrupted(self) -> bool:
+        """The search was stopped by Ctrl-C: the best plan found so far (not saved)."""
+        return self._interrupted
 
     @property
     def search_time_s(self) -> float | None:

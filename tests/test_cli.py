@@ -111,3 +111,76 @@ def test_cluster_bad_input(args, needle):
     r = run(*args)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     assert needle in r.stderr
+
+
+# Every command's arguments and options with their defaults. A change to the command
+# line must update this listing on purpose (users' scripts and DESIGN section 2 use it).
+GOLDEN_FLAGS = """
+bench --check default=False
+bench --update default=False
+bench --baseline default=None
+cluster NAME default=None
+cluster --devices default=None min=1
+plan MODEL default=None required
+plan --devices default=8 min=1
+plan --cluster default=None
+plan --budget default=None min=0.001
+plan --max-iters default=None min=0
+plan --seed default=0
+plan --objective default='iteration'
+plan --decentralized default=True
+plan --out default=None
+plan --trace default=None
+plan --force default=False
+plan --json default=False
+profile MODEL default=None
+profile --out default=None
+profile --threads default=1 min=1
+profile --repeats default=5 min=1
+profile --warmup default=2 min=0
+profile --comm default=False
+profile --ranks default=2 min=2
+report PLAN_FILE default=None required
+report --out default=None required
+report --force default=False
+show PLAN_FILE default=None required
+simulate PLAN_FILE default=None required
+simulate --trace default=None
+simulate --force default=False
+simulate --json default=False
+trace MODEL default=None required
+trace --json default=False
+trace --top default=10 min=1
+"""
+
+
+def cli_flags() -> str:
+    import typer
+
+    from flexsearch.cli import app
+
+    group = typer.main.get_command(app)
+    lines = []
+    for name in sorted(group.commands):
+        for p in group.commands[name].params:
+            opt = " ".join(p.opts) if p.param_type_name == "option" else p.name.upper()
+            bounds = "".join(f" {k}={getattr(p, k)}" for k in ("min", "max") if getattr(p, k, None) is not None)
+            lines.append(f"{name} {opt} default={p.default!r}" + (" required" if p.required else "") + bounds)
+    return "\n".join(lines)
+
+
+def test_cli_flags_are_frozen():
+    assert cli_flags() == GOLDEN_FLAGS.strip(), "the CLI changed: update GOLDEN_FLAGS (and DESIGN/README) on purpose"
+
+
+def test_design_commands_exist():
+    """DESIGN section 2: every command and flag it names."""
+    listing = cli_flags()
+    for cmd, flags in {
+        "plan": ["--devices", "--cluster", "--budget", "--max-iters", "--seed", "--objective", "--out", "--trace", "--json"],
+        "trace": ["--json"], "profile": ["--out"], "simulate": ["--trace", "--json"], "show": [],
+        "report": ["--out"], "bench": ["--check", "--update"],
+    }.items():
+        assert f"\n{cmd} " in "\n" + listing
+        for flag in flags:
+            assert f"\n{cmd} {flag} " in "\n" + listing, (cmd, flag)

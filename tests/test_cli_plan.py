@@ -8,7 +8,7 @@ import pytest
 from conftest import ROOT
 from test_cli import run
 
-from flexsearch.search.planner import ASYNCHRONOUS_BASELINES
+from flexsearch.search.planner import REFERENCE_BASELINES
 
 TINY = str(ROOT / "benchmarks/models/alexnet.py:alexnet_tiny")
 
@@ -17,9 +17,10 @@ TINY = str(ROOT / "benchmarks/models/alexnet.py:alexnet_tiny")
 def planned(tmp_path_factory):
     d = tmp_path_factory.mktemp("plan")
     out, tl = d / "plan.json", d / "timeline.json"
-    r = run("plan", TINY, "--devices", "4", "--cluster", "flexflow-k80", "--max-iters", "60",
+    r = run("plan", TINY, "--devices", "4", "--cluster", "flexflow-k80", "--max-iters", "60", "--no-decentralized",
             "--out", str(out), "--trace", str(tl), "--json")
     assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("{") and r.stdout.count("\n") == 1  # --json: one object, nothing else
     return d, out, tl, json.loads(r.stdout)
 
 
@@ -29,7 +30,7 @@ def test_plan_json_summary_and_files(planned):
                 "baselines", "search_time_s"):
         assert key in summary
     assert summary["devices"] == 4 and "data" in summary["baselines"]
-    sync = [t for k, t in summary["baselines"].items() if k not in ASYNCHRONOUS_BASELINES]
+    sync = [t for k, t in summary["baselines"].items() if k not in REFERENCE_BASELINES]
     assert summary["iteration_time_s"] <= min(sync) * (1 + 1e-9)
     assert summary["lower_bound_s"] <= summary["iteration_time_s"]
     plan = json.loads(out.read_text())
@@ -41,7 +42,7 @@ def test_plan_json_summary_and_files(planned):
 def test_plan_is_reproducible(planned, tmp_path):
     _, out, _, _ = planned
     again = tmp_path / "again.json"
-    r = run("plan", TINY, "--devices", "4", "--cluster", "flexflow-k80", "--max-iters", "60",
+    r = run("plan", TINY, "--devices", "4", "--cluster", "flexflow-k80", "--max-iters", "60", "--no-decentralized",
             "--out", str(again))
     assert r.returncode == 0, r.stderr
     assert "predicted iteration" in r.stdout and "speedup over data parallel" in r.stdout
@@ -89,3 +90,234 @@ def test_damaged_plan_file(tmp_path):
     bad.write_text("{not json")
     r = run("simulate", str(bad))
     assert r.returncode == 2 and "damaged" in r.stderr
+
+
+# -- in-process runs (no interpreter start per case) -------------------------------------
+MLP = str(ROOT / "benchmarks/models/mlp.py:mlp_tiny")
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    from flexsearch.cli import main
+
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_default_cluster_is_named(capsys):
+    rc, out, err = cli(capsys, "plan", MLP, "--devices", "2", "--max-iters", "5")
+    assert rc == 0, err
+    assert "dgx-h100" in out and "default" in out and "--cluster" in out
+    rc, out, err = cli(capsys, "plan", MLP, "--devices", "2", "--max-iters", "5", "--cluster", "dgx-a100")
+    assert rc == 0 and "dgx-a100" in out and "default" not in out
+
+
+def test_json_prints_nothing_else(capsys, tmp_path):
+    rc, out, err = cli(capsys, "plan", MLP, "--devices", "2", "--max-iters", "5", "--json",
+                       "--out", str(tmp_path / "p.json"), "--trace", str(tmp_path / "t.json"))
+    assert rc == 0, err
+    assert out.count("\n") == 1 and json.loads(out)["devices"] == 2
+    rc, out, err = cli(capsys, "simulate", str(tmp_path / "p.json"), "--json", "--trace", str(tmp_path / "t2.json"))
+    assert rc == 0 and out.count("\n") == 1 and json.loads(out)["feasible"]
+
+
+def test_every_file_flag_refuses_to_overwrite(capsys, tmp_path):
+    plan_file, tl = tmp_path / "p.json", tmp_path / "t.json"
+    assert cli(capsys, "plan", MLP, "--devices", "2", "--max-iters", "5", "--out", str(plan_file))[0] == 0
+    tl.write_text("keep")
+    for args in (["plan", MLP, "--devices", "2", "--max-iters", "5", "--trace", str(tl)],
+                 ["plan", MLP, "--devices", "2", "--max-iters", "5", "--out", str(plan_file)],
+                 ["simulate", str(plan_file), "--trace", str(tl)],
+                 ["report", str(plan_file), "--out", str(tl)]):
+        before = plan_file.read_bytes()
+        rc, out, err = cli(capsys, *args)
+        assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, (args, err)
+        assert "--force" in err and "exists" in err
+        assert tl.read_text() == "keep" and plan_file.read_bytes() == before
+    rc, _, err = cli(capsys, "simulate", str(plan_file), "--trace", str(tl), "--force")
+    assert rc == 0, err
+    assert "traceEvents" in json.loads(tl.read_text())
+
+
+# -- Ctrl-C during the search ------------------------------------------------------------
+def test_interrupted_search_returns_best_plan_through_the_api():
+    import flexsearch
+    from flexsearch.graph import trace
+
+    model, inputs = flexsearch.load_model(MLP)
+    seen = []
+
+    def ctrl_c_after_five(it: int, best: float) -> None:
+        seen.append(best)
+        if it == 5:
+            raise KeyboardInterrupt
+
+    p = flexsearch.plan(model, inputs, devices=4, max_iters=500, progress=ctrl_c_after_five)
+    assert p.interrupted and p.search.iterations == 5
+    assert "pipeline" not in p.baselines and "pipedream" not in p.baselines  # skipped
+    assert "ps" not in p.baselines  # the decentralized step is skipped too
+    # the best so far: the search's, or DDP's one-bucket data parallel when faster
+    assert p.predicted.iteration_time_s <= seen[-1] * (1 + 1e-12)
+    sim = flexsearch.simulate(trace(model, inputs), p)  # a complete, valid plan
+    assert sim.feasible and sim.iteration_time_s == pytest.approx(p.predicted.iteration_time_s)
+    full = flexsearch.plan(model, inputs, devices=4, max_iters=5)
+    assert not full.interrupted
+
+
+def test_interrupted_search_through_the_cli(monkeypatch, tmp_path):
+    """A Ctrl-C that lands inside the search loop (here: in the cost function)."""
+    from typer.testing import CliRunner
+
+    import flexsearch.search.mcmc as mcmc
+    from flexsearch.cli import app
+
+    real, calls = mcmc.cost_of, []
+
+    def cost_then_ctrl_c(sim):
+        calls.append(1)
+        if len(calls) == 15:
+            raise KeyboardInterrupt
+        return real(sim)
+
+    monkeypatch.setattr(mcmc, "cost_of", cost_then_ctrl_c)
+    out = tmp_path / "plan.json"
+    r = CliRunner().invoke(app, ["plan", MLP, "--devices", "4", "--max-iters", "500", "--json", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.stdout)
+    assert summary["interrupted"] and summary["iteration_time_s"] > 0
+    assert "interrupted: returning the best plan found so far" in r.stderr
+    assert out.exists() and json.loads(out.read_text())["search"]["iterations"] < 500
+    r = CliRunner().invoke(app, ["plan", MLP, "--devices", "4", "--max-iters", "500", "--force", "--out", str(out)])
+    assert r.exit_code == 0 and "interrupted" in r.stdout  # the table says so too
+
+
+# -- bad input: one line on stderr, exit 2, no traceback ---------------------------------
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad")
+    (d / "syntax.py").write_text("def broken(:\n    pass\n")
+    (d / "empty.py").write_text("x = 1\n")
+    (d / "damaged.json").write_text('{"version": 1, "model": "m.py", "kind"')
+    (d / "foreign.json").write_text('{"name": "not a plan", "items": [1, 2]}')
+    (d / "list.json").write_text("[1, 2, 3]")
+    (d / "cluster.json").write_text('{"name": "half"}')
+    (d / "huge.py").write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "def build_model():\n"
+        "    with torch.device('meta'):\n"
+        "        m = nn.Sequential(nn.Linear(262144, 262144), nn.ReLU(), nn.Linear(262144, 16))\n"
+        "    return m, (torch.empty(8, 262144, device='meta'),)\n"
+    )
+    from flexsearch.cli import main
+
+    assert main(["plan", MLP, "--devices", "2", "--max-iters", "5", "--out", str(d / "mlp.json")]) == 0
+    plan = json.loads((d / "mlp.json").read_text())
+    (d / "newer.json").write_text(json.dumps({**plan, "version": 99}))
+    gpt = str(ROOT / "benchmarks/models/gpt.py:gpt_tiny")
+    (d / "other_model.json").write_text(json.dumps({**plan, "model": gpt}))
+    (d / "bad_config.json").write_text(json.dumps({**plan, "configs": {**plan["configs"], "fc1": "s9q"}}))
+    return d
+
+
+BAD = [
+    # unknown or out-of-range flag values
+    (["plan", MLP, "--objective", "foo"], "--objective"),
+    (["plan", MLP, "--cluster", "nosuch"], "unknown cluster preset 'nosuch'"),
+    (["plan", MLP, "--devices", "0"], "--devices"),
+    (["plan", MLP, "--devices", "-4"], "--devices"),
+    (["plan", MLP, "--devices", "many"], "--devices"),
+    (["plan", MLP, "--cluster", "flexflow-p100", "--devices", "17"], "at most 16 devices"),
+    (["plan", MLP, "--cluster", "cpu", "--devices", "9"], "at most 8 devices"),
+    (["plan", MLP, "--budget", "0"], "--budget"),
+    (["plan", MLP, "--max-iters", "-1"], "--max-iters"),
+    (["plan", MLP, "--frobnicate"], "No such option"),
+    (["plan", MLP, "--cluster", "{d}/cluster.json"], "cluster.json"),
+    (["plan", MLP, "--cluster", "{d}/absent.json"], "absent.json"),
+    # model file problems
+    (["plan", "{d}/absent.py"], "does not exist"),
+    (["plan", "{d}/syntax.py"], "SyntaxError"),
+    (["plan", "{d}/empty.py"], "no model found"),
+    (["plan", MLP.replace("mlp_tiny", "no_such")], "has no 'no_such'"),
+    # nothing fits even on every device the cluster has
+    (["plan", "{d}/huge.py", "--cluster", "flexflow-p100", "--devices", "16", "--max-iters", "5"], "needs"),
+    # plan files: missing, damaged, foreign, newer, another model's, edited
+    (["show", "{d}/absent.json"], "does not exist"),
+    (["show", "{d}/damaged.json"], "damaged"),
+    (["simulate", "{d}/damaged.json"], "damaged"),
+    (["report", "{d}/damaged.json", "--out", "{d}/r.html"], "damaged"),
+    (["show", "{d}/foreign.json"], "not a flexsearch plan"),
+    (["simulate", "{d}/list.json"], "not a flexsearch plan"),
+    (["report", "{d}/foreign.json", "--out", "{d}/r.html"], "not a flexsearch plan"),
+    (["simulate", "{d}/newer.json"], "upgrade flexsearch"),
+    (["simulate", "{d}/other_model.json"], "made for model"),
+    (["show", "{d}/bad_config.json"], "damaged"),
+    (["report", "{d}/mlp.json"], "--out"),
+]
+
+
+@pytest.mark.parametrize(("args", "needle"), BAD, ids=[" ".join(a[:1] + [a[-1]]) + f"-{i}" for i, (a, _) in enumerate(BAD)])
+def test_bad_input_in_process(capsys, bad_files, args, needle):
+    args = [a.replace("{d}", str(bad_files)) for a in args]
+    rc, out, err = cli(capsys, *args)
+    assert rc == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert out == "" and len(lines) == 1 and lines[0].startswith("error: "), err
+    assert needle in lines[0] and "Traceback" not in err
+
+
+def test_infeasible_model_says_what_it_needs(capsys, bad_files):
+    rc, _, err = cli(capsys, "plan", str(bad_files / "huge.py"), "--cluster", "flexflow-p100", "--devices", "16",
+                     "--max-iters", "5")
+    assert rc == 2
+    assert "no plan fits in 14.9 GiB per device on 16 x" in err and "needs" in err and "GiB" in err
+    assert "more devices" in err and "cluster with more memory" in err
+
+
+REAL_CTRL_C = """
+import os, signal, sys
+import flexsearch.search.mcmc as mcmc
+from flexsearch.cli import main
+
+real, calls = mcmc.cost_of, []
+
+def cost(sim):  # a real SIGINT, sent while the MCMC runs (after the CP-SAT ILP seed)
+    calls.append(1)
+    if len(calls) == 20:
+        os.kill(os.getpid(), signal.SIGINT)
+    return real(sim)
+
+mcmc.cost_of = cost
+sys.exit(main(["plan", sys.argv[1], "--devices", "4", "--max-iters", "500", "--json"]))
+"""
+
+
+def test_real_ctrl_c_after_the_ilp_returns_the_best_plan():
+    """CP-SAT takes SIGINT over during a solve; the planner must put Python's handler
+    back, or a later Ctrl-C kills the process and loses the plan."""
+    import signal
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", REAL_CTRL_C, MLP], capture_output=True, text=True, timeout=300,
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    summary = json.loads(r.stdout)
+    assert summary["interrupted"]
+    assert r.stderr.strip() == summary_line(r.stderr)
+
+
+def summary_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("interrupted: returning the best plan found so far"), stderr
+    return lines[0]
+
+
+def test_ctrl_c_outside_a_search_exits_130(capsys, monkeypatch):
+    import flexsearch.model_files as model_files
+
+    def ctrl_c(spec):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(model_files, "load_model", ctrl_c)
+    rc, out, err = cli(capsys, "plan", MLP, "--devices", "2")
+    assert rc == 130 and out == "" and err.strip() == "interrupted"

@@ -19,12 +19,7 @@ from flexsearch.emit import parallelize
 from flexsearch.emit.launch import RanksFailed, run_ranks
 from flexsearch.errors import EmitError
 
-KNOWN_FAILURES = {
-    ("gpt", "hybrid"): "DTensor backward of the Megatron GPT stage fails (view of a non-contiguous gradient)",
-    ("rnn", "gpipe"): "a stage receives into a non-contiguous buffer (LSTM states)",
-    ("rnn", "1f1b"): "a stage receives into a non-contiguous buffer (LSTM states)",
-    ("rnn", "interleaved"): "a stage receives into a non-contiguous buffer (LSTM states)",
-}
+KNOWN_FAILURES: dict[tuple[str, str], str] = {}
 
 
 def _matrix(world: int) -> list[tuple[str, str]]:

@@ -26,7 +26,7 @@ from flexsearch.sim.simulator import Simulator  # noqa: E402
 def planned(name: str = "alexnet_tiny", devices: int = 4, cluster: str = "flexflow-k80"):
     model, inputs = zoo.build(name)
     graph = trace(model, inputs)
-    plan = flexsearch.plan(model, inputs, devices=devices, cluster=cluster, max_iters=80)
+    plan = flexsearch.plan(model, inputs, devices=devices, cluster=cluster, max_iters=80, decentralized=False)
     return graph, plan
 
 
@@ -220,9 +220,10 @@ def test_simulate_reproduces_the_prediction(tmp_path, name, devices, cluster):
     space = Space(graph, devices)
     sim = Simulator(graph, Cluster.preset(cluster, devices))
     from flexsearch.search import baselines
+    from flexsearch.search.planner import ddp_simulation
 
-    assert sim.simulate(space.expand(baselines.data_parallel(space))).iteration_time_s == (
-        plan.baselines["data"])
+    oplevel = sim.simulate(space.expand(baselines.data_parallel(space)))
+    assert ddp_simulation(graph, Cluster.preset(cluster, devices), oplevel).iteration_time_s == plan.baselines["data"]
 
 
 def test_simulate_with_another_models_graph():

@@ -29,7 +29,7 @@ from flexsearch.search.ilp import (  # noqa: E402
     solve_assignment,
 )
 from flexsearch.search.mcmc import cost_of, mcmc  # noqa: E402
-from flexsearch.search.planner import ASYNCHRONOUS_BASELINES  # noqa: E402
+from flexsearch.search.planner import REFERENCE_BASELINES, ddp_simulation  # noqa: E402
 from flexsearch.search.space import Config, Space, legal  # noqa: E402
 from flexsearch.sim.simulator import Simulator  # noqa: E402
 
@@ -255,7 +255,7 @@ def _small_weights_models():
 @pytest.mark.parametrize("name", ["convnet", "mlp"])
 def test_fast_links_small_weights_rediscover_data_parallel(name):
     model, inputs = _small_weights_models()[name]
-    plan = flexsearch.plan(model, inputs, devices=8, cluster="dgx-h100", max_iters=300)
+    plan = flexsearch.plan(model, inputs, devices=8, cluster="dgx-h100", max_iters=300, decentralized=False)
     dp = plan.baselines["data"]
     assert plan.kind == "data" or plan.predicted.iteration_time_s >= 0.99 * dp
     assert plan.predicted.iteration_time_s <= dp
@@ -265,7 +265,7 @@ def test_alexnet_on_k80s_parallelises_the_classifier():
     """FlexFlow's AlexNet result: on 16 K80s (4 per node) the big fully-connected layers
     do better model-parallel than data parallel."""
     model, inputs = zoo.build("alexnet", batch_size=256)
-    plan = flexsearch.plan(model, inputs, devices=16, cluster="flexflow-k80", max_iters=300)
+    plan = flexsearch.plan(model, inputs, devices=16, cluster="flexflow-k80", max_iters=300, decentralized=False)
     dec = plan.decision_configs()
     for fc in ("classifier_1", "classifier_4"):
         assert dec[fc] != Config(16), (fc, plan.decisions[fc])
@@ -362,18 +362,19 @@ def tiny_plan(name: str, cluster: str, devices: int, max_iters: int, seed: int =
 def test_plan_never_slower_than_a_feasible_baseline(name, cluster, devices):
     plan = tiny_plan(name, cluster, devices, 150)
     assert plan.baselines and "data" in plan.baselines
-    sync = [t for k, t in plan.baselines.items() if k not in ASYNCHRONOUS_BASELINES]
+    sync = [t for k, t in plan.baselines.items() if k not in REFERENCE_BASELINES]
     assert plan.predicted.iteration_time_s <= min(sync) * (1 + 1e-12)
     assert plan.devices == devices and plan.cluster.name == cluster
     # the baselines it reports are the simulated baselines
     g = zoo_graph(name)
     space = Space(g, devices)
     sim = Simulator(g, Cluster.preset(cluster, devices))
-    assert plan.baselines["data"] == sim.simulate(
-        space.expand(baselines.data_parallel(space))).iteration_time_s
-    if plan.kind in ("pipeline", "hybrid"):  # stages cover the graph; re-simulation agrees
-        assert [n for st in plan.stages for n in st.nodes] == [n.name for n in g.nodes]
-        assert flexsearch.simulate(g, plan).iteration_time_s == plan.predicted.iteration_time_s
+    oplevel = sim.simulate(space.expand(baselines.data_parallel(space)))
+    assert plan.baselines["data"] == ddp_simulation(g, Cluster.preset(cluster, devices), oplevel).iteration_time_s
+    if plan.kind in ("pipeline", "hybrid", "decentralized"):  # re-simulation agrees
+        assert flexsearch.simulate(g, plan).iteration_time_s == plan.predicted.iteration_time_s  # stages cover the graph; re-simulation agrees
+        assert [n for st in plan.stages for n in st.nodes] == [n.name for n in g.nodes] or not plan.stages
+        assert plan.notes  # why D-PSGD was chosen or rejected
         return
     # decisions: legal, expanded to every node
     dec = plan.decision_configs()

@@ -234,8 +234,8 @@ def test_chrome_trace(tmp_path, name, cl, devices, dec):
     for e in xs:
         assert e["dur"] >= 0 and e["ts"] >= 0
         assert e["pid"] in (0, 1)
-        assert isinstance(e["name"], str) and e["cat"] in ("fwd", "bwd", "xfer", "coll", "update")
-    dev_tids = {e["tid"] for e in xs if e["pid"] == 0}
+        assert isinstance(e["name"], str) and e["cat"] in ("fwd", "bwd", "xfer", "coll", "update", "bubble")
+    dev_tids = {e["tid"] for e in xs if e["pid"] == 0 and e["cat"] != "bubble"}
     used = used_devices(g, configs)
     assert dev_tids == used
     assert all(0 <= t < devices for t in dev_tids)
@@ -247,7 +247,8 @@ def test_chrome_trace(tmp_path, name, cl, devices, dec):
     if dec == "single":
         assert not comm and not link_tids
     # metadata names every device and link track
-    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events if e["ph"] == "M"}
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+             if e["ph"] == "M" and e["name"] in ("process_name", "thread_name")}
     assert names[(0, None)] == "devices" and names[(1, None)] == "links"
     for d in range(devices):
         assert (0, d) in names

@@ -94,7 +94,10 @@ class OpCost:
 class MeasuredCosts(Protocol):
     """Measured per-op times (written by the profiler). ``lookup`` returns
     ``(forward_s, backward_s)`` for one task of ``partition`` of ``node`` on the device
-    named ``device_name`` in ``dtype``, or None when it has no measurement."""
+    named ``device_name`` in ``dtype``, or None when it has no measurement. An optional
+    ``estimate`` method (same arguments) derives a partition it has not measured from
+    the ones it has (:meth:`flexsearch.cost.profiler.ProfileDB.estimate`); it is asked
+    before falling back to the roofline."""
 
     def lookup(
         self, node: OpNode, partition: Partition, device_name: str, dtype: str
@@ -155,6 +158,8 @@ def op_cost(
     dt = dtype or node_dtype(node)
     if measured is not None:
         hit = measured.lookup(node, partition, device.name, dt)
+        if hit is None and hasattr(measured, "estimate"):
+            hit = measured.estimate(node, partition, device.name, dt)
         if hit is not None:
             fwd, bwd = hit
             if not (math.isfinite(fwd) and math.isfinite(bwd) and fwd >= 0 and bwd >= 0):

@@ -55,6 +55,9 @@ class ProfileEntry(BaseModel):
     backward_s: float
     repeats: int
     target: str = ""
+    node_bytes: int | None = None
+    """``bytes_written`` of the whole (unpartitioned) node that was measured: tells a
+    microbatch copy of the node (same signature, batch divided by ``k``) from it."""
 
 
 class ProfileFile(BaseModel):
@@ -123,9 +126,76 @@ class ProfileDB:
         self.data.entries[key] = entry
 
     def lookup(self, node: OpNode, partition: Partition, device_name: str, dtype: str) -> tuple[float, float] | None:
-        """``(forward_s, backward_s)`` measured for this node and partition, or None."""
+        """``(forward_s, backward_s)`` measured for this node and partition, or None.
+
+        A node of a microbatch graph (:func:`flexsearch.graph.microbatch.microbatch_graph`:
+        same signature, the batch divided by ``k``) is the whole node's sample split
+        ``k``: it is looked up as ``sample * k``."""
+        k = self._microbatch_factor(node, device_name, dtype)
+        if k > 1:
+            partition = replace(partition, sample=partition.sample * k)
         entry = self.data.entries.get(profile_key(node, partition, dtype, device_name))
         return None if entry is None else (entry.forward_s, entry.backward_s)
+
+    def estimate(self, node: OpNode, partition: Partition, device_name: str, dtype: str) -> tuple[float, float] | None:
+        """For a partition :meth:`lookup` does not have (several roles at once, a degree
+        the profiler did not measure): the whole op's time scaled, role by role, by its
+        measured single-role ratio; beyond the largest measured degree of a role, the
+        affine fit ``t(d) = a + b / d`` through its two largest measured degrees (a fixed
+        per-call part and a part that shrinks with the split). None without the whole
+        op's measurement."""
+        k = self._microbatch_factor(node, device_name, dtype)
+        if k > 1:
+            partition = replace(partition, sample=partition.sample * k)
+        return self._composed(node, partition, device_name, dtype)
+
+    def _microbatch_factor(self, node: OpNode, device_name: str, dtype: str) -> int:
+        whole = self.data.entries.get(profile_key(node, Partition(), dtype, device_name))
+        if whole is None or not whole.node_bytes or not node.bytes_written:
+            return 1
+        if whole.node_bytes == node.bytes_written or whole.node_bytes % node.bytes_written:
+            return 1
+        return whole.node_bytes // node.bytes_written
+
+    def _composed(self, node: OpNode, partition: Partition, device_name: str, dtype: str) -> tuple[float, float] | None:
+        whole = self.data.entries.get(profile_key(node, Partition(), dtype, device_name))
+        if whole is None:
+            return None
+        fwd, bwd = whole.forward_s, whole.backward_s
+        for role in ("sample", "attribute", "parameter", "reduce"):
+            d = getattr(partition, role)
+            if d == 1:
+                continue
+            f = self._role_time(node, role, d, device_name, dtype, whole)
+            if f is None:
+                return None
+            fwd = fwd * f[0] / whole.forward_s if whole.forward_s > 0 else f[0]
+            bwd = bwd * f[1] / whole.backward_s if whole.backward_s > 0 else f[1]
+        return fwd, bwd
+
+    def _role_time(self, node: OpNode, role: str, d: int, device_name: str, dtype: str,
+                   whole: ProfileEntry) -> tuple[float, float] | None:
+        """Time of the single-role split ``d``: measured, else the affine fit
+        ``t(x) = a + b / x`` through the two largest measured degrees below ``d``
+        (a fixed per-call part and a part that shrinks with the split)."""
+        measured = {1: (whole.forward_s, whole.backward_s)}
+        for e_key, q in ((profile_key(node, Partition(**{role: q}), dtype, device_name), q)
+                         for q in range(2, d + 1)):
+            e = self.data.entries.get(e_key)
+            if e is not None:
+                measured[q] = (e.forward_s, e.backward_s)
+        if d in measured:
+            return measured[d]
+        if len(measured) < 2:
+            return None
+        q1, q2 = sorted(measured)[-2:]
+        out = []
+        for i in (0, 1):
+            t1, t2 = measured[q1][i], measured[q2][i]
+            b = (t1 - t2) / (1 / q1 - 1 / q2)
+            a = t2 - b / q2
+            out.append(max(0.0, a) + max(0.0, b) / d if b > 0 else t2)
+        return out[0], out[1]
 
     def __len__(self) -> int:
         return len(self.data.entries)
@@ -347,7 +417,8 @@ def profile_graph(
             except (RuntimeError, ValueError, TypeError, IndexError):  # cannot run alone at this shape
                 counts["skipped"] += 1
                 continue
-            db.put(key, ProfileEntry(forward_s=fwd, backward_s=bwd, repeats=repeats, target=node.target))
+            db.put(key, ProfileEntry(forward_s=fwd, backward_s=bwd, repeats=repeats, target=node.target,
+                                     node_bytes=node.bytes_written))
             counts["measured"] += 1
             if time.monotonic() - last_save > 2.0:
                 db.save()

@@ -8,6 +8,9 @@ One module per plan kind, all on torch.distributed machinery:
 - ``pipeline`` / ``hybrid``: :mod:`flexsearch.emit.staged` (the model cut into stage
   modules by :mod:`flexsearch.emit.stages`, ``torch.distributed.pipelining`` schedules,
   data parallel and DTensor tensor parallel inside the stages).
+- ``decentralized``: :mod:`flexsearch.emit.decentralized` (D-PSGD: every rank keeps its
+  own model and averages it with its gossip neighbours by point-to-point messages; the
+  gradients left on the parameters are local, not averaged).
 
 Every emitted module has ``train_step(inputs, target, loss_fn) -> loss``: every rank
 passes the same global batch and target; the step runs forward and backward as the
@@ -27,7 +30,7 @@ from flexsearch.errors import EmitError, FlexsearchError
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.plan import Plan
 
-EMITTABLE_KINDS = ("data", "soap", "pipeline", "hybrid")
+EMITTABLE_KINDS = ("data", "soap", "pipeline", "hybrid", "decentralized")
 
 
 def example_inputs(plan: Plan) -> tuple[torch.Tensor, ...]:
@@ -80,6 +83,10 @@ def parallelize(model: nn.Module, plan: Plan, *, group: dist.ProcessGroup | None
         from flexsearch.emit.data import data_parallel
 
         return data_parallel(model, rt, plan.shard_params)
+    if plan.kind == "decentralized":
+        from flexsearch.emit.decentralized import decentralized
+
+        return decentralized(model, plan, rt)
     if graph.via != "fx":
         raise EmitError(f"the emitter runs {plan.kind} plans for models torch.fx can trace; {plan.model} was "
                         "traced with torch.export; use a data-parallel plan")

@@ -58,6 +58,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from flexsearch.emit.dense import dense_grad
 from flexsearch.emit.runtime import Runtime
 from flexsearch.errors import EmitError
 from flexsearch.graph.microbatch import batch_dim
@@ -308,7 +309,7 @@ class ShardedModule(nn.Module):
 
             try:
                 a, kw = fx.node.map_arg((n.args, n.kwargs), convert)
-                env[n] = self._call(n, a, kw, c, mesh)
+                env[n] = tree_map(dense_grad, self._call(n, a, kw, c, mesh))
             except Exception as e:
                 e.add_note(f"flexsearch: while running op {n.name} as {c.text} on rank {rt.rank}")
                 raise
@@ -466,7 +467,10 @@ def _plain_call(gm: fx.GraphModule, n: fx.Node, args, kwargs, state: Mapping[str
     if n.op == "call_function":
         return n.target(*args, **kwargs)
     if n.op == "call_method":
-        return getattr(args[0], n.target)(*args[1:], **kwargs)
+        # a view's backward views the incoming gradient, which DTensor's sharding rules
+        # may leave non-contiguous; reshape is the same op forward and safe backward
+        target = "reshape" if n.target == "view" and isinstance(args[0], DTensor) else n.target
+        return getattr(args[0], target)(*args[1:], **kwargs)
     mod = gm.get_submodule(n.target)
     if not state:
         return mod(*args, **kwargs)

@@ -19,18 +19,39 @@ when no better plan was found in the last half of the search (after ``min_iters`
 
 All randomness comes from ``random.Random(seed)``: with ``max_iters`` (and no
 ``budget_s``) a run is reproducible.
+
+**Interrupts.** A ``KeyboardInterrupt`` (Ctrl-C, or raised by the ``progress``
+callback) during the chain ends it like a budget does: the best feasible state so far
+is returned with ``interrupted=True``. One that arrives before any feasible state was
+seen propagates. Native solvers may take SIGINT over (CP-SAT catches it during a solve
+and leaves the default handler, which kills the process): run them under
+:func:`sigint_restored`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
+import signal
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from flexsearch.search.space import Config, Space
 from flexsearch.sim.simulator import Simulation, Simulator
+
+
+@contextlib.contextmanager
+def sigint_restored() -> Iterator[None]:
+    """Put Python's Ctrl-C handler back after the block (module docstring)."""
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        yield
+    finally:
+        if handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, handler)
 
 
 def cost_of(sim: Simulation) -> float:
@@ -52,6 +73,8 @@ class SearchResult:
     accepted: int
     improvements: tuple[tuple[int, float, float], ...]  # (iteration, seconds, best time)
     elapsed_s: float
+    interrupted: bool = False
+    """The chain was stopped by a KeyboardInterrupt (module docstring)."""
 
 
 def mcmc(
@@ -101,42 +124,48 @@ def mcmc(
 
     it = accepted = 0
     last_best = 0
-    while units:
-        if max_iters is not None and it >= max_iters:
-            break
-        if budget_s is not None and time.perf_counter() - t0 >= budget_s:
-            break
-        if early_stop and it >= min_iters and it - last_best > it / 2:
-            break
-        it += 1
-        ui = rng.randrange(len(units))
-        u = units[ui]
-        options = cands[u.name]
-        old = cur_dec.get(u.name, Config())
-        new = options[rng.randrange(len(options))]
-        if new == old:
-            new = options[(options.index(new) + 1) % len(options)]
-        prop = dict(cur_dec)
-        prop[u.name] = new
-        if rng.random() < span_p:
-            for v in units[ui + 1: ui + 1 + rng.randint(1, 3)]:
-                same_mesh = by_mesh[v.name].get((new.s, new.t, new.first))
-                if same_mesh:
-                    prop[v.name] = same_mesh[rng.randrange(len(same_mesh))]
-        sim = run(prop)
-        c = cost_of(sim)
-        if c <= cur_cost or rng.random() < math.exp(-beta * (c - cur_cost) / cur_cost):
-            cur_dec, cur_cost = prop, c
-            accepted += 1
-        if sim.feasible and (best_sim is None or sim.iteration_time_s < best_sim.iteration_time_s):
-            best_dec, best_sim = prop, sim
-            last_best = it
-            improvements.append((it, time.perf_counter() - t0, sim.iteration_time_s))
-        elif restart and best_dec is not None and (it - last_best) % restart == 0:
-            cur_dec, cur_cost = dict(best_dec), cost_of(best_sim)
-        if progress is not None:
-            progress(it, best_sim.iteration_time_s if best_sim else math.inf)
+    interrupted = False
+    try:
+        while units:
+            if max_iters is not None and it >= max_iters:
+                break
+            if budget_s is not None and time.perf_counter() - t0 >= budget_s:
+                break
+            if early_stop and it >= min_iters and it - last_best > it / 2:
+                break
+            it += 1
+            ui = rng.randrange(len(units))
+            u = units[ui]
+            options = cands[u.name]
+            old = cur_dec.get(u.name, Config())
+            new = options[rng.randrange(len(options))]
+            if new == old:
+                new = options[(options.index(new) + 1) % len(options)]
+            prop = dict(cur_dec)
+            prop[u.name] = new
+            if rng.random() < span_p:
+                for v in units[ui + 1: ui + 1 + rng.randint(1, 3)]:
+                    same_mesh = by_mesh[v.name].get((new.s, new.t, new.first))
+                    if same_mesh:
+                        prop[v.name] = same_mesh[rng.randrange(len(same_mesh))]
+            sim = run(prop)
+            c = cost_of(sim)
+            if c <= cur_cost or rng.random() < math.exp(-beta * (c - cur_cost) / cur_cost):
+                cur_dec, cur_cost = prop, c
+                accepted += 1
+            if sim.feasible and (best_sim is None or sim.iteration_time_s < best_sim.iteration_time_s):
+                best_dec, best_sim = prop, sim
+                last_best = it
+                improvements.append((it, time.perf_counter() - t0, sim.iteration_time_s))
+            elif restart and best_dec is not None and (it - last_best) % restart == 0:
+                cur_dec, cur_cost = dict(best_dec), cost_of(best_sim)
+            if progress is not None:
+                progress(it, best_sim.iteration_time_s if best_sim else math.inf)
+    except KeyboardInterrupt:
+        if best_dec is None:
+            raise
+        interrupted = True
     if best_dec is not None:
         best_sim = simulator.simulate(space.expand(best_dec))  # with the timeline
     return SearchResult(best_dec, best_sim, it, accepted, tuple(improvements),
-                        time.perf_counter() - t0)
+                        time.perf_counter() - t0, interrupted)

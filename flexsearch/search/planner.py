@@ -24,6 +24,7 @@ baseline that fits. Nothing fitting raises :class:`~flexsearch.errors.Infeasible
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,8 +35,9 @@ from flexsearch.errors import InfeasiblePlanError
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.plan import Plan, Predicted, SearchInfo, Stage
 from flexsearch.search import baselines as bl
+from flexsearch.search import decentralized as dz
 from flexsearch.search.assignment import AssignmentBuilder
-from flexsearch.search.mcmc import SearchResult, mcmc
+from flexsearch.search.mcmc import SearchResult, mcmc, sigint_restored
 from flexsearch.search.pipeline import (
     PipelineResult,
     pipedream_plan,
@@ -47,9 +49,10 @@ from flexsearch.search.space import Config, Space
 from flexsearch.sim.simulator import Simulation, Simulator
 
 DEFAULT_MAX_ITERS = 2000
-ASYNCHRONOUS_BASELINES = ("pipedream",)
-"""Baselines that change the training semantics (stale weights) and that the emitter
-does not run: reported for comparison, not a bound the returned plan must beat."""
+REFERENCE_BASELINES = ("pipedream", "ps", "ps-sharded")
+"""Baselines the emitter does not run (PipeDream's asynchronous pipeline changes the
+training semantics with stale weights; parameter servers): reported for comparison,
+not a bound the returned plan must beat."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,23 @@ def run_baselines(space: Space, sim: Simulator, devices_per_node: int) -> dict[s
     return out
 
 
+def ddp_simulation(graph: OpGraph, cluster: Cluster, oplevel: Simulation, *, timeline: bool = False,
+                   **kw) -> Simulation:
+    """The data-parallel plan as DDP runs it: the faster of ``oplevel`` (the op-level
+    simulation of the all-sample configuration: each layer's gradients all-reduced as
+    the backward produces them, every collective paying its latency) and the
+    stage-level one (one replica's step, then all gradients all-reduced in one
+    collective, DDP's single bucket for a model under its 25 MB bucket size). DDP's
+    bucketing (25 MB buckets launched as they fill) is closest to the first for large
+    models and to the second for small ones."""
+    try:
+        flat = simulate_stages(graph, cluster, bounds=[(0, len(graph.nodes))], tensor=1, replicas=cluster.devices,
+                               schedule="1f1b", microbatches=1, timeline=timeline, **kw)
+    except ValueError:  # the batch does not split over the devices
+        return oplevel
+    return flat if _better(flat, oplevel) else oplevel
+
+
 def flat_baselines(graph: OpGraph, cluster: Cluster, **kw) -> dict[str, BaselineRun]:
     """Data parallel and Megatron (best tensor degree within a node) simulated as one
     pipeline stage on every device (one replica stands for all): the baselines of a
@@ -106,6 +126,75 @@ def plan_graph(
     graph: OpGraph,
     cluster: Cluster,
     *,
+    optimizer: str = "adam",
+    objective: str = "iteration",
+    measured: MeasuredCosts | None = None,
+    decentralized: bool = True,
+    **kw,
+) -> Plan:
+    """The best plan for ``graph`` on ``cluster`` (module docstring): the synchronous
+    search (:func:`plan_synchronous`, which takes the keyword arguments ``kw``), then
+    the decentralized candidates against it (:func:`with_decentralized`; with
+    ``decentralized=False`` they are reported, never returned)."""
+    t0 = time.perf_counter()
+    plan = plan_synchronous(graph, cluster, optimizer=optimizer, objective=objective, measured=measured, **kw)
+    if plan.interrupted:
+        return plan
+    plan = with_decentralized(plan, graph, cluster, measured=measured, allow=decentralized)
+    return plan.with_search_time(time.perf_counter() - t0)
+
+
+def with_decentralized(plan: Plan, graph: OpGraph, cluster: Cluster, *, measured: MeasuredCosts | None = None,
+                       allow: bool = True) -> Plan:
+    """``plan`` (the best synchronous plan) against D-PSGD on every applicable topology
+    and the parameter-server baselines (:mod:`.decentralized`), on the same replica
+    cost. The best decentralized candidate replaces ``plan`` when ``allow`` and its
+    effective time under the plan's objective (iteration time, times its iterations
+    factor for ``time_to_accuracy``) is shorter; the parameter servers join the
+    baselines; the plan's ``notes`` say why D-PSGD was chosen or rejected."""
+    if cluster.devices < 2:
+        return plan
+    try:
+        cost = dz.replica_cost(graph, cluster, measured=measured)
+    except ValueError as e:
+        note = dz.explain(None, plan.kind, plan.predicted.iteration_time_s, objective=plan.objective,
+                          reason=str(e))
+        return plan.model_copy(update={"notes": (*plan.notes, note)})
+    cands = dz.decentralized_candidates(graph, cluster, optimizer=plan.optimizer, measured=measured,
+                                        objective=plan.objective, cost=cost)
+    central = dz.centralized_baselines(graph, cluster, optimizer=plan.optimizer, measured=measured, cost=cost)
+    baselines = dict(plan.baselines)
+    infeasible = list(plan.infeasible_baselines)
+    for name, sim in central.items():
+        if sim.feasible:
+            baselines[name] = sim.iteration_time_s
+        else:
+            infeasible.append(name)
+    note = dz.explain(cands, plan.kind, plan.predicted.iteration_time_s, objective=plan.objective)
+    best = next((c for c in cands if c.simulation.feasible), None)
+    if best is not None and best.effective_time_s < plan.predicted.iteration_time_s and not allow:
+        note += "; not returned: decentralized plans are switched off"
+    update = {"baselines": baselines, "infeasible_baselines": tuple(infeasible), "notes": (*plan.notes, note)}
+    if not allow or best is None or best.effective_time_s >= plan.predicted.iteration_time_s:
+        return plan.model_copy(update=update)
+    baselines[plan.kind] = plan.predicted.iteration_time_s
+    return Plan(**{
+        **{k: getattr(plan, k) for k in ("model", "graph_fingerprint", "devices", "cluster", "optimizer",
+                                         "objective", "lower_bound_s", "inputs", "search")},
+        **update,
+        "kind": "decentralized",
+        "predicted": _predicted(best.simulation),
+        "topology": best.name,
+        "topology_edges": best.topology.edges,
+        "spectral_gap": best.spectral_gap,
+        "iterations_factor": best.iterations_factor,
+    })
+
+
+def plan_synchronous(
+    graph: OpGraph,
+    cluster: Cluster,
+    *,
     budget_s: float | None = None,
     max_iters: int | None = None,
     seed: int = 0,
@@ -118,7 +207,8 @@ def plan_graph(
     pipelines: bool = True,
     soap_max_tasks: int = 400_000,
 ) -> Plan:
-    """Search SOAP plans for ``graph`` on ``cluster`` (module docstring)."""
+    """Search SOAP and pipeline plans for ``graph`` on ``cluster`` (module docstring,
+    steps 1-5)."""
     t0 = time.perf_counter()
     if max_iters is None and budget_s is None:
         max_iters = DEFAULT_MAX_ITERS
@@ -132,13 +222,17 @@ def plan_graph(
         sim = Simulator(graph, cluster, optimizer=optimizer, measured=measured)
         base = run_baselines(space, sim, cluster.devices_per_node)
         seeds = [b.decisions for b in base.values()]
+        dp = base["data"]
+        base["data"] = BaselineRun("data", dp.decisions, ddp_simulation(graph, cluster, dp.simulation,
+                                                                        optimizer=optimizer, measured=measured))
 
         ilp_status = f"skipped: {len(space.units)} decision units > {ilp_max_units}"
         if len(space.units) <= ilp_max_units:
             limit = ilp_time_limit_s if budget_s is None else min(ilp_time_limit_s, budget_s / 4)
             builder = AssignmentBuilder(space, sim.ctx, optimizer)
             # reproducible runs (no seconds budget) limit the solver by deterministic time
-            dec, res = builder.solve(time_limit_s=limit, seed=seed, deterministic=budget_s is None)
+            with sigint_restored():  # CP-SAT would leave Ctrl-C killing the process
+                dec, res = builder.solve(time_limit_s=limit, seed=seed, deterministic=budget_s is None)
             ilp_status = res.status
             if dec is not None:
                 seeds.append(dec)
@@ -146,9 +240,21 @@ def plan_graph(
         remaining = None if budget_s is None else max(0.0, budget_s - (time.perf_counter() - t0))
         result = mcmc(space, sim, seeds, max_iters=max_iters, budget_s=remaining, seed=seed,
                       progress=progress)
-    pipes = search_pipelines(graph, cluster, optimizer=optimizer, measured=measured) if pipelines else []
+        dp = base["data"]  # the search simulates data parallel op by op; DDP may be faster
+        if dp.simulation.feasible and (result.simulation is None or result.decisions == dp.decisions
+                                       or _better(dp.simulation, result.simulation)):
+            result = dataclasses.replace(result, decisions=dp.decisions, simulation=dp.simulation)
+    interrupted = result.interrupted  # Ctrl-C: skip the remaining searches, keep the best so far
+    pipes, dream = [], None
+    if pipelines and not interrupted:
+        try:
+            pipes = search_pipelines(graph, cluster, optimizer=optimizer, measured=measured)
+            dream = pipedream_plan(graph, cluster, optimizer=optimizer, measured=measured)
+        except KeyboardInterrupt:
+            if result.decisions is None:
+                raise
+            pipes, dream, interrupted = [], None, True
     pipe = next((r for r in pipes if r.simulation.feasible), None)
-    dream = pipedream_plan(graph, cluster, optimizer=optimizer, measured=measured) if pipelines else None
     soap_time = result.simulation.iteration_time_s if result.simulation is not None else float("inf")
     if result.decisions is None and pipe is None:
         best = min(base.values(), key=lambda b: b.simulation.peak_memory_bytes)
@@ -193,6 +299,8 @@ def plan_graph(
         configs={k: v.text for k, v in configs.items()},
         **common,
     )
+    if interrupted:
+        plan._interrupted = True  # a runtime flag like the search time (not saved)
     return plan.with_search_time(time.perf_counter() - t0)
 
 

@@ -135,6 +135,10 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
     def group(stage: int, rep: int) -> tuple[int, ...]:
         return layout.ranks[layout.rank_of(stage)][rep]
 
+    cal = ctx.calibration
+    action_s = cal.pipeline_action_s.value if cal is not None else 0.0
+    tensor_parallel = len(layout.ranks[0][0]) > 1  # stages on DTensors
+
     def move(name: str, src: tuple[int, ...], dst: tuple[int, ...], nbytes: float, dep, key) -> Task:
         dur, links = 0.0, set()
         if src != dst and nbytes > 0:
@@ -142,6 +146,7 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
                 t, ls = ctx.transfer(a, b, nbytes)
                 dur = max(dur, t)
                 links.update(ls)
+            links.update(ctx.device_resources(src + dst))
         return Task("xfer", name, dur, tuple(sorted(links)), (dep,), (key,), nbytes * len(src))
 
     def sync(name: str, stage: int, deps: tuple, key) -> list[Task]:
@@ -151,14 +156,19 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
             return [Task("coll", name, 0.0, (), deps, (key,))]
         out = []
         for q in range(len(reps[0])):
-            cost = ctx.collective("all_reduce", tuple(sorted(r[q] for r in reps)), nbytes)
-            res = tuple(sorted({ctx.links[link.id] for link, _ in cost.loads}))
+            group = tuple(sorted(r[q] for r in reps))
+            cost = ctx.collective("all_reduce", group, nbytes)
+            res = tuple(sorted({ctx.links[link.id] for link, _ in cost.loads} | set(ctx.device_resources(group))))
             out.append(Task("coll", name, cost.time_s, res, deps, (key,), nbytes, f"grad sync stage {stage}"))
         return out
 
-    def update(devs: tuple[int, ...], nbytes: float, deps: tuple, key) -> list[Task]:
-        dur = roofline_time(Work(0.0, _UPDATE_TRAFFIC[optimizer] * nbytes), ctx.cluster.device,
-                            "float32", "elementwise", ctx.efficiency)
+    def update(devs: tuple[int, ...], nbytes: float, deps: tuple, key, tensors: int = 0) -> list[Task]:
+        if cal is not None:
+            dur = cal.update_s(optimizer, tensors, nbytes, sharded=tensor_parallel)
+            dur += cal.step_s["pipeline"].value
+        else:
+            dur = roofline_time(Work(0.0, _UPDATE_TRAFFIC[optimizer] * nbytes), ctx.cluster.device,
+                                "float32", "elementwise", ctx.efficiency)
         return [Task("update", "optimizer", dur, (d,), deps, (key,)) for d in devs]
 
     # Emit tasks lane by lane, each action once its inputs are emitted.
@@ -190,7 +200,7 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
                 c_s = costs[s]
                 if a.kind == "F":
                     key = ("pf", s, j, c)
-                    ordered.append(Task("fwd", a.text, c_s.forward_s, devs, tuple(need), (key,)))
+                    ordered.append(Task("fwd", a.text, c_s.forward_s + action_s, devs, tuple(need), (key,)))
                     done.add(key)
                     if s < last:
                         nxt = ("pa", s + 1, j, c)
@@ -199,7 +209,7 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
                         done.add(nxt)
                 else:
                     key = ("pb", s, j, c)
-                    ordered.append(Task("bwd", a.text, c_s.backward_s, devs, tuple(need), (key,)))
+                    ordered.append(Task("bwd", a.text, c_s.backward_s + action_s, devs, tuple(need), (key,)))
                     done.add(key)
                     waits.pop(lane, None)
                     if s > 0:

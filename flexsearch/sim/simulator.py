@@ -23,15 +23,16 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
+from flexsearch.cost.calibration import DeviceCalibration
 from flexsearch.cost.compute import MeasuredCosts, Work, roofline_time
 from flexsearch.cost.efficiency import EfficiencyTable
 from flexsearch.cost.hardware import Cluster
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.search.space import Config
-from flexsearch.sim.taskgraph import CostContext, Fragment, Task, build_fragment
+from flexsearch.sim.taskgraph import CostContext, Fragment, Task, _collective, build_fragment
 
 Optimizer = Literal["adam", "momentum", "sgd"]
 OPTIMIZER_STATE = {"adam": 2, "momentum": 1, "sgd": 0}
@@ -70,32 +71,67 @@ class Simulation:
     def feasible(self) -> bool:
         return self.peak_memory_bytes <= self.capacity_bytes
 
+    def to_chrome_trace(self, path: str | os.PathLike[str] | None = None) -> dict:
+        """The timeline as Chrome trace JSON (Perfetto, chrome://tracing): returned, and
+        written to ``path`` when given.
 
-    def to_chrome_trace(self, path: str | os.PathLike[str]) -> None:
-        """Write the timeline as Chrome trace JSON (Perfetto, chrome://tracing): one
-        track per device (process "devices") and per link (process "links")."""
+        One track per device (process "devices") and per link (process "links"); times
+        in microseconds. A slice per task and resource, its category the task's kind:
+        compute (``fwd``, ``bwd``, ``update``) on the device tracks, communication
+        (``xfer``, ``coll``) on the tracks of every link it loads; and ``bubble`` slices:
+        each idle gap on a device between the start of its first task and the end of its
+        last one (pipeline bubbles, waits for communication). ``otherData`` holds the
+        iteration's summary."""
         devices = len(self.memory_bytes)
-        events: list[dict] = [
-            {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "devices"}},
-            {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "links"}},
-        ]
-        for d in range(devices):
-            events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": d,
-                           "args": {"name": f"device {d}"}})
-        for i, name in enumerate(self.link_names):
-            events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": i,
-                           "args": {"name": name}})
+        group = {"fwd": "compute", "bwd": "compute", "update": "compute",
+                 "xfer": "communication", "coll": "communication"}
+        colour = {"compute": "thread_state_running", "communication": "thread_state_iowait",
+                  "bubble": "grey"}
+        events: list[dict] = []
+        for pid, name in enumerate(("devices", "links")):
+            events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
+            events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}})
+        tracks = [(0, d, f"device {d}") for d in range(devices)]
+        tracks += [(1, i, f"link {name}") for i, name in enumerate(self.link_names)]
+        for pid, tid, name in tracks:
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
+            events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid,
+                           "args": {"sort_index": tid}})
+        slices: dict[tuple[int, int], list[tuple[float, float, dict]]] = {}
         for s in self.timeline:
             t = s.task
+            kind = group.get(t.kind, "compute")
+            start, end = s.start * 1e6, s.end * 1e6
             for r in t.resources:
                 pid, tid = (0, r) if r < devices else (1, r - devices)
-                events.append({
-                    "name": f"{t.kind} {t.name}", "cat": t.kind, "ph": "X", "pid": pid,
-                    "tid": tid, "ts": s.start * 1e6, "dur": (s.end - s.start) * 1e6,
-                    "args": {"detail": t.detail, "bytes": t.nbytes},
-                })
-        with open(path, "w") as f:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+                slices.setdefault((pid, tid), []).append((start, end, {
+                    "name": f"{t.kind} {t.name}", "cat": t.kind, "ph": "X", "pid": pid, "tid": tid,
+                    "ts": start, "dur": end - start, "cname": colour[kind],
+                    "args": {"kind": kind, "detail": t.detail, "bytes": t.nbytes},
+                }))
+        for (pid, tid), track in sorted(slices.items()):
+            track.sort(key=lambda x: (x[0], x[1]))
+            busy_until = None
+            for start, end, e in track:
+                if pid == 0 and busy_until is not None and start > busy_until:
+                    events.append({"name": "bubble", "cat": "bubble", "ph": "X", "pid": 0, "tid": tid,
+                                   "ts": busy_until, "dur": start - busy_until, "cname": colour["bubble"],
+                                   "args": {"kind": "idle"}})
+                events.append(e)
+                busy_until = end if busy_until is None else max(busy_until, end)
+        trace = {
+            "traceEvents": events,
+            "displayTimeUnit": "ms",
+            "otherData": {
+                "iteration_time_s": self.iteration_time_s,
+                "memory_bytes": list(self.memory_bytes),
+                "capacity_bytes": self.capacity_bytes,
+            },
+        }
+        if path is not None:
+            with open(path, "w") as f:
+                json.dump(trace, f)
+        return trace
 
 
 class Simulator:
@@ -112,64 +148,134 @@ class Simulator:
         measured: MeasuredCosts | None = None,
         efficiency: EfficiencyTable | None = None,
         dtype: str | None = None,
+        calibration: DeviceCalibration | None | bool = None,
     ):
         if optimizer not in OPTIMIZER_STATE:
             raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATE)}")
         self.graph = graph
         self.cluster = cluster
         self.optimizer = optimizer
-        self.ctx = CostContext(cluster, measured, efficiency, dtype)
+        self.ctx = CostContext(cluster, measured, efficiency, dtype, calibration)
         efficiency = self.ctx.efficiency
+        self._ddp_ctx: CostContext | None = None
         self._cache: dict[str, tuple[tuple, Fragment]] = {}
+        self._ddp_cache: dict[str, tuple[tuple, Fragment]] = {}
         self.rebuilt = 0  # fragments built so far (delta simulation statistics)
         self._links = tuple(link.id for link in cluster.links)
 
-    def fragment(self, name: str, configs: Mapping[str, Config]) -> Fragment:
+    def fragment(self, name: str, configs: Mapping[str, Config], *, ddp: bool = False) -> Fragment:
         node = self.graph.node(name)
         sig = (configs[name], tuple(configs[i] for i in node.inputs))
-        hit = self._cache.get(name)
+        cache, ctx = self._cache, self.ctx
+        if ddp:
+            if self._ddp_ctx is None:
+                c = self.ctx
+                self._ddp_ctx = CostContext(self.cluster, c.measured, c.efficiency, c.dtype,
+                                            c.calibration or False, ddp=True)
+            cache, ctx = self._ddp_cache, self._ddp_ctx
+        hit = cache.get(name)
         if hit is not None and hit[0] == sig:
             return hit[1]
         producers = [(self.graph.node(i), configs[i]) for i in node.inputs]
-        frag = build_fragment(node, configs[name], producers, self.ctx)
-        self._cache[name] = (sig, frag)
+        frag = build_fragment(node, configs[name], producers, ctx)
+        cache[name] = (sig, frag)
         self.rebuilt += 1
         return frag
 
-    def simulate(self, configs: Mapping[str, Config], *, timeline: bool = True) -> Simulation:
+    def is_ddp(self, configs: Mapping[str, Config]) -> bool:
+        """Would the emitter run these configurations with DDP? With a calibration: every
+        op data parallel or replicated over all devices (a ``data`` plan)."""
+        if self.ctx.calibration is None or self.cluster.devices < 2:
+            return False
+        n = self.cluster.devices
+        return all(c.kind in ("", "x") and c.n == n and c.first == 0 for c in configs.values())
+
+    def simulate(self, configs: Mapping[str, Config], *, timeline: bool = True,
+                 ddp: bool | None = None) -> Simulation:
         """Simulate one iteration; ``timeline=False`` skips the per-task record and the
-        critical path (what a search needs: time and memory)."""
-        frags = [self.fragment(n.name, configs) for n in self.graph.nodes]
+        critical path (what a search needs: time and memory). ``ddp``: the plan runs
+        with DDP (default: :meth:`is_ddp`; a plan's kind says it: ``data``)."""
+        ddp = self.is_ddp(configs) if ddp is None else ddp and self.ctx.calibration is not None
+        frags = [self.fragment(n.name, configs, ddp=ddp) for n in self.graph.nodes]
         ordered: list[Task] = []
         for f in frags:
             ordered.extend(f.forward)
-        for f in reversed(frags):
-            ordered.extend(f.backward)
-        return self._schedule(frags, ordered, timeline)
+        buckets = self._buckets(frags) if ddp else {}
+        for i in reversed(range(len(frags))):
+            ordered.extend(frags[i].backward)
+            if i in buckets:
+                ordered.append(buckets[i])
+        return self._schedule(frags, ordered, timeline, ddp, list(buckets.values()))
 
-    def _schedule(self, frags: list[Fragment], ordered: list[Task], keep_timeline: bool) -> Simulation:
+    def _buckets(self, frags: list[Fragment]) -> dict[int, Task]:
+        """DDP's gradient buckets (calibration ``ddp_bucket_bytes``): parameters in the
+        order their gradients become ready (the backward's), a bucket closed once it
+        holds its cap (the first one smaller); one all-reduce over every device per
+        bucket, after the backward of its last node. Key: the index of that node."""
+        cal = self.ctx.calibration
+        assert cal is not None and self._ddp_ctx is not None
+        devices = list(range(self.cluster.devices))
+        bandwidth = self.cluster.device.memory_bandwidth.value
+        out: dict[int, Task] = {}
+        members: list[str] = []
+        size, tensors, cap = 0.0, 0, cal.ddp_first_bucket_bytes.value
+        nodes = self.graph.nodes
+        for i in reversed(range(len(frags))):
+            b = frags[i].params.get(0, 0.0)
+            if not b:
+                continue
+            members.append(nodes[i].name)
+            size += b
+            tensors += frags[i].tensors.get(0, 0)
+            if size >= cap or not any(frags[j].params.get(0) for j in range(i)):
+                k = len(out)
+                deps = tuple(("b", m, d) for m in members for d in devices)
+                task = _collective(self._ddp_ctx, "all_reduce", devices, size, f"bucket {k}", deps,
+                                   (("s", "bucket", k),), f"DDP bucket {k} ({len(members)} ops)")
+                extra = cal.ddp_per_tensor_s.value * tensors + 4 * size / bandwidth  # hooks, copies in and out
+                out[i] = replace(task, duration=task.duration + extra)
+                members, size, tensors, cap = [], 0.0, 0, cal.ddp_bucket_bytes.value
+        return out
+
+    def _schedule(self, frags: list[Fragment], ordered: list[Task], keep_timeline: bool, ddp: bool = False,
+                  buckets: list[Task] = ()) -> Simulation:
         devices = self.cluster.devices
         run = run_tasks(ordered, devices, len(self._links), keep_timeline)
         free, end, timeline, compute, chain = run.free, run.end, run.timeline, run.compute, run.chain
         serial = run.serial
+        cal = self.ctx.calibration
 
         # Optimizer update per device, after its gradient synchronisations.
         params = [0.0] * devices
+        tensors = [0] * devices
+        largest = [0.0] * devices
         acts = [0.0] * devices
         after: list[list] = [[] for _ in range(devices)]
         for f in frags:
             for d, b in f.params.items():
                 params[d] += b
+            for d, k in f.tensors.items():
+                tensors[d] += k
+            for d, b in f.largest.items():
+                largest[d] = max(largest[d], b)
             for d, b in f.activations.items():
                 acts[d] += b
             for d, key in f.sync:
                 after[d].append(key)
+        for b in buckets:
+            for d in range(devices):
+                after[d].extend(b.defines)
+        sharded = not ddp and devices > 1
         dev = self.cluster.device
         for d in range(devices):
             if not params[d]:
                 continue
-            dur = roofline_time(Work(0.0, _UPDATE_TRAFFIC[self.optimizer] * params[d]), dev,
-                                "float32", "elementwise", self.ctx.efficiency)
+            if cal is not None:
+                dur = cal.update_s(self.optimizer, tensors[d], params[d], sharded)
+                dur += cal.step_s["sharded" if sharded else "ddp"].value
+            else:
+                dur = roofline_time(Work(0.0, _UPDATE_TRAFFIC[self.optimizer] * params[d]), dev,
+                                    "float32", "elementwise", self.ctx.efficiency)
             start = max([free[d]] + [end.get(k, 0.0) for k in after[d]])
             cstart = max([chain.get(k, 0.0) for k in after[d]], default=0.0)
             t = Task("update", "optimizer", dur, (d,), tuple(after[d]), (("u", d),))
@@ -181,10 +287,15 @@ class Simulator:
                 timeline.append(Scheduled(t, start, start + dur))
         makespan = max(free[:devices] + free[devices:], default=0.0)
         state = 2 + OPTIMIZER_STATE[self.optimizer]
-        memory = tuple(state * params[d] + acts[d] for d in range(devices))
+        memory = [state * params[d] + acts[d] for d in range(devices)]
+        if cal is not None:
+            for d in range(devices):
+                memory[d] += cal.optimizer_working_tensors.value * largest[d]
+                if ddp:
+                    memory[d] += params[d]  # DDP's buckets: a flat copy of the gradients
         return Simulation(
             iteration_time_s=makespan,
-            memory_bytes=memory,
+            memory_bytes=tuple(memory),
             capacity_bytes=dev.memory_capacity.value,
             compute_s=tuple(compute),
             timeline=tuple(timeline),

@@ -38,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from flexsearch.cost import comm
+from flexsearch.cost.calibration import DeviceCalibration, calibration_for
 from flexsearch.cost.compute import FREE_KINDS, MeasuredCosts, Partition, op_cost
 from flexsearch.cost.efficiency import EfficiencyTable, load_efficiency
 from flexsearch.cost.hardware import Cluster
@@ -72,14 +73,23 @@ class Fragment:
     backward: list[Task] = field(default_factory=list)
     grad_local: list[tuple[int, Key]] = field(default_factory=list)  # (d, G key) b on d defines
     params: dict[int, float] = field(default_factory=dict)  # device -> parameter bytes
+    tensors: dict[int, int] = field(default_factory=dict)  # device -> parameter tensors
+    largest: dict[int, float] = field(default_factory=dict)  # device -> bytes of its largest parameter tensor
     activations: dict[int, float] = field(default_factory=dict)  # device -> bytes kept
     sync: list[tuple[int, Key]] = field(default_factory=list)  # (device, task key) before update
 
 
 class CostContext:
     """What costing needs besides the graph: the cluster, measured op times (optional),
-    efficiency table (default: :func:`~flexsearch.cost.efficiency.load_efficiency`) and
-    a dtype override (``"tf32"`` for TF32 matmuls). Memoises op and collective costs."""
+    efficiency table (default: :func:`~flexsearch.cost.efficiency.load_efficiency`), a
+    dtype override (``"tf32"`` for TF32 matmuls) and the device's calibration (default:
+    :func:`~flexsearch.cost.calibration.calibration_for` its name; ``False``: none).
+    Memoises op and collective costs.
+
+    With a calibration, an op whose configuration spans several devices runs on
+    DTensors (the SOAP emitter) and pays the ``sharded`` per-op overhead, one on a single
+    device the ``plain`` one; ``ddp=True`` marks a plan the emitter runs with DDP
+    (every op data parallel: plain ops, bucketed gradient all-reduces)."""
 
     def __init__(
         self,
@@ -87,11 +97,18 @@ class CostContext:
         measured: MeasuredCosts | None = None,
         efficiency: EfficiencyTable | None = None,
         dtype: str | None = None,
+        calibration: DeviceCalibration | None | bool = None,
+        ddp: bool = False,
     ):
         self.cluster = cluster
         self.measured = measured
         self.efficiency = efficiency if efficiency is not None else load_efficiency()
         self.dtype = dtype
+        if calibration is None or calibration is True:
+            calibration = calibration_for(cluster.device.name)
+        self.calibration: DeviceCalibration | None = calibration or None
+        self.ddp = ddp
+        self.blocking = bool(self.calibration and self.calibration.communication_blocks_compute.value)
         self.links = {link.id: cluster.devices + i for i, link in enumerate(cluster.links)}
         self._ops: dict[tuple[str, Config], tuple[float, float]] = {}
         self._colls: dict[tuple, comm.CommCost] = {}
@@ -118,8 +135,13 @@ class CostContext:
             self._xfers[key] = hit
         return hit
 
+    def sharded(self, c: Config) -> bool:
+        """Does an op under ``c`` run on DTensors (calibration: the sharded overhead)?"""
+        return not self.ddp and c.n > 1
+
     def op_cost(self, node: OpNode, c: Config) -> tuple[float, float]:
-        """(forward, backward) seconds of one task of ``node`` under ``c``."""
+        """(forward, backward) seconds of one task of ``node`` under ``c`` (with the
+        calibrated per-op overhead of its execution mode)."""
         key = (node.name, c.s, c.kind, c.t)
         hit = self._ops.get(key)
         if hit is None:
@@ -129,8 +151,16 @@ class CostContext:
                 cost = op_cost(node, self.cluster.device, partition_of(c), dtype=self.dtype,
                                efficiency=self.efficiency, measured=self.measured)
                 hit = (cost.forward_s, cost.backward_s)
+                if self.calibration is not None:
+                    fo, bo = self.calibration.op_s("sharded" if self.sharded(c) else "plain")
+                    hit = (hit[0] + fo, hit[1] + bo)
             self._ops[key] = hit
         return hit
+
+    def device_resources(self, devices) -> tuple[int, ...]:
+        """The devices a communication among ``devices`` occupies: all of them when the
+        calibration says communication blocks compute, else none (links only)."""
+        return tuple(sorted(set(devices))) if self.blocking else ()
 
     def collective(self, op: str, group: tuple[int, ...], nbytes: float) -> comm.CommCost:
         key = (op, group, nbytes)
@@ -182,16 +212,22 @@ def _link_resources(ctx: CostContext, links) -> tuple[int, ...]:
 
 
 def _collective(ctx: CostContext, op: str, group: list[int], nbytes: float, name: str,
-                deps: tuple[Key, ...], defines: tuple[Key, ...], detail: str) -> Task:
-    cost = ctx.collective(op, tuple(sorted(set(group))), nbytes)
-    res = _link_resources(ctx, [link for link, _ in cost.loads])
-    return Task("coll", name, cost.time_s, res, deps, defines, nbytes, f"{detail} {op}/{cost.algorithm}")
+                deps: tuple[Key, ...], defines: tuple[Key, ...], detail: str, calls: int = 1) -> Task:
+    """One collective (``calls`` collectives of ``nbytes`` in all: one latency each)."""
+    g = tuple(sorted(set(group)))
+    cost = ctx.collective(op, g, nbytes)
+    seconds = cost.time_s
+    if calls > 1 and seconds > 0:
+        seconds += (calls - 1) * ctx.collective(op, g, 1.0).time_s
+    res = ctx.device_resources(g) + _link_resources(ctx, [link for link, _ in cost.loads])
+    return Task("coll", name, seconds, res, deps, defines, nbytes, f"{detail} {op}/{cost.algorithm}")
 
 
 def _transfer(ctx: CostContext, src: int, dst: int, nbytes: float, name: str,
               deps: tuple[Key, ...], defines: tuple[Key, ...], detail: str) -> Task:
     seconds, links = ctx.transfer(src, dst, nbytes)
-    return Task("xfer", name, seconds, links, deps, defines, nbytes, f"{detail} d{src}->d{dst}")
+    res = ctx.device_resources((src, dst)) + links
+    return Task("xfer", name, seconds, res, deps, defines, nbytes, f"{detail} d{src}->d{dst}")
 
 
 @dataclass(frozen=True)
@@ -360,18 +396,23 @@ def node_tasks(
     if node.param_bytes:
         sharded = c.kind in ("p", "r")
         shard = node.param_bytes / (c.t if sharded else 1)
+        count = max(1, len(node.params))
         for _, _, d in parts:
             frag.params[d] = frag.params.get(d, 0.0) + shard
+            frag.tensors[d] = frag.tensors.get(d, 0) + count
+            frag.largest[d] = max(frag.largest.get(d, 0.0), shard / count)
         groups = (
             [[c.device(i, j) for i in range(c.s)] for j in range(c.t)] if sharded else [list(c.devices)]
         )
         for g_i, group in enumerate(groups):
-            if len(group) == 1:
-                frag.sync.append((group[0], ("b", n, group[0])))
+            if len(group) == 1 or ctx.ddp:  # DDP: bucketed all-reduces (the simulator's)
+                frag.sync.extend((d, ("b", n, d)) for d in group)
                 continue
             key = ("s", n, g_i)
+            # the DTensor emitter all-reduces each parameter's gradient on its own
+            calls = count if ctx.calibration is not None else 1
             frag.backward.append(_collective(
                 ctx, "all_reduce", group, shard, n, tuple(("b", n, d) for d in group), (key,),
-                "gradients"))
+                "gradients", calls))
             frag.sync.extend((d, key) for d in group)
     return frag

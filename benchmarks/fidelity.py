@@ -1,0 +1,822 @@
+"""Fidelity: the simulator's predicted iteration time and peak memory against real runs
+of the emitted plans on this machine's gloo processes (issue [8/8]).
+
+    python benchmarks/fidelity.py [--ranks 2] [--threads 1] [--steps 10] [--warmup 3]
+                                  [--cases mlp,gpt:data,...] [--json results.json]
+
+For each case (a zoo model family at a size whose step takes tens to hundreds of ms
+here) and each plan kind the emitter runs (``data`` = DDP, ``fsdp`` = FSDP2, ``soap`` =
+the planner's best SOAP plan on DTensor, pipelines ``gpipe`` / ``1f1b`` /
+``interleaved``, ``hybrid`` pipeline x tensor parallel):
+
+1. **profile**: every distinct op of the model is measured alone by the profiler
+   (:func:`flexsearch.cost.profiler.profile_model`, ``--threads`` threads, cached in
+   ``--profile``), at the full batch and at the partitioned shapes the plans use;
+2. **plan**: a plan of that kind is forced on the ``cpu`` cluster preset (measured
+   peak FLOP/s, memory bandwidth and gloo links) with the measured op costs;
+3. **predict**: the plan is simulated with the measured op costs (the simulator the
+   planner uses, with the calibration of ``costmodels/calibration.json``);
+4. **measure**: the plan is emitted (:func:`flexsearch.emit.parallelize`) on ``--ranks``
+   fresh gloo processes of ``--threads`` threads each; every step is
+   ``zero_grad(); train_step(); Adam.step()`` on the same global batch (the plan's
+   optimizer); the iteration time is the median over ``--steps`` steps after
+   ``--warmup`` warm-up steps (per rank; the slowest rank counts).
+
+**Memory.** torch's CPU allocator keeps no statistics (``torch.cuda.memory_stats`` has
+no CPU counterpart) and ``tracemalloc`` sees only Python's allocator, not torch's. The
+rank process's resident set is used instead: the kernel's peak RSS (``VmHWM`` of
+``/proc/self/status``), reset with ``/proc/self/clear_refs`` right after the emitted
+module and its optimizer are built. The measured peak per rank is ``VmHWM - RSS at
+that point + bytes of the rank's parameters`` (the parameters are resident before the
+reset; every other term the simulator predicts: gradients, Adam state, activations,
+communication buffers, is allocated during the steps). The simulator's prediction is
+per device ``(2 + optimizer state) x parameters + activations kept``; both are compared
+on the rank with the largest measured peak. ``glibc``'s allocator is pinned
+(``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``) so that large tensors come and
+go as whole mappings and freed memory of one step is not counted twice.
+
+**Ranking.** Per case, Kendall's tau-b between the predicted and the measured order of
+its plans (the candidate plans the planner compares); the headline is the mean over
+cases, weighted by the number of plan pairs.
+
+Each (case, kind) runs in its own processes, so one failing plan is reported and the
+rest go on. ``uptime``'s load average is printed first and last: measurements taken
+while other jobs run are noisy; rerun on a quiet machine.
+
+Last line: ``median_error=... max_error=... memory_median_error=... kendall_tau=...``
+(|relative error| of iteration time over all cases; of peak memory; ranking).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from zoo import get, load_module  # noqa: E402
+
+from flexsearch.cost.hardware import Cluster  # noqa: E402
+from flexsearch.cost.profiler import ProfileDB, local_device, profile_model  # noqa: E402
+from flexsearch.graph.microbatch import batch_size, microbatch_graph  # noqa: E402
+from flexsearch.graph.opgraph import OpGraph  # noqa: E402
+from flexsearch.graph.tracer import trace  # noqa: E402
+from flexsearch.plan import Plan  # noqa: E402
+from flexsearch.sim.simulator import Simulation, Simulator  # noqa: E402
+
+KINDS = ("data", "fsdp", "soap", "gpipe", "1f1b", "interleaved", "hybrid")
+CLUSTER = "cpu"
+PROFILE = ROOT / "costmodels" / "measurements" / "fidelity-profile.json"
+DEGREES = (2, 4, 8, 16, 32)  # profiled splits: SOAP degrees and pipeline microbatches
+
+
+# ----------------------------------------------------------------------------- cases
+
+
+def _mlp(batch: int = 256):
+    """4 Linear layers 1024 wide (4.2M parameters), batch 256."""
+    m = load_module(get("mlp_tiny"))
+    model = m.MLP(1024, 1024, 1024, 4)
+    return model, (torch.randn(batch, 1024),)
+
+
+def _gpt(batch: int = 16):
+    """GPT: 2 layers, d=256, 4 heads, vocab 2048, seq 64 (2.1M parameters), batch 16."""
+    m = load_module(get("gpt_tiny"))
+    cfg = m.GPTConfig(vocab_size=2048, block_size=64, n_layer=2, n_head=4, n_embd=256, dropout=0.0)
+    model = m.GPT(cfg)
+    return model, (torch.randint(0, cfg.vocab_size, (batch, 64)),)
+
+
+def _cnn(batch: int = 512):
+    """The tiny AlexNet (5 convs, 3 Linear; 3x32x32 inputs), batch 512."""
+    m = load_module(get("alexnet_tiny"))
+    return m.TinyAlexNet(), (torch.randn(batch, 3, 32, 32),)
+
+
+def _rnn(batch: int = 32):
+    """RNN language model: vocab 2000, embed 256, 2 x LSTM(256), seq 32 (2.1M parameters), batch 32."""
+    m = load_module(get("rnnlm_tiny"))
+    model = m.RNNLanguageModel(2000, 256, 256, 2)
+    return model, (torch.randint(0, 2000, (batch, 32)),)
+
+
+def _deep(layers: int):
+    """A deep, narrow MLP (16 wide, batch 16): framework overhead per op, no compute."""
+    m = load_module(get("mlp_tiny"))
+    return m.MLP(16, 16, 16, layers), (torch.randn(16, 16),)
+
+
+CASES = {"mlp": _mlp, "gpt": _gpt, "cnn": _cnn, "rnn": _rnn}
+PROBES = {"deep8": lambda: _deep(8), "deep32": lambda: _deep(32)}
+"""Models of the calibration runs (``--calibrate``), not in the table."""
+
+
+def build(family: str, batch: int | None = None):
+    """``(model, inputs, target)`` of a case, the same in every process (seeded)."""
+    builder = CASES.get(family) or PROBES[family]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model, x = builder() if batch is None else builder(batch)
+        with torch.no_grad():
+            y = torch.randn(model(*x).shape)
+    return model, x, y
+
+
+def mse(out, target):
+    return F.mse_loss(out.float(), target)
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+def force_plan(graph: OpGraph, cl: Cluster, kind: str, measured=None, seed: int = 0,
+               microbatches: int | None = None) -> Plan | None:
+    """A plan of ``kind`` for ``graph`` on ``cl`` (None where the model has none), costed
+    with ``measured`` op times. ``soap`` is the planner's SOAP search result (the best
+    non-data baseline when the search returns data parallelism); pipelines are the
+    pipeline search's best of that schedule with more than one stage."""
+    from flexsearch.search.pipeline import search_pipelines
+    from flexsearch.search.planner import pipeline_plan, plan_graph
+    from flexsearch.search.space import Space
+
+    space = Space(graph, cl.devices)
+    if kind in ("data", "fsdp"):
+        base = plan_graph(graph, cl, max_iters=0, pipelines=False, ilp_max_units=0, measured=measured)
+        configs = space.expand({u.name: space.data_parallel(u) for u in space.units})
+        return base.model_copy(update=dict(kind="data", shard_params=kind == "fsdp", decisions={},
+                                           configs={k: v.text for k, v in configs.items()}))
+    if kind == "soap":
+        best = plan_graph(graph, cl, max_iters=200, seed=seed, pipelines=False, measured=measured)
+        if best.kind == "soap":
+            return best
+        from flexsearch.search.baselines import baselines
+
+        sim = Simulator(graph, cl, measured=measured)
+        options = [(sim.simulate(space.expand(d), timeline=False).iteration_time_s, name, d)
+                   for name, d in baselines(space, cl.devices_per_node).items() if name != "data"]
+        if not options:
+            return None
+        _, _, decisions = min(options, key=lambda o: o[0])
+        configs = space.expand(decisions)
+        return best.model_copy(update=dict(kind="soap", decisions={k: v.text for k, v in decisions.items()},
+                                           configs={k: v.text for k, v in configs.items()}))
+    schedule = {"hybrid": "1f1b"}.get(kind, kind)
+    results = search_pipelines(graph, cl, simulate_top=1000, schedules=(schedule,), measured=measured)
+    want = [r for r in results if (r.tensor > 1) == (kind == "hybrid") and r.schedule == schedule
+            and len(r.stages) > 1 and r.simulation.feasible]
+    if microbatches is not None:
+        want = [r for r in want if r.microbatches == microbatches]
+    r = want[0] if want else forced_pipeline(graph, cl, schedule, 2 if kind == "hybrid" else 1, microbatches or 2,
+                                               measured)
+    if r is None:
+        return None
+    base = plan_graph(graph, cl, max_iters=0, pipelines=False, ilp_max_units=0, measured=measured)
+    fields = {k: getattr(base, k) for k in ("model", "graph_fingerprint", "devices", "cluster", "optimizer",
+                                            "objective", "lower_bound_s", "inputs")}
+    return pipeline_plan(graph, r, baselines={}, **fields)
+
+
+def forced_pipeline(graph: OpGraph, cl: Cluster, schedule: str, t: int, m: int, measured=None):
+    """Two pipeline ranks over the nodes split evenly, ``m`` microbatches (as
+    ``tests/emit_cases.py`` forces one where the search finds none worth running)."""
+    from flexsearch.search.pipeline import PipelineResult, simulate_stages, stage_configs
+
+    p, chunks = 2, 2 if schedule == "interleaved" else 1
+    if cl.devices % (p * t):
+        return None
+    d = cl.devices // (p * t)
+    if batch_size(graph) % (d * m):
+        return None
+    configs = stage_configs(microbatch_graph(graph, d * m), t)
+    if configs is None:
+        return None
+    n, stages = len(graph.nodes), p * chunks
+    bounds = [(n * k // stages, n * (k + 1) // stages) for k in range(stages)]
+    sim = simulate_stages(graph, cl, bounds=bounds, tensor=t, replicas=d, schedule=schedule, microbatches=m,
+                          chunks=chunks, measured=measured)
+    g = d * t
+    placed = tuple((a, b, tuple(range((k % p) * g, (k % p + 1) * g))) for k, (a, b) in enumerate(bounds))
+    return PipelineResult("hybrid" if t > 1 else "pipeline", schedule, m, chunks, False, t, d, placed, configs, sim)
+
+
+def predict(graph: OpGraph, plan: Plan, cl: Cluster, measured=None, calibration=None) -> Simulation:
+    """The simulator's prediction for ``plan`` (as :func:`flexsearch.api.simulate`,
+    with measured op costs)."""
+    if plan.kind in ("pipeline", "hybrid"):
+        import itertools
+
+        from flexsearch.search.pipeline import simulate_stages
+
+        ends = list(itertools.accumulate(len(st.nodes) for st in plan.stages))
+        bounds = list(zip([0, *ends[:-1]], ends, strict=True))
+        from flexsearch.sim.taskgraph import CostContext
+
+        return simulate_stages(graph, cl, bounds=bounds, tensor=plan.tensor_degree,
+                               replicas=plan.stages[0].replicas, schedule=plan.schedule,
+                               microbatches=plan.microbatches, chunks=plan.chunks or 1,
+                               recompute=plan.recompute, optimizer=plan.optimizer, measured=measured,
+                               ctx=CostContext(cl, measured, calibration=calibration))
+    return Simulator(graph, cl, optimizer=plan.optimizer, measured=measured, calibration=calibration).simulate(
+        plan.node_configs(), ddp=plan.kind == "data" and not plan.shard_params)
+
+
+def profile(model, inputs, threads: int, path: Path = PROFILE, pipeline_batches: tuple[int, ...] = ()) -> ProfileDB:
+    """Measure the model's ops (full batch, partitions) into ``path``; and each
+    microbatch size of ``pipeline_batches``."""
+    db, _ = profile_model(model, inputs, out=path, threads=threads, degrees=DEGREES)
+    return db
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def _status(field_name: str) -> int:
+    """A ``/proc/self/status`` field in bytes (``VmRSS``, ``VmHWM``)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field_name + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field_name}")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    return t.numel() * t.element_size()
+
+
+def measure_job(rank: int, world: int, family: str, batch: int | None, plan: Plan, steps: int,
+                warmup: int) -> dict[str, Any]:
+    """On every rank: emit ``plan``, run ``warmup + steps`` Adam steps; per-step seconds,
+    peak RSS above the post-construction baseline, and the rank's parameter bytes."""
+    import torch.distributed as dist
+
+    from flexsearch.emit import parallelize
+
+    model, x, y = build(family, batch)
+    module = parallelize(model, plan)
+    del model
+    params = [p for p in module.parameters()]
+    opt = torch.optim.Adam(params, lr=1e-4)
+    param_bytes = sum(_local_bytes(p) for p in params)
+    gc.collect()
+    dist.barrier()
+    base = _status("VmRSS")
+    _reset_peak()
+    times = []
+    for _ in range(warmup + steps):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = module.train_step(x, y, mse)
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    peak = _status("VmHWM")
+    return {"times": times[warmup:], "rss_base": base, "rss_peak": peak, "param_bytes": param_bytes,
+            "loss": float(loss)}
+
+
+@dataclass
+class Row:
+    case: str
+    kind: str
+    plan: str
+    predicted_s: float = math.nan
+    measured_s: float = math.nan
+    predicted_bytes: float = math.nan
+    measured_bytes: float = math.nan
+    error: str = ""
+    per_rank_s: list[float] = field(default_factory=list)
+    per_rank_bytes: list[float] = field(default_factory=list)
+
+    @property
+    def time_error(self) -> float:
+        return (self.predicted_s - self.measured_s) / self.measured_s
+
+    @property
+    def memory_error(self) -> float:
+        return (self.predicted_bytes - self.measured_bytes) / self.measured_bytes
+
+
+def describe(plan: Plan) -> str:
+    if plan.kind in ("pipeline", "hybrid"):
+        return (f"{plan.schedule} p{len(plan.stages) // (plan.chunks or 1)}x{plan.stages[0].replicas}"
+                f"x{plan.tensor_degree} m{plan.microbatches}")
+    if plan.kind == "data":
+        return "fsdp" if plan.shard_params else "ddp"
+    kinds = {}
+    for c in plan.decisions.values():
+        kinds[c] = kinds.get(c, 0) + 1
+    return "soap " + ",".join(f"{k}x{v}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])[:3])
+
+
+def run_case(family: str, kind: str, *, ranks: int, threads: int, steps: int, warmup: int,
+             batch: int | None = None, profile_path: Path = PROFILE, timeout_s: float = 600) -> Row:
+    """Plan, predict, emit and measure one (case, kind)."""
+    from flexsearch.emit.launch import RanksFailed, run_ranks
+
+    model, x, _ = build(family, batch)
+    graph = trace(model, x, name=f"fidelity:{family}")
+    cl = Cluster.resolve(CLUSTER, ranks)
+    db = profile(model, x, threads, profile_path)
+    plan = force_plan(graph, cl, kind, measured=db)
+    if plan is None:
+        return Row(family, kind, "-", error="no such plan")
+    row = Row(family, kind, describe(plan))
+    sim = predict(graph, plan, cl, measured=db)
+    row.predicted_s = sim.iteration_time_s
+    try:
+        res = run_ranks(measure_job, ranks, family, batch, plan, steps, warmup, threads=threads,
+                        timeout_s=timeout_s, pg_timeout_s=120)
+    except RanksFailed as e:
+        row.error = str(e).strip().splitlines()[-1][:200]
+        return row
+    row.per_rank_s = [statistics.median(r["times"]) for r in res]
+    row.per_rank_bytes = [r["rss_peak"] - r["rss_base"] + r["param_bytes"] for r in res]
+    row.measured_s = max(row.per_rank_s)
+    worst = max(range(ranks), key=lambda i: row.per_rank_bytes[i])
+    row.measured_bytes = row.per_rank_bytes[worst]
+    row.predicted_bytes = sim.memory_bytes[worst]
+    return row
+
+
+# ----------------------------------------------------------------------------- calibration
+
+CALIBRATION = ROOT / "costmodels" / "calibration.json"
+_UPDATE_SETS = ((1, 1 << 22), (8, 1 << 19), (64, 1 << 16), (512, 1 << 13), (2, 1 << 17), (32, 1 << 13),
+                (256, 1 << 10))
+"""(tensors, elements each) of the optimizer-update measurements: bytes and tensor
+counts varied independently, so the fit separates the two terms."""
+
+
+def _optimizer(name: str, params) -> torch.optim.Optimizer:
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-4)
+    return torch.optim.SGD(params, lr=1e-4, momentum=0.9 if name == "momentum" else 0.0)
+
+
+def _median_time(fn, repeats: int = 9, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _lstsq(rows: list[tuple[float, float]], ys: list[float]) -> tuple[float, float]:
+    """Least squares of ``y = a x0 + b x1``, both clamped at 0."""
+    import numpy as np
+
+    sol, *_ = np.linalg.lstsq(np.array(rows, dtype=float), np.array(ys, dtype=float), rcond=None)
+    return max(0.0, float(sol[0])), max(0.0, float(sol[1]))
+
+
+def measure_updates(threads: int) -> dict[str, tuple[float, float]]:
+    """Per optimizer ``(per_tensor_s, per_byte_s)`` of one update on plain CPU tensors."""
+    torch.set_num_threads(threads)
+    out = {}
+    for name in ("adam", "momentum", "sgd"):
+        rows, ys = [], []
+        for n, numel in _UPDATE_SETS:
+            ps = [torch.nn.Parameter(torch.randn(numel)) for _ in range(n)]
+            for q in ps:
+                q.grad = torch.randn(numel)
+            opt = _optimizer(name, ps)
+            rows.append((n, n * numel * 4))
+            ys.append(_median_time(opt.step))
+        out[name] = _lstsq(rows, ys)
+    return out
+
+
+def measure_working_tensors(threads: int) -> float:
+    """Peak resident growth of an Adam update over its gradients, in multiples of the
+    largest parameter tensor (glibc pinned so every tensor is its own mapping)."""
+    import ctypes
+
+    torch.set_num_threads(threads)
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD
+    libc.mallopt(-1, 1 << 16)  # M_TRIM_THRESHOLD
+    numel = 1 << 22
+    ps = [torch.nn.Parameter(torch.randn(numel)) for _ in range(4)]
+    for q in ps:
+        q.grad = torch.randn(numel)
+    opt = _optimizer("adam", ps)
+    opt.step()
+    values = []
+    for _ in range(5):
+        gc.collect()
+        libc.malloc_trim(0)
+        base = _status("VmRSS")
+        _reset_peak()
+        opt.step()
+        values.append((_status("VmHWM") - base) / (numel * 4))
+    return statistics.median(values)
+
+
+def probe_job(rank: int, world: int, what: str, n: int) -> dict[str, float]:
+    """On every rank: one calibration measurement (``calibrate``)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    if what == "overlap":  # does a collective overlap with compute on this rank's core?
+        buf = torch.randn(n)
+        a, b = torch.randn(512, 512), torch.randn(512, 512)
+
+        def compute():
+            for _ in range(20):
+                a @ b
+
+        def both():
+            w = dist.all_reduce(buf, async_op=True)
+            compute()
+            w.wait()
+
+        out = {}
+        for key, fn in (("compute", compute), ("comm", lambda: dist.all_reduce(buf)), ("both", both)):
+            dist.barrier()
+            out[key] = _median_time(fn)
+        return out
+    if what == "sharded_update":  # Adam over DTensor parameters vs plain ones
+        mesh = init_device_mesh("cpu", (world,))
+        out = {}
+        for key in ("plain", "dtensor"):
+            ps = []
+            for _ in range(n):
+                t = torch.randn(1024)
+                if key == "dtensor":
+                    t = distribute_tensor(t, mesh, [Replicate()])
+                q = torch.nn.Parameter(t)
+                q.grad = torch.ones_like(q)
+                ps.append(q)
+            opt = _optimizer("adam", ps)
+            dist.barrier()
+            out[key] = _median_time(opt.step)
+        return out
+    raise ValueError(what)
+
+
+def step_job(rank: int, world: int, family: str, plan: Plan, steps: int, warmup: int) -> dict[str, float]:
+    """On every rank: median step time and (data and SOAP plans) median no-grad forward."""
+    import torch.distributed as dist
+
+    from flexsearch.emit import parallelize
+    from flexsearch.emit.data import batch_shard
+
+    model, x, y = build(family)
+    module = parallelize(model, plan)
+    opt = torch.optim.Adam(module.parameters(), lr=1e-4)
+
+    def step():
+        opt.zero_grad()
+        module.train_step(x, y, mse)
+        opt.step()
+
+    dist.barrier()
+    out = {"step": _median_time(step, steps, warmup)}
+    if plan.kind == "data":
+        xs = tuple(batch_shard(t, rank, world) for t in x)
+    else:
+        xs = x
+    if plan.kind in ("data", "soap"):
+        def forward():
+            with torch.no_grad():
+                module(*xs)
+
+        dist.barrier()
+        out["forward"] = _median_time(forward, steps, warmup)
+    return out
+
+
+def _probe_plan(family: str, cl: Cluster, kind: str, db, microbatches: int | None = None):
+    from flexsearch.search.space import Space
+
+    model, x, _ = build(family)
+    graph = trace(model, x, name=f"fidelity:{family}")
+    if kind == "soap-dp":  # every op data parallel, run on DTensors (the SOAP emitter)
+        plan = force_plan(graph, cl, "data", measured=db)
+        space = Space(graph, cl.devices)
+        return graph, plan.model_copy(update=dict(kind="soap", decisions={
+            u.name: space.data_parallel(u).text for u in space.units}))
+    return graph, force_plan(graph, cl, kind, measured=db, microbatches=microbatches)
+
+
+def _forward_s(graph: OpGraph, plan: Plan, cl: Cluster, db, cal) -> float:
+    """The forward compute the simulator charges device 0 (no-grad forward probes)."""
+    from flexsearch.sim.taskgraph import CostContext
+
+    ctx = CostContext(cl, db, calibration=cal, ddp=plan.kind == "data")
+    configs = plan.node_configs()
+    return sum(ctx.op_cost(n, configs[n.name])[0] for n in graph.nodes if 0 in configs[n.name].devices)
+
+
+def _ops(graph: OpGraph) -> int:
+    from flexsearch.cost.compute import FREE_KINDS
+
+    return sum(1 for n in graph.nodes if n.kind not in FREE_KINDS)
+
+
+def calibrate(ranks: int, threads: int, steps: int, warmup: int, path: Path = CALIBRATION,
+              profile_path: Path = PROFILE) -> dict:
+    """Measure every calibration term (``flexsearch.cost.calibration``) and write them to
+    ``path`` with this command as their source. Each run-time overhead is the residual
+    of the simulator (with the terms measured before it) on probe models whose compute
+    is negligible (16-wide MLPs of 8 and 32 layers): the slope over the op count is the
+    per-op overhead, the intercept the per-step cost."""
+    import datetime
+
+    from flexsearch.cost.calibration import DeviceCalibration
+    from flexsearch.cost.profiler import host_info
+    from flexsearch.emit.launch import run_ranks
+
+    cl = Cluster.resolve(CLUSTER, ranks)
+    host = host_info()
+    when = datetime.date.today().isoformat()
+    cmd = f"python benchmarks/fidelity.py --calibrate --ranks {ranks} --threads {threads}"
+    where = (f"measured by `{cmd}` on {when}, {host['cpu']}, {host['cores']} cores, {ranks} gloo ranks x "
+             f"{threads} threads, torch {host['torch']}, {uptime()}")
+    log = {}
+
+    def num(value: float, what: str) -> dict:
+        return {"value": float(value), "source": f"{where}; {what}"}
+
+    print(f"# calibrating: {where}", flush=True)
+    updates = measure_updates(threads)
+    log["updates"] = updates
+    working = measure_working_tensors(threads)
+    log["working_tensors"] = working
+    over = run_ranks(probe_job, ranks, "overlap", 1 << 22, threads=threads)[0]
+    overlap = (over["compute"] + over["comm"] - over["both"]) / min(over["compute"], over["comm"])
+    log["overlap"] = {**over, "fraction": overlap}
+    sh = run_ranks(probe_job, ranks, "sharded_update", 256, threads=threads)
+    dt_tensor = max(0.0, statistics.median((r["dtensor"] - r["plain"]) / 256 for r in sh))
+    log["sharded_update"] = sh
+    print(f"# optimizer (per tensor s, per byte s) {updates}; working {working:.2f} tensors; overlap {over}; "
+          f"DTensor update +{dt_tensor * 1e6:.1f} us/tensor", flush=True)
+    raw = {
+        "communication_blocks_compute": {
+            "value": overlap < 0.5,
+            "source": f"{where}; a 16 MB all-reduce started asynchronously during 20 512x512 matmuls hides "
+                      f"{max(0.0, overlap):.0%} of the shorter of the two (compute {over['compute'] * 1e3:.1f} ms, "
+                      f"all-reduce {over['comm'] * 1e3:.1f} ms, both {over['both'] * 1e3:.1f} ms); below 50%: "
+                      "communication occupies the devices"},
+        "optimizer": {k: {"per_tensor_s": num(a, f"{k} update, least-squares fit of t = a tensors + b bytes over "
+                                                  f"{len(_UPDATE_SETS)} parameter sets (1..512 tensors, 4 KB..16 MB)"),
+                          "per_byte_s": num(b, f"{k} update, same fit")}
+                      for k, (a, b) in updates.items()},
+        "sharded_update_per_tensor_s": num(dt_tensor, "Adam over 256 replicated DTensor parameters of 1024 floats "
+                                                      "minus the same over plain tensors, per tensor"),
+        "op_overhead": {m: {"forward_s": num(0.0, "placeholder"), "backward_s": num(0.0, "placeholder")}
+                        for m in ("plain", "sharded")},
+        "pipeline_action_s": num(0.0, "placeholder"),
+        "step_s": {m: num(0.0, "placeholder") for m in ("ddp", "sharded", "pipeline")},
+        "ddp_bucket_bytes": {"value": 25 * 2**20, "source": "DistributedDataParallel's default bucket_cap_mb=25"},
+        "ddp_first_bucket_bytes": {"value": float(2**20), "source": "torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES "
+                                                                     "(1 MiB; DDP's first bucket)"},
+        "ddp_per_tensor_s": num(0.0, "placeholder"),
+        "optimizer_working_tensors": num(working, "peak resident growth of an Adam update of 4 x 16 MB parameters "
+                                                  "(glibc mmap threshold pinned at 64 KB), over one parameter's bytes"),
+    }
+
+    device = cl.device.name
+
+    def current() -> DeviceCalibration:
+        """The terms so far, written to ``path`` (the simulator's stage costs read it)."""
+        cal = DeviceCalibration.model_validate(raw)
+        data = {"description": "Calibration of the simulator against real runs of emitted plans, per device "
+                               "(flexsearch/cost/calibration.py); written by benchmarks/fidelity.py --calibrate.",
+                "command": cmd, "devices": {device: cal.model_dump(mode="json")}}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        tmp.replace(path)  # atomic: other processes read the file
+        return cal
+
+    current()
+    def probe(family: str, kind: str, microbatches: int | None = None) -> tuple[OpGraph, Plan, dict, float, float]:
+        model, x, _ = build(family)
+        db = profile(model, x, threads, profile_path)
+        graph, plan = _probe_plan(family, cl, kind, db, microbatches)
+        res = run_ranks(step_job, ranks, family, plan, steps, warmup, threads=threads, timeout_s=600)
+        meas = {k: max(r[k] for r in res) for k in res[0]}
+        cal = current()
+        pred = predict(graph, plan, cl, db, calibration=cal).iteration_time_s
+        fwd = _forward_s(graph, plan, cl, db, cal) if "forward" in meas else 0.0
+        print(f"#   probe {family} {describe(plan)}: measured {meas}, predicted step {pred * 1e3:.2f} ms, "
+              f"forward {fwd * 1e3:.2f} ms", flush=True)
+        log.setdefault("probes", []).append({"case": family, "plan": describe(plan), "measured": meas,
+                                             "predicted_step_s": pred, "predicted_forward_s": fwd})
+        return graph, plan, meas, pred, fwd
+
+    # plain ops: the model alone in this process, against the simulator on one device
+    one = Cluster.resolve(CLUSTER, 1)
+    local = {}
+    for family in ("deep8", "deep32"):
+        model, x, y = build(family)
+        db = profile(model, x, threads, profile_path)
+        graph = trace(model, x, name=f"fidelity:{family}")
+        plan = force_plan(graph, one, "data", measured=db)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+
+        def step(model=model, x=x, y=y, opt=opt):
+            opt.zero_grad()
+            mse(model(*x), y).backward()
+            opt.step()
+
+        def forward(model=model, x=x):
+            with torch.no_grad():
+                model(*x)
+
+        meas = {"step": _median_time(step, steps, warmup), "forward": _median_time(forward, steps, warmup)}
+        cal = current()
+        pred = predict(graph, plan, one, db, calibration=cal).iteration_time_s
+        local[family] = (graph, meas, pred, _forward_s(graph, plan, one, db, cal))
+        log.setdefault("probes", []).append({"case": family, "plan": "one process", "measured": meas,
+                                             "predicted_step_s": pred})
+        print(f"#   probe {family} one process: measured {meas}, predicted step {pred * 1e3:.2f} ms", flush=True)
+    (g8, m8, p8, f8), (g32, m32, p32, f32) = local["deep8"], local["deep32"]
+    dops = _ops(g32) - _ops(g8)
+    fo = max(0.0, ((m32["forward"] - m8["forward"]) - (f32 - f8)) / dops)
+    bo = max(0.0, ((m32["step"] - m8["step"]) - (p32 - p8)) / dops - fo)
+    what = ("residual of the simulator (one device) on one process training 16-wide MLPs of 8 and 32 layers "
+            f"({_ops(g8)} and {_ops(g32)} ops; medians of {steps} steps)")
+    raw["op_overhead"]["plain"] = {"forward_s": num(fo, f"{what}: no-grad forward slope per op"),
+                                   "backward_s": num(bo, f"{what}: step slope per op minus the forward's")}
+    print(f"# plain: op overhead {fo * 1e6:.1f} + {bo * 1e6:.1f} us", flush=True)
+
+    # DDP: per gradient tensor (hooks) and per step, on top of the plain ops
+    g8, _, m8, p8, _ = probe("deep8", "data")
+    g32, _, m32, p32, _ = probe("deep32", "data")
+    tensors = sum(len(n.params) for n in g32.nodes if n.param_bytes) - sum(
+        len(n.params) for n in g8.nodes if n.param_bytes)
+    per_tensor = max(0.0, ((m32["step"] - m8["step"]) - (p32 - p8)) / tensors)
+    base = max(0.0, (m8["step"] - p8) - per_tensor * sum(len(n.params) for n in g8.nodes if n.param_bytes))
+    what = f"residual of the simulator on DDP runs of 16-wide MLPs of 8 and 32 layers (medians of {steps} steps)"
+    raw["ddp_per_tensor_s"] = num(per_tensor, f"{what}: slope per parameter tensor")
+    raw["step_s"]["ddp"] = num(base, f"{what}: intercept per step")
+    print(f"# ddp: {per_tensor * 1e6:.1f} us per tensor, step {base * 1e3:.2f} ms", flush=True)
+
+    # DTensor ops (SOAP plans, every op data parallel on DTensors)
+    g8, _, m8, p8, f8 = probe("deep8", "soap-dp")
+    g32, _, m32, p32, f32 = probe("deep32", "soap-dp")
+    dops = _ops(g32) - _ops(g8)
+    fo = max(0.0, ((m32["forward"] - m8["forward"]) - (f32 - f8)) / dops)
+    bo = max(0.0, ((m32["step"] - m8["step"]) - (p32 - p8)) / dops - fo)
+    base = max(0.0, (m8["step"] - p8) - _ops(g8) * (fo + bo))
+    what = (f"residual of the simulator on SOAP (DTensor) runs of 16-wide MLPs of 8 and 32 layers, every op data "
+            f"parallel ({_ops(g8)} and {_ops(g32)} ops; medians of {steps} steps)")
+    raw["op_overhead"]["sharded"] = {"forward_s": num(fo, f"{what}: no-grad forward slope per op"),
+                                     "backward_s": num(bo, f"{what}: step slope per op minus the forward's")}
+    raw["step_s"]["sharded"] = num(base, f"{what}: intercept per step")
+    print(f"# sharded: op overhead {fo * 1e6:.1f} + {bo * 1e6:.1f} us, step {base * 1e3:.2f} ms", flush=True)
+
+    _, pl2, m2, p2, _ = probe("deep32", "gpipe", microbatches=2)
+    _, pl8, m8, p8, _ = probe("deep32", "gpipe", microbatches=8)
+    action = max(0.0, ((m8["step"] - m2["step"]) - (p8 - p2)) / (2 * (8 - 2)))
+    stages = len(pl2.stages)
+    base = max(0.0, (m2["step"] - p2) - 2 * (2 + stages - 1) * action)
+    what = ("residual of the simulator on GPipe runs of a 16-wide MLP of 32 layers over 2 stages with 2 and 8 "
+            f"microbatches (medians of {steps} steps)")
+    raw["pipeline_action_s"] = num(action, f"{what}: slope per forward or backward action of a stage")
+    raw["step_s"]["pipeline"] = num(base, f"{what}: intercept per step (critical path of (m + p - 1) forward "
+                                          "and backward actions)")
+    print(f"# pipeline: action {action * 1e6:.1f} us, step {base * 1e3:.2f} ms", flush=True)
+
+    current()
+    log_path = ROOT / "costmodels" / "measurements" / "calibration-cpu.json"
+    log_path.write_text(json.dumps({"command": cmd, "date": when, "host": host, "load": uptime(),
+                                    "measurements": log}, indent=1, default=str) + "\n")
+    print(f"# wrote {path} and {log_path}")
+    return raw
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def kendall_tau(x: list[float], y: list[float]) -> float:
+    """Kendall's tau-b of two equally long sequences (nan for fewer than 2 items)."""
+    n = len(x)
+    conc = disc = tx = ty = 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            a = (x[i] > x[j]) - (x[i] < x[j])
+            b = (y[i] > y[j]) - (y[i] < y[j])
+            if a == 0 and b == 0:
+                continue
+            if a == 0:
+                tx += 1
+            elif b == 0:
+                ty += 1
+            elif a == b:
+                conc += 1
+            else:
+                disc += 1
+    denom = math.sqrt((conc + disc + tx) * (conc + disc + ty))
+    return (conc - disc) / denom if denom else math.nan
+
+
+def summary(rows: list[Row]) -> dict[str, float]:
+    ok = [r for r in rows if not r.error]
+    errs = [abs(r.time_error) for r in ok]
+    mems = [abs(r.memory_error) for r in ok]
+    taus, weights = [], []
+    for case in dict.fromkeys(r.case for r in ok):
+        rs = [r for r in ok if r.case == case]
+        tau = kendall_tau([r.predicted_s for r in rs], [r.measured_s for r in rs])
+        if not math.isnan(tau):
+            taus.append(tau)
+            weights.append(len(rs) * (len(rs) - 1) / 2)
+    return {
+        "median_error": statistics.median(errs) if errs else math.nan,
+        "max_error": max(errs) if errs else math.nan,
+        "memory_median_error": statistics.median(mems) if mems else math.nan,
+        "kendall_tau": sum(t * w for t, w in zip(taus, weights, strict=True)) / sum(weights) if taus else math.nan,
+    }
+
+
+def uptime() -> str:
+    try:
+        return "load average " + ", ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "load average unknown"
+
+
+def parse_cases(text: str | None) -> list[tuple[str, str]]:
+    """``mlp,gpt:data+soap`` -> [(mlp, every kind), (gpt, data), (gpt, soap)]."""
+    if not text:
+        return [(f, k) for f in CASES for k in KINDS]
+    out = []
+    for item in text.split(","):
+        fam, _, kinds = item.partition(":")
+        if fam not in CASES:
+            raise SystemExit(f"unknown case {fam!r}; choose from {', '.join(CASES)}")
+        for k in (kinds.split("+") if kinds else KINDS):
+            if k not in KINDS:
+                raise SystemExit(f"unknown plan kind {k!r}; choose from {', '.join(KINDS)}")
+            out.append((fam, k))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--cases", default=None, help="e.g. mlp,gpt:data+soap (default: every case and kind)")
+    ap.add_argument("--profile", type=Path, default=PROFILE, help="op profile cache")
+    ap.add_argument("--json", type=Path, default=None, help="write every row here")
+    ap.add_argument("--calibrate", action="store_true",
+                    help=f"measure the calibration terms into {CALIBRATION.relative_to(ROOT)} first")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.calibrate:
+        calibrate(args.ranks, args.threads, max(args.steps, 15), args.warmup, profile_path=args.profile)
+        if args.cases is None:
+            return
+    print(f"# {uptime()}; {args.ranks} ranks x {args.threads} threads, device {local_device(args.threads)}, "
+          f"torch {torch.__version__}", flush=True)
+    print(f"{'case':5} {'kind':11} {'plan':24} {'pred ms':>9} {'meas ms':>9} {'err':>7} "
+          f"{'pred MB':>9} {'meas MB':>9} {'err':>7}", flush=True)
+    rows = []
+    for fam, kind in parse_cases(args.cases):
+        t0 = time.perf_counter()
+        row = run_case(fam, kind, ranks=args.ranks, threads=args.threads, steps=args.steps, warmup=args.warmup,
+                       profile_path=args.profile)
+        rows.append(row)
+        if row.error:
+            print(f"{fam:5} {kind:11} {row.plan:24} {row.error}", flush=True)
+            continue
+        print(f"{fam:5} {kind:11} {row.plan:24} {row.predicted_s * 1e3:9.2f} {row.measured_s * 1e3:9.2f} "
+              f"{row.time_error:+7.1%} {row.predicted_bytes / 1e6:9.1f} {row.measured_bytes / 1e6:9.1f} "
+              f"{row.memory_error:+7.1%}   ({time.perf_counter() - t0:.0f} s)", flush=True)
+    s = summary(rows)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"rows": [asdict(r) for r in rows], "summary": s,
+                                         "load": uptime()}, indent=1))
+    print(f"# {uptime()}")
+    print(" ".join(f"{k}={v:.3f}" for k, v in s.items()))
+
+
+if __name__ == "__main__":
+    main()

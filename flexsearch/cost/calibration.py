@@ -1,0 +1,136 @@
+"""Calibration of the simulator against real runs: ``costmodels/calibration.json``.
+
+The roofline, the op profiles and the alpha-beta links price the work an iteration
+does; running emitted plans (``benchmarks/fidelity.py``) shows what they leave out.
+Per device (keyed by the device spec's ``name``), each term below is a number with the
+command that measured it, like every hardware number. A device without an entry is
+simulated as before (no calibration).
+
+- ``communication_blocks_compute``: communication runs on the devices' own cores
+  (gloo on a CPU with one core per rank: copies and reductions compete with the compute
+  thread), so a transfer or collective also occupies the devices it joins instead of
+  overlapping with their compute.
+- ``optimizer``: the update of one device per optimizer, ``per_tensor_s x parameter
+  tensors + per_byte_s x parameter bytes`` (a single-tensor loop of several kernels per
+  parameter: more traffic than the ideal roofline's and a fixed cost per tensor);
+  ``sharded_update_per_tensor_s`` more per tensor when the parameters are DTensors.
+- ``op_overhead``: added to every op task on top of its profiled (or roofline) time:
+  ``plain`` for modules run by autograd on local tensors (DDP, pipeline stages),
+  ``sharded`` for ops run on DTensors (SOAP plans, tensor-parallel stages): sharding
+  propagation, redistribution and the interpreter per op.
+- ``pipeline_action_s``: per forward or backward action of a pipeline schedule (the
+  schedule's bookkeeping, microbatch split, send/receive posting).
+- ``step_s``: fixed cost of one iteration per execution mode (``ddp``, ``sharded``,
+  ``pipeline``): the loss all-reduce, zero_grad, hooks.
+- ``ddp_bucket_bytes`` / ``ddp_first_bucket_bytes``: DDP all-reduces gradients in
+  buckets of this size (in the order they become ready; the first bucket smaller) and
+  keeps a flat copy of the gradients (its buckets) for the whole run: each gradient is
+  copied into its bucket and back (4 bytes moved per gradient byte, at the device's
+  memory bandwidth), and its autograd hook costs ``ddp_per_tensor_s``.
+- ``optimizer_working_tensors``: the update's temporaries, in multiples of the device's
+  largest parameter tensor (alive together with the gradients).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import ValidationError
+
+from flexsearch.cost.hardware import (
+    COSTMODELS_DIR,
+    NonNegative,
+    Positive,
+    Source,
+    _Frozen,
+    _read_json,
+    _validation_message,
+)
+from flexsearch.errors import ClusterSpecError
+
+CALIBRATION_FILE = COSTMODELS_DIR / "calibration.json"
+
+Mode = Literal["ddp", "sharded", "pipeline"]
+
+
+class Flag(_Frozen):
+    value: bool
+    source: Source
+
+
+class UpdateCost(_Frozen):
+    """One device's optimizer update: ``per_tensor_s x tensors + per_byte_s x bytes``."""
+
+    per_tensor_s: NonNegative
+    per_byte_s: NonNegative
+
+
+class OpOverhead(_Frozen):
+    forward_s: NonNegative
+    backward_s: NonNegative
+
+
+class DeviceCalibration(_Frozen):
+    """The calibration terms of one device (module docstring)."""
+
+    communication_blocks_compute: Flag
+    optimizer: dict[Literal["adam", "momentum", "sgd"], UpdateCost]
+    sharded_update_per_tensor_s: NonNegative
+    op_overhead: dict[Literal["plain", "sharded"], OpOverhead]
+    pipeline_action_s: NonNegative
+    step_s: dict[Mode, NonNegative]
+    ddp_bucket_bytes: Positive
+    ddp_first_bucket_bytes: Positive
+    ddp_per_tensor_s: NonNegative
+    optimizer_working_tensors: NonNegative
+
+    def update_s(self, optimizer: str, tensors: float, nbytes: float, sharded: bool = False) -> float:
+        """Seconds of one device's optimizer update over ``tensors`` parameter tensors of
+        ``nbytes`` bytes in all."""
+        u = self.optimizer[optimizer]  # type: ignore[index]
+        per_tensor = u.per_tensor_s.value + (self.sharded_update_per_tensor_s.value if sharded else 0.0)
+        return per_tensor * tensors + u.per_byte_s.value * nbytes
+
+    def op_s(self, mode: Literal["plain", "sharded"]) -> tuple[float, float]:
+        o = self.op_overhead[mode]
+        return o.forward_s.value, o.backward_s.value
+
+
+class CalibrationFile(_Frozen):
+    description: str = ""
+    command: str = ""
+    devices: dict[str, DeviceCalibration] = {}
+
+
+@lru_cache(maxsize=8)
+def _load_cached(path: str, _stamp: tuple[int, int]) -> CalibrationFile:
+    raw = _read_json(Path(path), "calibration file")
+    try:
+        return CalibrationFile.model_validate(raw)
+    except ValidationError as e:
+        raise ClusterSpecError(_validation_message(f"calibration file {path}", e)) from None
+
+
+def load_calibration_file(path: str | os.PathLike[str] | None = None) -> CalibrationFile:
+    """Read and validate a calibration file (default: the built-in one; an empty one if
+    it does not exist); cached until the file changes."""
+    p = Path(path if path is not None else CALIBRATION_FILE).resolve()
+    try:
+        st = p.stat()
+    except OSError:
+        if path is None:
+            return CalibrationFile()
+        _read_json(p, "calibration file")
+        raise
+    return _load_cached(str(p), (st.st_mtime_ns, st.st_size))
+
+
+def calibration_for(device_name: str, path: str | os.PathLike[str] | None = None) -> DeviceCalibration | None:
+    """The calibration of the device named ``device_name`` (None when it has none)."""
+    return load_calibration_file(path).devices.get(device_name)
+
+
+__all__ = ["CALIBRATION_FILE", "CalibrationFile", "DeviceCalibration", "calibration_for", "load_calibration_file"]

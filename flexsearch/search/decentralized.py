@@ -1,0 +1,257 @@
+"""Decentralized (D-PSGD) candidates and the centralized baselines they are judged against.
+
+Pure functions of (graph, cluster, options) that a planner calls in a few lines:
+
+- :func:`replica_cost`: one data-parallel replica's step on its ``B / n`` slice, costed
+  exactly as :func:`flexsearch.search.planner.flat_baselines` costs the ``"data"``
+  baseline's replica (the microbatch graph of ``B / n`` samples, every op whole on one
+  device of the cluster's type, summed into one stage). The op-level data-parallel
+  simulation gives the same per-device compute (a test checks it), but it all-reduces
+  every layer's gradients separately, each paying the collective's full latency, which
+  on a high-latency network costs seconds per iteration; the stage-level form does one
+  all-reduce after the backward (DDP with one bucket, what DDP does for a model under its
+  25 MB bucket size) and is the stronger all-reduce baseline, so D-PSGD is judged against
+  it.
+- :func:`decentralized_candidates`: D-PSGD on every applicable topology
+  (:data:`DEFAULT_TOPOLOGIES`), each simulated by
+  :func:`~flexsearch.sim.decentralized.simulate_gossip`, with its
+  :func:`~flexsearch.search.topology.iterations_factor` and its **effective time**::
+
+      effective_time_s = iteration_time_s                      (objective "iteration")
+      effective_time_s = iteration_time_s * iterations_factor  (objective "time_to_accuracy")
+
+  i.e. the time per iteration of synchronous SGD that reaches the same accuracy, so it
+  compares directly with a synchronous plan's iteration time (whose factor is 1).
+- :func:`centralized_baselines`: parameter server with one server (``"ps"``) and
+  sharded over every worker (``"ps-sharded"``), optionally all-reduce (``"all-reduce"``,
+  the ``"data"`` baseline's number), on the same replica cost.
+- :func:`explain`: one line saying why the best decentralized candidate wins or loses
+  against the best synchronous plan.
+
+**Topologies tried** (:func:`candidate_topologies`): ring; torus when ``n`` has a
+factorisation (not prime); the static exponential graph (any ``n``: offsets ``2^k < n``);
+the one-peer exponential graph when ``n`` is a power of two; the complete graph up to
+:data:`COMPLETE_MAX_RANKS` ranks. Beyond that the complete graph is skipped: every rank
+sends ``n - 1`` whole models per iteration and keeps ``n - 1`` receive buffers, for the
+exact average an all-reduce computes with ``2 (n-1)/n`` model sizes of traffic, so
+all-reduce dominates it (and its ``n (n-1)`` transfers only slow the simulation). A rank
+count of 1 has no decentralized plan (nothing to exchange).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from flexsearch.cost.compute import MeasuredCosts
+from flexsearch.cost.hardware import Cluster
+from flexsearch.errors import TopologyError
+from flexsearch.graph.microbatch import microbatch_graph
+from flexsearch.graph.opgraph import OpGraph
+from flexsearch.search.pipeline import cut_bytes, node_costs, stage_configs, stage_cost
+from flexsearch.search.topology import Topology, build, iterations_factor
+from flexsearch.sim.decentralized import (
+    simulate_all_reduce,
+    simulate_gossip,
+    simulate_parameter_server,
+)
+from flexsearch.sim.pipeline import StageCost
+from flexsearch.sim.simulator import Simulation
+from flexsearch.sim.taskgraph import CostContext
+
+DEFAULT_TOPOLOGIES = ("ring", "torus", "exponential", "one_peer_exponential", "complete")
+COMPLETE_MAX_RANKS = 64
+"""Largest rank count the complete graph is tried on (module docstring)."""
+OBJECTIVES = ("iteration", "time_to_accuracy")
+
+
+@dataclass(frozen=True)
+class DecentralizedResult:
+    """One simulated D-PSGD candidate."""
+
+    topology: Topology
+    simulation: Simulation
+    iterations_factor: float
+    """Iterations to the same accuracy relative to synchronous SGD (>= 1)."""
+    effective_time_s: float
+    """The objective's time (module docstring)."""
+    objective: str = "iteration"
+
+    @property
+    def name(self) -> str:
+        return self.topology.name
+
+    @property
+    def spectral_gap(self) -> float:
+        return self.topology.spectral_gap
+
+    @property
+    def iteration_time_s(self) -> float:
+        return self.simulation.iteration_time_s
+
+
+def _check_objective(objective: str) -> str:
+    if objective not in OBJECTIVES:
+        raise ValueError(f"unknown objective {objective!r}; use one of {', '.join(OBJECTIVES)}")
+    return objective
+
+
+def effective_time(iteration_time_s: float, factor: float, objective: str = "iteration") -> float:
+    """``iteration_time_s`` for objective ``"iteration"``, times ``factor`` for
+    ``"time_to_accuracy"``."""
+    return iteration_time_s * (factor if _check_objective(objective) == "time_to_accuracy" else 1.0)
+
+
+def replica_cost(graph: OpGraph, cluster: Cluster, *, replicas: int | None = None,
+                 measured: MeasuredCosts | None = None) -> StageCost:
+    """One replica's step on ``B / replicas`` samples (default ``replicas`` = the
+    cluster's devices; pass ``replicas=1`` for a graph whose batch already is one
+    worker's), as one stage: forward, backward, parameter and activation bytes.
+    Raises ValueError when the batch does not split ``replicas`` ways."""
+    r = cluster.devices if replicas is None else replicas
+    mg = microbatch_graph(graph, r)
+    configs = stage_configs(mg, 1)
+    assert configs is not None  # whole ops on one device are always legal
+    got = node_costs(mg, configs, Cluster.from_spec(cluster.spec, 1), measured=measured)
+    costs = [got[n.name] for n in mg.nodes]
+    return stage_cost(costs, 0, len(costs), cut_bytes(mg))
+
+
+def candidate_topologies(n: int, names: Iterable[str | Topology] = DEFAULT_TOPOLOGIES
+                         ) -> tuple[list[Topology], dict[str, str]]:
+    """The topologies to simulate on ``n`` ranks, and why each other one is skipped
+    (name -> one-line reason). ``names`` may mix names and built :class:`Topology`
+    values (a custom graph)."""
+    out: list[Topology] = []
+    skipped: dict[str, str] = {}
+    if n < 2:
+        return out, {str(getattr(x, "name", x)): "one rank: nothing to exchange" for x in names}
+    for x in names:
+        if isinstance(x, Topology):
+            if x.n != n:
+                skipped[x.name] = f"built for {x.n} ranks, not {n}"
+            else:
+                out.append(x)
+            continue
+        if x == "complete" and n > COMPLETE_MAX_RANKS:
+            skipped[x] = (f"n = {n} > {COMPLETE_MAX_RANKS}: n-1 models sent and buffered per rank "
+                          "for the exact average all-reduce gives with 2 models of traffic")
+            continue
+        try:
+            out.append(build(x, n))
+        except TopologyError as e:
+            skipped[x] = str(e)
+    return out, skipped
+
+
+def decentralized_candidates(
+    graph: OpGraph,
+    cluster: Cluster,
+    *,
+    optimizer: str = "adam",
+    measured: MeasuredCosts | None = None,
+    objective: str = "iteration",
+    topologies: Iterable[str | Topology] = DEFAULT_TOPOLOGIES,
+    cost: StageCost | None = None,
+    timeline: bool = False,
+    noise_ratio: float = 100.0,
+    heterogeneity_ratio: float = 0.0,
+) -> list[DecentralizedResult]:
+    """Every applicable topology's D-PSGD iteration on ``cluster`` (module docstring),
+    sorted feasible first, then by ``effective_time_s``. ``cost`` (default
+    :func:`replica_cost` of ``graph``; ``graph`` is not read when it is given) lets a
+    caller cost the replica once for several calls;
+    ``noise_ratio`` and ``heterogeneity_ratio`` go to
+    :func:`~flexsearch.search.topology.iterations_factor`. Raises ValueError when the
+    batch does not split over the devices."""
+    _check_objective(objective)
+    tops, _ = candidate_topologies(cluster.devices, topologies)
+    if not tops:
+        return []
+    if cost is None:
+        cost = replica_cost(graph, cluster, measured=measured)
+    ctx = CostContext(cluster, measured)
+    out = []
+    for top in tops:
+        sim = simulate_gossip(ctx, cost, top, optimizer=optimizer, timeline=timeline)
+        factor = iterations_factor(top, noise_ratio=noise_ratio, heterogeneity_ratio=heterogeneity_ratio)
+        out.append(DecentralizedResult(top, sim, factor, effective_time(sim.iteration_time_s, factor, objective),
+                                       objective))
+    out.sort(key=lambda r: (not r.simulation.feasible, r.effective_time_s))
+    return out
+
+
+def centralized_baselines(
+    graph: OpGraph,
+    cluster: Cluster,
+    *,
+    optimizer: str = "adam",
+    measured: MeasuredCosts | None = None,
+    cost: StageCost | None = None,
+    all_reduce: bool = False,
+    timeline: bool = False,
+) -> dict[str, Simulation]:
+    """``{"ps": one server (device 0), "ps-sharded": a shard on every device}``, plus
+    ``"all-reduce"`` (the ``"data"`` baseline's simulation) with ``all_reduce=True``, on
+    the same replica cost as :func:`decentralized_candidates` (empty on one device)."""
+    n = cluster.devices
+    if n < 2:
+        return {}
+    if cost is None:
+        cost = replica_cost(graph, cluster, measured=measured)
+    ctx = CostContext(cluster, measured)
+    out = {
+        "ps": simulate_parameter_server(ctx, cost, servers=(0,), optimizer=optimizer, timeline=timeline),
+        "ps-sharded": simulate_parameter_server(ctx, cost, servers=range(n), optimizer=optimizer,
+                                                timeline=timeline),
+    }
+    if all_reduce:
+        out["all-reduce"] = simulate_all_reduce(ctx, cost, optimizer=optimizer, timeline=timeline)
+    return out
+
+
+def _t(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "inf"
+    if seconds >= 1.0:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds * 1e6:.0f} us"
+
+
+def explain(best: DecentralizedResult | Sequence[DecentralizedResult] | None, sync_name: str,
+            sync_time_s: float, *, objective: str = "iteration", reason: str = "") -> str:
+    """One line: why the best decentralized candidate wins or loses against the best
+    synchronous plan (``sync_name`` at ``sync_time_s`` per iteration) under
+    ``objective``. ``best`` may be the candidate list (its best feasible entry is used);
+    ``reason`` says why there is no candidate when there is none. Pure."""
+    _check_objective(objective)
+    if best is not None and not isinstance(best, DecentralizedResult):
+        ranked = sorted(best, key=lambda r: (not r.simulation.feasible, r.effective_time_s))
+        best = ranked[0] if ranked else None
+    sync = f"{sync_name} {_t(sync_time_s)}/iter"
+    if best is None:
+        why = f" ({reason})" if reason else ""
+        return f"no decentralized candidate{why}; {sync} is the plan"
+    it = best.iteration_time_s
+    head = f"{best.name} D-PSGD {_t(it)}/iter"
+    if not best.simulation.feasible:
+        sim = best.simulation
+        return (f"{head} does not fit ({sim.peak_memory_bytes / 2**30:.1f} GiB > "
+                f"{sim.capacity_bytes / 2**30:.1f} GiB per device: its receive buffers); {sync} wins")
+    factor = best.iterations_factor
+    if objective == "iteration":
+        if it < sync_time_s:
+            return (f"{head} beats {sync} ({sync_time_s / it:.2f}x per iteration; it needs "
+                    f"{factor:.2f}x iterations to the same accuracy, which this objective ignores)")
+        return f"{head} is no faster than {sync} ({it / sync_time_s:.2f}x its time); {sync_name} wins"
+    eff = best.effective_time_s
+    if eff < sync_time_s:
+        return (f"{head} x {factor:.2f} iterations = {_t(eff)} per synchronous iteration beats {sync} "
+                f"({sync_time_s / eff:.2f}x faster to the same accuracy)")
+    if it < sync_time_s:
+        return (f"{head} but needs {factor:.2f}x iterations ({_t(eff)} per synchronous iteration); "
+                f"{sync} wins on time to accuracy")
+    return f"{head} is no faster than {sync} even per iteration (and needs {factor:.2f}x iterations); {sync_name} wins"

@@ -1,0 +1,206 @@
+"""Decentralized (D-PSGD) and centralized (parameter server, all-reduce) data-parallel
+iterations as tasks for the shared list scheduler.
+
+Every rank ``i`` of ``n`` (device ``i``) holds a whole model replica and trains on its
+slice of the global batch. The caller gives one :class:`~flexsearch.sim.pipeline.StageCost`
+for that replica: forward and backward time of the ``B / n`` slice, the parameter bytes
+``P`` and the activation bytes kept for the backward (``stash_bytes``); the search
+(:func:`flexsearch.search.decentralized.replica_cost`) costs it exactly as the
+data-parallel baseline costs its replica, so all of these plans compare on one scale.
+Tasks go to :func:`~flexsearch.sim.simulator.run_tasks`: a task starts when its
+dependencies have ended and its resources (its device; every link it loads) are free,
+so communication overlaps compute and queues on shared links.
+
+**D-PSGD** (Lian et al. 2017, REFERENCE section 3), one gossip step ``t`` of the
+topology (:mod:`flexsearch.search.topology`):
+
+- per rank: forward, backward (the gradient at the rank's current model ``x_i``);
+- at the same time, the **exchange**: every rank sends its ``P``-byte model to each of
+  its out-neighbours at step ``t``. All of the step's transfers form one
+  :func:`~flexsearch.cost.comm.exchange` task, ``max path latency + max_l bytes(l) /
+  B(l)`` over the real links (concurrent sends share their NIC: ``alpha + d P / B`` for
+  out-degree ``d`` on a switch, independent of ``n``); it holds every link it loads;
+- per rank, after the exchange: the **averaging** ``x_i <- sum_j W_ij x_j``, a
+  memory-bound pass reading ``1 + d_in`` model copies and writing one
+  (``(2 + d_in) P`` bytes at the device's elementwise bandwidth);
+- per rank, after the averaging and the backward: the optimizer update
+  ``x_i <- x_i - lr g_i`` (the gradient taken before averaging, so the exchange hides
+  behind the compute): ``max(fwd + bwd, exchange) + average + update`` when nothing queues.
+
+A time-varying topology (``period > 1``, the one-peer exponential graph) is simulated
+for the ``period`` steps of one period in a row (step ``t + 1`` starts from step ``t``'s
+models: its compute waits for the rank's update, its exchange for every sender's);
+``iteration_time_s``, ``compute_s``, ``serial_s`` and ``critical_path_s`` are means per
+iteration, the timeline covers the whole period.
+
+**Parameter server** (``servers``: one device, or every device for the sharded form,
+each holding a ``P / s`` shard): after the backward every worker pushes its gradient
+shards to the servers, each server applies the optimizer to its shard, then every worker
+pulls the new parameters. Push and pull are one :func:`~flexsearch.cost.comm.exchange`
+each (the two phases of :func:`~flexsearch.cost.comm.parameter_server`; their sum is
+its time); a worker that is also a server keeps its own shard local.
+
+**All-reduce**: the data-parallel baseline itself, one pipeline stage on every device
+(:func:`~flexsearch.sim.pipeline.simulate_pipeline`, the code path of
+:func:`flexsearch.search.planner.flat_baselines`): forward, backward, one all-reduce of
+the gradients, the update.
+
+**Memory** per device (``k`` optimizer copies: Adam 2, momentum 1, SGD 0; ``A`` the
+activations kept for the backward):
+
+- D-PSGD: ``(2 + k) P + A + d_in P``, with ``d_in`` the rank's largest in-degree over
+  the period (a receive buffer per in-neighbour's model);
+- parameter server: ``2 P + A`` on a worker (parameters, gradients; no optimizer state),
+  plus ``(k + 1) P / s`` on a server (the shard's optimizer state and one buffer into
+  which it accumulates the pushed gradients as they arrive);
+- all-reduce: ``(2 + k) P + A``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from flexsearch.cost import comm
+from flexsearch.cost.compute import Work, roofline_time
+from flexsearch.sim.pipeline import PipelineLayout, StageCost, simulate_pipeline
+from flexsearch.sim.simulator import _UPDATE_TRAFFIC, OPTIMIZER_STATE, Simulation, run_tasks
+from flexsearch.sim.taskgraph import CostContext, Task
+
+if TYPE_CHECKING:
+    from flexsearch.search.topology import Topology
+
+
+def _check(ctx: CostContext, optimizer: str) -> int:
+    if optimizer not in OPTIMIZER_STATE:
+        raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATE)}")
+    return ctx.cluster.devices
+
+
+def elementwise_time(ctx: CostContext, nbytes: float) -> float:
+    """Seconds of a memory-bound fp32 pass moving ``nbytes`` on one device."""
+    return roofline_time(Work(0.0, nbytes), ctx.cluster.device, "float32", "elementwise", ctx.efficiency)
+
+
+def update_time(ctx: CostContext, param_bytes: float, optimizer: str) -> float:
+    """Seconds of one optimizer update over ``param_bytes`` (the simulator's rule)."""
+    return elementwise_time(ctx, _UPDATE_TRAFFIC[optimizer] * param_bytes)
+
+
+def average_time(ctx: CostContext, param_bytes: float, in_degree: int) -> float:
+    """Seconds of the gossip average: read ``1 + in_degree`` models, write one."""
+    return elementwise_time(ctx, (2 + in_degree) * param_bytes)
+
+
+def exchange_task(ctx: CostContext, name: str, transfers: Sequence[tuple[int, int, float]],
+                  deps: tuple, defines: tuple, detail: str) -> Task:
+    """One task for concurrent point-to-point transfers ``(src, dst, bytes)``
+    (:func:`~flexsearch.cost.comm.exchange`), holding every link they load."""
+    cost = comm.exchange(ctx.cluster, transfers)
+    res = tuple(sorted({ctx.links[link.id] for link in cost.links}))
+    total = sum(b for s, d, b in transfers if s != d)
+    return Task("coll", name, cost.time_s, res, deps, defines, total, detail)
+
+
+def _others(pairs: Iterable, rank: int) -> list[int]:
+    """Neighbour ranks other than ``rank`` (``pairs``: ranks or ``(rank, weight)``)."""
+    out = []
+    for p in pairs:
+        j = p[0] if isinstance(p, tuple) else p
+        if j != rank:
+            out.append(int(j))
+    return out
+
+
+def _finish(ctx: CostContext, ordered: list[Task], memory: Sequence[float], iterations: int,
+            timeline: bool) -> Simulation:
+    n = ctx.cluster.devices
+    run = run_tasks(ordered, n, len(ctx.cluster.links), timeline)
+    compute = [0.0] * n
+    for t in ordered:
+        if t.kind in ("fwd", "bwd", "update"):
+            for d in t.resources:
+                compute[d] += t.duration
+    return Simulation(
+        iteration_time_s=max(run.free, default=0.0) / iterations,
+        memory_bytes=tuple(memory),
+        capacity_bytes=ctx.cluster.device.memory_capacity.value,
+        compute_s=tuple(c / iterations for c in compute),
+        timeline=tuple(run.timeline) if timeline else (),
+        link_names=tuple(link.id for link in ctx.cluster.links),
+        critical_path_s=max(run.chain.values(), default=0.0) / iterations if timeline else float("nan"),
+        serial_s=run.serial / iterations,
+    )
+
+
+def simulate_gossip(ctx: CostContext, cost: StageCost, topology: Topology, *, optimizer: str = "adam",
+                    timeline: bool = True) -> Simulation:
+    """One D-PSGD iteration on ``topology`` (module docstring; a period's mean for a
+    time-varying topology). Rank ``i`` runs on device ``i``."""
+    n = _check(ctx, optimizer)
+    if topology.n != n:
+        raise ValueError(f"topology {topology.name!r} has {topology.n} ranks, the cluster {n} devices")
+    p = cost.param_bytes
+    period = max(1, int(topology.period))
+    upd = update_time(ctx, p, optimizer)
+    ordered: list[Task] = []
+    in_max = [0] * n
+    for t in range(period):
+        after = tuple(("u", t - 1, i) for i in range(n)) if t else ()
+        sends = [(i, k, p) for i in range(n) for k in _others(topology.out_neighbours(i, t), i)]
+        ordered.append(exchange_task(
+            ctx, f"gossip {t}", sends, after, (("x", t),),
+            f"{topology.name} step {t}: {len(sends)} models of {p:.0f} bytes"))
+        for i in range(n):
+            prev = (("u", t - 1, i),) if t else ()
+            d_in = len(_others(topology.in_neighbours(i, t), i))
+            in_max[i] = max(in_max[i], d_in)
+            ordered.append(Task("fwd", f"forward {t}", cost.forward_s, (i,), prev, (("f", t, i),)))
+            ordered.append(Task("bwd", f"backward {t}", cost.backward_s, (i,), (("f", t, i),), (("b", t, i),)))
+            ordered.append(Task("update", "average", average_time(ctx, p, d_in), (i,), (("x", t),),
+                                (("a", t, i),), detail=f"{1 + d_in} models"))
+            ordered.append(Task("update", "optimizer", upd, (i,), (("a", t, i), ("b", t, i)), (("u", t, i),)))
+    state = 2 + OPTIMIZER_STATE[optimizer]
+    base = state * p + cost.stash_bytes + cost.working_bytes
+    memory = [base + in_max[i] * p for i in range(n)]
+    return _finish(ctx, ordered, memory, period, timeline)
+
+
+def simulate_parameter_server(ctx: CostContext, cost: StageCost, *, servers: Sequence[int] = (0,),
+                              optimizer: str = "adam", timeline: bool = True) -> Simulation:
+    """One synchronous parameter-server iteration (module docstring): ``servers=(0,)``
+    is one server (device 0, also a worker), ``range(n)`` the sharded form."""
+    n = _check(ctx, optimizer)
+    srv = tuple(sorted(set(servers)))
+    if not srv or any(not 0 <= s < n for s in srv):
+        raise ValueError(f"servers {tuple(servers)} must be devices of the {n}-device cluster")
+    p = cost.param_bytes
+    shard = p / len(srv)
+    ordered: list[Task] = []
+    for i in range(n):
+        ordered.append(Task("fwd", "forward", cost.forward_s, (i,), (), (("f", i),)))
+        ordered.append(Task("bwd", "backward", cost.backward_s, (i,), (("f", i),), (("b", i),)))
+    push = [(w, s, shard) for w in range(n) for s in srv if w != s]
+    ordered.append(exchange_task(ctx, "push gradients", push, tuple(("b", i) for i in range(n)), (("push",),),
+                                 f"{len(srv)} server(s), {len(push)} shards of {shard:.0f} bytes"))
+    upd = update_time(ctx, shard, optimizer)
+    for s in srv:
+        ordered.append(Task("update", "optimizer", upd, (s,), (("push",), ("b", s)), (("u", s),),
+                            detail=f"server shard of {shard:.0f} bytes"))
+    pull = [(s, w, b) for w, s, b in push]
+    ordered.append(exchange_task(ctx, "pull parameters", pull, tuple(("u", s) for s in srv), (("pull",),),
+                                 f"{len(srv)} server(s), {len(pull)} shards of {shard:.0f} bytes"))
+    k = OPTIMIZER_STATE[optimizer]
+    base = 2 * p + cost.stash_bytes + cost.working_bytes
+    memory = [base + ((k + 1) * shard if i in srv else 0.0) for i in range(n)]
+    return _finish(ctx, ordered, memory, 1, timeline)
+
+
+def simulate_all_reduce(ctx: CostContext, cost: StageCost, *, optimizer: str = "adam",
+                        timeline: bool = True) -> Simulation:
+    """The data-parallel baseline: one stage replicated on every device, gradients
+    all-reduced after the backward (exactly :func:`flexsearch.search.planner.flat_baselines`'
+    ``"data"`` entry for the same replica cost)."""
+    n = _check(ctx, optimizer)
+    layout = PipelineLayout("1f1b", 1, (tuple((d,) for d in range(n)),))
+    return simulate_pipeline(ctx, [cost], layout, optimizer=optimizer, timeline=timeline)

@@ -27,7 +27,7 @@ FAMILIES = {
     "cnn": "benchmarks/models/alexnet.py:alexnet_tiny",
     "rnn": "benchmarks/models/rnn.py:rnnlm_tiny",
 }
-KINDS = ("data", "fsdp", "soap", "gpipe", "1f1b", "interleaved", "hybrid")
+KINDS = ("data", "fsdp", "soap", "gpipe", "1f1b", "interleaved", "hybrid", "dpsgd")
 
 
 def load(spec: str):
@@ -41,8 +41,10 @@ def make_plan(spec: str, devices: int, kind: str, seed: int = 0, cluster: str = 
     model, x = load(spec)
     graph = trace(model, x)
     cl = flexsearch.Cluster.resolve(cluster, devices)
-    base = plan_graph(graph, cl, max_iters=0, pipelines=False)
+    base = plan_graph(graph, cl, max_iters=0, pipelines=False, decentralized=False)
     space = Space(graph, devices)
+    if kind == "dpsgd":
+        return base.model_copy(update=dict(kind="decentralized", topology="ring", decisions={}, configs={}))
     if kind in ("data", "fsdp"):
         configs = space.expand({u.name: space.data_parallel(u) for u in space.units})
         return base.model_copy(update=dict(kind="data", shard_params=kind == "fsdp",

@@ -18,10 +18,17 @@ simulated as before (no calibration).
   ``plain`` for modules run by autograd on local tensors (DDP, pipeline stages),
   ``sharded`` for ops run on DTensors (SOAP plans, tensor-parallel stages): sharding
   propagation, redistribution and the interpreter per op.
+- ``profiled_call``: subtracted from every *measured* op time (never below 0): the
+  profiler times each op alone through ``functional_call`` and ``autograd.grad``, a
+  fixed cost per call that the same op inside a model does not pay.
 - ``pipeline_action_s``: per forward or backward action of a pipeline schedule (the
   schedule's bookkeeping, microbatch split, send/receive posting).
-- ``step_s``: fixed cost of one iteration per execution mode (``ddp``, ``sharded``,
-  ``pipeline``): the loss all-reduce, zero_grad, hooks.
+- ``step_s``: fixed cost of one iteration per execution mode (``ddp``, ``fsdp``,
+  ``sharded``, ``pipeline``): the loss all-reduce, zero_grad, hooks.
+- ``runtime_bytes``: memory one iteration allocates per device whatever the model, per
+  execution mode (communication buffers, the autograd engine, caches).
+- ``fsdp_collective_s``: per all-gather or reduce-scatter of an FSDP unit (its hooks,
+  the flat buffer's bookkeeping).
 - ``ddp_bucket_bytes`` / ``ddp_first_bucket_bytes``: DDP all-reduces gradients in
   buckets of this size (in the order they become ready; the first bucket smaller) and
   keeps a flat copy of the gradients (its buckets) for the whole run: each gradient is
@@ -53,7 +60,7 @@ from flexsearch.errors import ClusterSpecError
 
 CALIBRATION_FILE = COSTMODELS_DIR / "calibration.json"
 
-Mode = Literal["ddp", "sharded", "pipeline"]
+Mode = Literal["ddp", "fsdp", "sharded", "pipeline"]
 
 
 class Flag(_Frozen):
@@ -80,12 +87,15 @@ class DeviceCalibration(_Frozen):
     optimizer: dict[Literal["adam", "momentum", "sgd"], UpdateCost]
     sharded_update_per_tensor_s: NonNegative
     op_overhead: dict[Literal["plain", "sharded"], OpOverhead]
+    profiled_call: OpOverhead
     pipeline_action_s: NonNegative
     step_s: dict[Mode, NonNegative]
     ddp_bucket_bytes: Positive
     ddp_first_bucket_bytes: Positive
     ddp_per_tensor_s: NonNegative
     optimizer_working_tensors: NonNegative
+    runtime_bytes: dict[Mode, NonNegative]
+    fsdp_collective_s: NonNegative
 
     def update_s(self, optimizer: str, tensors: float, nbytes: float, sharded: bool = False) -> float:
         """Seconds of one device's optimizer update over ``tensors`` parameter tensors of

@@ -197,8 +197,31 @@ class ProfileDB:
             out.append(max(0.0, a) + max(0.0, b) / d if b > 0 else t2)
         return out[0], out[1]
 
+    def aliased(self, device_name: str) -> _Aliased:
+        """This profile answering for the cluster device named ``device_name`` (a
+        cluster preset names its device, e.g. ``cpu-x86-2core-process``; the profiler
+        names the local one it measured, e.g. ``cpu-1t``: the ``cpu`` preset's devices
+        are this machine's one-thread processes)."""
+        return _Aliased(self, device_name)
+
     def __len__(self) -> int:
         return len(self.data.entries)
+
+
+class _Aliased:
+    """A :class:`ProfileDB` that answers for another device name (:meth:`ProfileDB.aliased`)."""
+
+    def __init__(self, db: ProfileDB, device_name: str) -> None:
+        self.db, self.device_name = db, device_name
+
+    def _name(self, device_name: str) -> str:
+        return self.db.data.device if device_name == self.device_name else device_name
+
+    def lookup(self, node: OpNode, partition: Partition, device_name: str, dtype: str) -> tuple[float, float] | None:
+        return self.db.lookup(node, partition, self._name(device_name), dtype)
+
+    def estimate(self, node: OpNode, partition: Partition, device_name: str, dtype: str) -> tuple[float, float] | None:
+        return self.db.estimate(node, partition, self._name(device_name), dtype)
 
 
 # ----------------------------------------------------------------------------- partitions
@@ -280,12 +303,23 @@ def partitioned_call(node: OpNode, call: OpCall, p: Partition) -> OpCall:
 # ----------------------------------------------------------------------------- measuring
 
 
-def _materialize(spec: Any, device: torch.device, leaves: list[torch.Tensor]) -> Any:
+LEAF = "|leaf"
+"""Signature suffix of an op measured as the model's first layer: its inputs are the
+model's inputs, which need no gradient (the backward computes the parameters' only)."""
+
+
+def leaf_node(node: OpNode) -> OpNode:
+    """``node`` as a first layer (:data:`LEAF`): its measurements are keyed apart."""
+    return node.model_copy(update={"signature": node.signature + LEAF})
+
+
+def _materialize(spec: Any, device: torch.device, leaves: list[torch.Tensor], input_grads: bool = True) -> Any:
     if not isinstance(spec, ArgTensor):
         return spec
     if spec.dtype.is_floating_point:
-        leaf = torch.randn(spec.shape, dtype=spec.dtype, device=device).requires_grad_(True)
-        leaves.append(leaf)
+        leaf = torch.randn(spec.shape, dtype=spec.dtype, device=device).requires_grad_(input_grads)
+        if input_grads:
+            leaves.append(leaf)
         return leaf
     if spec.dtype == torch.bool:
         return torch.zeros(spec.shape, dtype=torch.bool, device=device)
@@ -319,12 +353,15 @@ class _Timer:
         return time.perf_counter() - t0, out
 
 
-def measure_call(call: OpCall, *, device: torch.device | str = "cpu", warmup: int = 2, repeats: int = 5) -> tuple[float, float]:
-    """Median forward and backward seconds of one op call on real tensors."""
+def measure_call(call: OpCall, *, device: torch.device | str = "cpu", warmup: int = 2, repeats: int = 5,
+                 input_grads: bool = True) -> tuple[float, float]:
+    """Median forward and backward seconds of one op call on real tensors (the
+    backward w.r.t. the float inputs and the parameters; the parameters only when not
+    ``input_grads``)."""
     device = torch.device(device)
     timer = _Timer(device)
     leaves: list[torch.Tensor] = []
-    args, kwargs = tree_map(lambda s: _materialize(s, device, leaves), (call.args, call.kwargs))
+    args, kwargs = tree_map(lambda s: _materialize(s, device, leaves, input_grads), (call.args, call.kwargs))
     state: dict[str, torch.Tensor] = {}
     for local, shape, dtype, grad in call.module_state:
         if dtype.is_floating_point:
@@ -389,20 +426,24 @@ def profile_graph(
     tensors, or an op that cannot run alone).
     """
     name = device_name or local_device()
-    todo: list[tuple[str, OpNode, Partition]] = []
+    todo: list[tuple[str, OpNode, Partition, bool]] = []
     seen: set[str] = set()
     for node in graph.nodes:
         if node.kind in SKIP_KINDS or node.name not in calls or (node.bytes_read == 0 and node.flops == 0):
             continue
-        for p in partitions_of(node, degrees):
-            key = profile_key(node, p, node_dtype(node), name)
-            if key not in seen:
-                seen.add(key)
-                todo.append((key, node, p))
+        variants = [(node, True)]
+        if is_first_layer(graph, node):
+            variants.append((leaf_node(node), False))
+        for keyed, input_grads in variants:
+            for p in partitions_of(node, degrees):
+                key = profile_key(keyed, p, node_dtype(node), name)
+                if key not in seen:
+                    seen.add(key)
+                    todo.append((key, node, p, input_grads))
     counts = {"measured": 0, "cached": 0, "skipped": 0}
     last_save = time.monotonic()
     try:
-        for i, (key, node, p) in enumerate(todo):
+        for i, (key, node, p, input_grads) in enumerate(todo):
             if progress is not None:
                 progress(i, len(todo), f"{node.name} {partition_text(p)}")
             if db.get(key) is not None:
@@ -413,7 +454,7 @@ def profile_graph(
                 counts["skipped"] += 1
                 continue
             try:
-                fwd, bwd = measure_call(call, device=device, warmup=warmup, repeats=repeats)
+                fwd, bwd = measure_call(call, device=device, warmup=warmup, repeats=repeats, input_grads=input_grads)
             except (RuntimeError, ValueError, TypeError, IndexError):  # cannot run alone at this shape
                 counts["skipped"] += 1
                 continue
@@ -428,6 +469,14 @@ def profile_graph(
     if progress is not None:
         progress(len(todo), len(todo), "done")
     return counts
+
+
+def is_first_layer(graph: OpGraph, node: OpNode) -> bool:
+    """A node with parameters whose inputs are all the model's inputs or constants: its
+    backward computes no input gradient in the model (measured apart, :data:`LEAF`)."""
+    if not node.param_bytes or not node.inputs:
+        return False
+    return all(graph.node(i).kind in SKIP_KINDS or not graph.node(i).inputs for i in node.inputs)
 
 
 def profile_model(

@@ -21,6 +21,10 @@ original keys):
   hold a subset of the keys; else a module with ``stage_modules()`` (pipeline/hybrid):
   the union of its stage modules' state dicts (a :class:`ShardedModule` stage by its
   ``module``), each keyed by original names, this rank's stages only;
+- ``decentralized``: the model every rank keeps; :func:`save` first averages the ranks'
+  models (``average_parameters(inplace=True)``, a collective: every rank continues
+  from the average, as D-PSGD evaluates), so the checkpoint is the average model;
+  :func:`load` gives every rank the same model;
 - ``data``: the inner model's ``state_dict()``: plain tensors for DDP, every rank the
   same (DCP writes each key once), ``Shard(0)`` DTensors for FSDP2;
 - ``soap``: ``ShardedModule.module.state_dict()``: DTensors on the mesh of each
@@ -59,11 +63,12 @@ def state_dict_of(module: nn.Module) -> dict[str, Any]:
     """The state dict of an emitted module under the original model's keys (see the
     module docstring); a plain model's own ``state_dict()``."""
     from flexsearch.emit.data import DataParallelModule
+    from flexsearch.emit.decentralized import DecentralizedModule
     from flexsearch.emit.sharded import ShardedModule
 
     if callable(getattr(module, "original_state_dict", None)):
         return dict(module.original_state_dict())  # type: ignore[operator]
-    if isinstance(module, DataParallelModule):
+    if isinstance(module, (DataParallelModule, DecentralizedModule)):
         return module.model.state_dict()
     if isinstance(module, ShardedModule):
         return module.module.state_dict()
@@ -163,6 +168,8 @@ def save(module: nn.Module, path: str | os.PathLike[str], *, group: dist.Process
 
     ``group``: the process group (default: the one the module was emitted on)."""
     p = _writable(path)
+    if callable(getattr(module, "average_parameters", None)):  # D-PSGD: save the average model
+        module.average_parameters(inplace=True)  # type: ignore[operator]
     state = state_dict_of(module)
     dcp.save(state, storage_writer=FileSystemWriter(str(p)), process_group=_group(module, group))
 

@@ -12,6 +12,13 @@ that fits in memory.
    own plan (per-stage replication, asynchronous 1F1B) as the ``pipedream`` baseline.
    The fastest plan that fits wins; the best pipeline's time is the ``pipeline`` entry
    of the baselines when SOAP wins, and SOAP's the ``soap`` entry when a pipeline wins.
+6. Decentralized plans (:mod:`.decentralized`): D-PSGD on every applicable topology
+   and the parameter-server baselines, on the same replica cost, against the best
+   synchronous plan under the objective (:func:`with_decentralized`); the plan's
+   ``notes`` say why D-PSGD was chosen or rejected.
+
+The data-parallel baseline is what DDP runs (:func:`ddp_simulation`): the faster of the
+op-level simulation and one all-reduce after the backward.
 
 Graphs too large for the op-level simulator (ops x devices > ``soap_max_tasks``, e.g.
 GPT-3 on 1,024 devices: one op-level simulation takes about 30 s there) skip steps 3-4;
@@ -53,6 +60,12 @@ REFERENCE_BASELINES = ("pipedream", "ps", "ps-sharded")
 """Baselines the emitter does not run (PipeDream's asynchronous pipeline changes the
 training semantics with stale weights; parameter servers): reported for comparison,
 not a bound the returned plan must beat."""
+DECENTRALIZED_MARGIN = 0.05
+"""Under the ``iteration`` objective a D-PSGD plan replaces the synchronous plan only
+when it is more than this fraction faster per iteration: it changes the algorithm (the
+ranks' models differ; it needs more iterations, which this objective does not count),
+and a gain below the simulator's accuracy is not worth that. ``time_to_accuracy``
+counts the extra iterations and needs no margin."""
 
 
 @dataclass(frozen=True)
@@ -172,10 +185,15 @@ def with_decentralized(plan: Plan, graph: OpGraph, cluster: Cluster, *, measured
             infeasible.append(name)
     note = dz.explain(cands, plan.kind, plan.predicted.iteration_time_s, objective=plan.objective)
     best = next((c for c in cands if c.simulation.feasible), None)
-    if best is not None and best.effective_time_s < plan.predicted.iteration_time_s and not allow:
+    margin = DECENTRALIZED_MARGIN if plan.objective == "iteration" else 0.0
+    wins = best is not None and best.effective_time_s < plan.predicted.iteration_time_s
+    if wins and best.effective_time_s * (1 + margin) >= plan.predicted.iteration_time_s:
+        note += f"; not returned: less than {margin:.0%} faster, not worth changing the algorithm"
+        wins = False
+    elif wins and not allow:
         note += "; not returned: decentralized plans are switched off"
     update = {"baselines": baselines, "infeasible_baselines": tuple(infeasible), "notes": (*plan.notes, note)}
-    if not allow or best is None or best.effective_time_s >= plan.predicted.iteration_time_s:
+    if not allow or not wins:
         return plan.model_copy(update=update)
     baselines[plan.kind] = plan.predicted.iteration_time_s
     return Plan(**{

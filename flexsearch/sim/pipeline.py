@@ -67,6 +67,10 @@ class StageCost:
     working_bytes: float = 0.0
     """Bytes needed once, whatever the microbatches in flight (with activation
     recomputation: one microbatch's activations, rebuilt during its backward)."""
+    tensors: int = 0
+    """Parameter tensors per device (a calibrated update pays a fixed cost per tensor)."""
+    largest_param_bytes: float = 0.0
+    """The largest parameter tensor per device (a calibrated update's temporaries)."""
 
 
 @dataclass(frozen=True)
@@ -146,7 +150,7 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
                 t, ls = ctx.transfer(a, b, nbytes)
                 dur = max(dur, t)
                 links.update(ls)
-            links.update(ctx.device_resources(src + dst))
+            # sends and receives are posted asynchronously: they hold the links, not the devices
         return Task("xfer", name, dur, tuple(sorted(links)), (dep,), (key,), nbytes * len(src))
 
     def sync(name: str, stage: int, deps: tuple, key) -> list[Task]:
@@ -162,7 +166,7 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
             out.append(Task("coll", name, cost.time_s, res, deps, (key,), nbytes, f"grad sync stage {stage}"))
         return out
 
-    def update(devs: tuple[int, ...], nbytes: float, deps: tuple, key, tensors: int = 0) -> list[Task]:
+    def update(devs: tuple[int, ...], nbytes: float, deps: tuple, key, tensors: float = 0) -> list[Task]:
         if cal is not None:
             dur = cal.update_s(optimizer, tensors, nbytes, sharded=tensor_parallel)
             dur += cal.step_s["pipeline"].value
@@ -228,7 +232,8 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
                             ordered.extend(sync(f"sync {s}/{q}", s, deps, skey))
                             reps = layout.ranks[r]
                             for jj in members:
-                                ordered.extend(update(reps[jj % n], c_s.param_bytes, (skey,), ("pu", s, jj)))
+                                ordered.extend(update(reps[jj % n], c_s.param_bytes, (skey,), ("pu", s, jj),
+                                                      c_s.tensors))
                             done.add(skey)
                         waits[lane] = skey
                 pos[lane] += 1
@@ -240,10 +245,12 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
 
     # Synchronous schedules: gradient all-reduce per stage, tied weights, one update per device.
     held = [0.0] * devices
+    tensors = [0] * devices
     for s in range(layout.stages):
         for rep in layout.ranks[layout.rank_of(s)]:
             for d in rep:
                 held[d] += costs[s].param_bytes
+                tensors[d] += costs[s].tensors
     if not asynchronous:
         after: dict[int, list] = {}
         for s in range(layout.stages):
@@ -266,7 +273,7 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
                 after.setdefault(d, []).append(key)
         for d, deps in sorted(after.items()):
             if held[d]:
-                ordered.extend(update((d,), held[d], tuple(deps), ("u", d)))
+                ordered.extend(update((d,), held[d], tuple(deps), ("u", d), tensors[d]))
 
     run = run_tasks(ordered, devices, len(ctx.cluster.links), timeline)
     compute = [0.0] * devices
@@ -285,6 +292,7 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
 
     state = 2 + OPTIMIZER_STATE[optimizer]
     memory = [0.0] * devices
+    largest = [0.0] * devices
     for (r, i), acts in lanes.items():
         peaks = in_flight(acts)
         for s, q in peaks.items():
@@ -292,6 +300,10 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
             extra = c_s.param_bytes * (q - 1) if asynchronous else 0.0
             for d in layout.ranks[r][i]:
                 memory[d] += c_s.param_bytes * state + c_s.stash_bytes * q + extra + c_s.working_bytes
+                largest[d] = max(largest[d], c_s.largest_param_bytes)
+    if cal is not None:  # the update's temporaries; the runtime's own buffers
+        for d in range(devices):
+            memory[d] += cal.optimizer_working_tensors.value * largest[d] + cal.runtime_bytes["pipeline"].value
     return Simulation(
         iteration_time_s=time_s,
         memory_bytes=tuple(memory),

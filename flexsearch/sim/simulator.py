@@ -191,10 +191,15 @@ class Simulator:
         return all(c.kind in ("", "x") and c.n == n and c.first == 0 for c in configs.values())
 
     def simulate(self, configs: Mapping[str, Config], *, timeline: bool = True,
-                 ddp: bool | None = None) -> Simulation:
+                 ddp: bool | None = None, shard_params: bool = False,
+                 fsdp_units: Mapping[str, str] | None = None) -> Simulation:
         """Simulate one iteration; ``timeline=False`` skips the per-task record and the
         critical path (what a search needs: time and memory). ``ddp``: the plan runs
-        with DDP (default: :meth:`is_ddp`; a plan's kind says it: ``data``)."""
+        with DDP (default: :meth:`is_ddp`; a plan's kind says it: ``data``).
+        ``shard_params``: a data-parallel plan run fully sharded (FSDP, :meth:`_fsdp`;
+        ``fsdp_units``: node name -> its FSDP unit, default :meth:`fsdp_units`)."""
+        if shard_params:
+            return self._fsdp(configs, timeline, fsdp_units)
         ddp = self.is_ddp(configs) if ddp is None else ddp and self.ctx.calibration is not None
         frags = [self.fragment(n.name, configs, ddp=ddp) for n in self.graph.nodes]
         ordered: list[Task] = []
@@ -206,6 +211,91 @@ class Simulator:
             if i in buckets:
                 ordered.append(buckets[i])
         return self._schedule(frags, ordered, timeline, ddp, list(buckets.values()))
+
+    def fsdp_units(self, given: Mapping[str, str] | None = None) -> dict[str, list[int]]:
+        """FSDP's wrapping (the emitter's): one unit per top-level layer holding
+        parameters (a layer list's items separately: guessed from a numeric second
+        component of the module path, which a ``Sequential`` has too; pass ``given``,
+        node name -> unit, to be exact); parameters shared by two layers stay with the
+        root. Unit name -> indexes of its nodes that own parameters."""
+        nodes = self.graph.nodes
+        if given is not None:
+            out: dict[str, list[int]] = {}
+            for i, n in enumerate(nodes):
+                if n.param_bytes:
+                    out.setdefault(given.get(n.name, ""), []).append(i)
+            return out
+        users: dict[str, int] = {}
+        for n in nodes:
+            for q in n.params:
+                users[q] = users.get(q, 0) + 1
+        out = {}
+        for i, n in enumerate(nodes):
+            if not n.param_bytes:
+                continue
+            parts = n.module.split(".") if n.module else [n.name]
+            unit = ".".join(parts[:2]) if len(parts) > 1 and parts[1].isdigit() else parts[0]
+            if any(users.get(q, 0) > 1 for q in n.params):
+                unit = ""
+            out.setdefault(unit, []).append(i)
+        return out
+
+    def _fsdp(self, configs: Mapping[str, Config], keep_timeline: bool,
+              given: Mapping[str, str] | None = None) -> Simulation:
+        """A data-parallel plan with parameters, gradients and optimizer state sharded
+        over the ``n`` devices (FSDP2, ``reshard_after_forward``). Per unit of
+        :meth:`fsdp_units` (``P_u`` bytes): an all-gather of ``P_u`` before its first
+        forward, another before its backward, a reduce-scatter of its gradients after it
+        (each with a copy in and out of the flat buffer, ``2 P_u`` bytes at memory
+        bandwidth, when calibrated). Memory: ``(2 + k) P / n`` + activations + the
+        unsharded parameters of two units (one prefetched) and the gradients of one."""
+        devices = list(range(self.cluster.devices))
+        frags = [self.fragment(n.name, configs, ddp=True) for n in self.graph.nodes]
+        ctx = self._ddp_ctx or self.ctx
+        units = self.fsdp_units(given)
+        unit_of = {i: u for u, idx in units.items() for i in idx}
+        size = {u: sum(frags[i].params.get(0, 0.0) for i in idx) for u, idx in units.items()}
+        cal = ctx.calibration
+        copy_s = 2 / self.cluster.device.memory_bandwidth.value if cal is not None else 0.0
+        fixed = cal.fsdp_collective_s.value if cal is not None else 0.0
+
+        def coll(op: str, u: str, key: tuple, deps: tuple = ()) -> Task:
+            t = _collective(ctx, op, devices, size[u], f"fsdp {u or 'root'}", deps, (key,), f"FSDP unit {u or 'root'}")
+            return replace(t, duration=t.duration + copy_s * size[u] + fixed)
+
+        def waiting(tasks: list[Task], key: tuple) -> list[Task]:
+            return [replace(t, deps=t.deps + (key,)) if t.kind in ("fwd", "bwd") else t for t in tasks]
+
+        ordered: list[Task] = []
+        gathered: set[str] = set()
+        for i, f in enumerate(frags):
+            u = unit_of.get(i)
+            if u is None:
+                ordered.extend(f.forward)
+                continue
+            if u not in gathered:
+                gathered.add(u)
+                ordered.append(coll("all_gather", u, ("ag", u)))
+            ordered.extend(waiting(f.forward, ("ag", u)))
+        gathered.clear()
+        reduced: list[Task] = []
+        for i in reversed(range(len(frags))):
+            u = unit_of.get(i)
+            if u is None:
+                ordered.extend(frags[i].backward)
+                continue
+            if u not in gathered:
+                gathered.add(u)
+                ordered.append(coll("all_gather", u, ("agb", u)))
+            ordered.extend(waiting(frags[i].backward, ("agb", u)))
+            if i == units[u][0]:
+                deps = tuple(("b", self.graph.nodes[j].name, d) for j in units[u] for d in devices)
+                reduced.append(coll("reduce_scatter", u, ("s", "fsdp", u), deps))
+                ordered.append(reduced[-1])
+        peak = sorted(size.values(), reverse=True)
+        unsharded = sum(peak[:2]) + (peak[0] if peak else 0.0)
+        return self._schedule(frags, ordered, keep_timeline, True, reduced, shards=len(devices),
+                              unsharded=unsharded)
 
     def _buckets(self, frags: list[Fragment]) -> dict[int, Task]:
         """DDP's gradient buckets (calibration ``ddp_bucket_bytes``): parameters in the
@@ -238,7 +328,11 @@ class Simulator:
         return out
 
     def _schedule(self, frags: list[Fragment], ordered: list[Task], keep_timeline: bool, ddp: bool = False,
-                  buckets: list[Task] = ()) -> Simulation:
+                  buckets: list[Task] = (), shards: int = 1, unsharded: float = 0.0) -> Simulation:
+        """List-schedule ``ordered``, then one optimizer update per device; memory.
+        ``buckets``: gradient collectives every update waits for (DDP, FSDP); ``shards``:
+        parameters, gradients and optimizer state divided over this many devices (FSDP),
+        with ``unsharded`` bytes gathered at a time."""
         devices = self.cluster.devices
         run = run_tasks(ordered, devices, len(self._links), keep_timeline)
         free, end, timeline, compute, chain = run.free, run.end, run.timeline, run.compute, run.chain
@@ -262,17 +356,21 @@ class Simulator:
                 acts[d] += b
             for d, key in f.sync:
                 after[d].append(key)
+        if shards > 1:
+            params = [p / shards for p in params]
+            largest = [b / shards for b in largest]
         for b in buckets:
             for d in range(devices):
                 after[d].extend(b.defines)
-        sharded = not ddp and devices > 1
+        sharded = (not ddp and devices > 1) or shards > 1  # DTensor parameters
+        mode = "fsdp" if shards > 1 else "sharded" if sharded else "ddp"
         dev = self.cluster.device
         for d in range(devices):
             if not params[d]:
                 continue
             if cal is not None:
                 dur = cal.update_s(self.optimizer, tensors[d], params[d], sharded)
-                dur += cal.step_s["sharded" if sharded else "ddp"].value
+                dur += cal.step_s[mode].value
             else:
                 dur = roofline_time(Work(0.0, _UPDATE_TRAFFIC[self.optimizer] * params[d]), dev,
                                     "float32", "elementwise", self.ctx.efficiency)
@@ -287,11 +385,11 @@ class Simulator:
                 timeline.append(Scheduled(t, start, start + dur))
         makespan = max(free[:devices] + free[devices:], default=0.0)
         state = 2 + OPTIMIZER_STATE[self.optimizer]
-        memory = [state * params[d] + acts[d] for d in range(devices)]
+        memory = [state * params[d] + acts[d] + unsharded for d in range(devices)]
         if cal is not None:
             for d in range(devices):
-                memory[d] += cal.optimizer_working_tensors.value * largest[d]
-                if ddp:
+                memory[d] += cal.optimizer_working_tensors.value * largest[d] + cal.runtime_bytes[mode].value
+                if ddp and shards == 1:
                     memory[d] += params[d]  # DDP's buckets: a flat copy of the gradients
         return Simulation(
             iteration_time_s=makespan,

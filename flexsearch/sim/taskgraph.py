@@ -21,7 +21,7 @@ Per node ``n`` with configuration ``c`` (:class:`~flexsearch.search.space.Config
 - **gradient synchronisation**: an all-reduce of the node's (owned) parameter
   gradients over each group of devices holding the same parameter shard;
 - memory terms: parameter shard, activations kept for the backward pass (outputs of
-  non-view ops and received inputs).
+  non-view ops, :func:`aliases`, and received inputs).
 
 Dependencies are symbolic keys resolved when fragments are scheduled in program
 order (forward in topological order, backward in reverse, then the optimizer update):
@@ -139,20 +139,32 @@ class CostContext:
         """Does an op under ``c`` run on DTensors (calibration: the sharded overhead)?"""
         return not self.ddp and c.n > 1
 
-    def op_cost(self, node: OpNode, c: Config) -> tuple[float, float]:
+    def op_cost(self, node: OpNode, c: Config, first: bool = False) -> tuple[float, float]:
         """(forward, backward) seconds of one task of ``node`` under ``c`` (with the
-        calibrated per-op overhead of its execution mode)."""
-        key = (node.name, c.s, c.kind, c.t)
+        calibrated per-op overhead of its execution mode). ``first``: its inputs are the
+        model's (no input gradient): measured as such when the profile has it."""
+        key = (node.name, c.s, c.kind, c.t, first)
         hit = self._ops.get(key)
         if hit is None:
             if node.kind in FREE_KINDS:
                 hit = (0.0, 0.0)
             else:
-                cost = op_cost(node, self.cluster.device, partition_of(c), dtype=self.dtype,
-                               efficiency=self.efficiency, measured=self.measured)
+                cost = None
+                if first and self.measured is not None:
+                    from flexsearch.cost.profiler import leaf_node
+
+                    cost = op_cost(leaf_node(node), self.cluster.device, partition_of(c), dtype=self.dtype,
+                                   efficiency=self.efficiency, measured=self.measured)
+                if cost is None or cost.source != "measured":
+                    cost = op_cost(node, self.cluster.device, partition_of(c), dtype=self.dtype,
+                                   efficiency=self.efficiency, measured=self.measured)
                 hit = (cost.forward_s, cost.backward_s)
                 if self.calibration is not None:
-                    fo, bo = self.calibration.op_s("sharded" if self.sharded(c) else "plain")
+                    cal = self.calibration
+                    if cost.source == "measured":
+                        pf, pb = cal.profiled_call.forward_s.value, cal.profiled_call.backward_s.value
+                        hit = (max(0.0, hit[0] - pf), max(0.0, hit[1] - pb))
+                    fo, bo = cal.op_s("sharded" if self.sharded(c) else "plain")
                     hit = (hit[0] + fo, hit[1] + bo)
             self._ops[key] = hit
         return hit
@@ -168,6 +180,14 @@ class CostContext:
         if hit is None:
             hit = self._colls[key] = comm.collective(op, self.cluster, group, nbytes)
         return hit
+
+
+_COPYING_VIEWS = frozenset({"Tensor.repeat", "Tensor.contiguous", "torch.repeat_interleave"})
+
+
+def aliases(node: OpNode) -> bool:
+    """Does the node's output share its input's storage (a view: no new memory kept)?"""
+    return node.kind == "view" and node.target not in _COPYING_VIEWS
 
 
 def partition_of(c: Config) -> Partition:
@@ -347,7 +367,8 @@ def build_fragment(
         grad_edges += bwd
         for d, keys in wait.items():
             needs[d] += keys
-    node_tasks(node, c, ctx, frag, needs, grad_edges)
+    first = bool(node.param_bytes) and all(is_source(p) for p, _ in producers)
+    node_tasks(node, c, ctx, frag, needs, grad_edges, first)
     return frag
 
 
@@ -358,16 +379,17 @@ def node_tasks(
     frag: Fragment,
     needs: dict[int, list[Key]] | None = None,
     grad_edges: list[Task] = (),
+    first: bool = False,
 ) -> Fragment:
     """Add the node's own tasks to ``frag``: compute, partial-sum all-reduce, gradient
-    synchronisation, and its memory terms."""
+    synchronisation, and its memory terms (``first``: a first layer, no input gradient)."""
     n = node.name
     parts = tasks_of(c)
     needs = needs or {}
-    cost = ctx.op_cost(node, c)
+    cost = ctx.op_cost(node, c, first)
     fwd_time, bwd_time = cost
     out_bytes = node.output_bytes / (c.s * (c.t if c.kind in ("a", "p") else 1))
-    keeps = node.bytes_written > 0
+    keeps = node.bytes_written > 0 and not aliases(node)
     for _, _, d in parts:
         frag.forward.append(Task("fwd", n, fwd_time, (d,), tuple(needs.get(d, ())), (("f", n, d),),
                                  detail=c.text))

@@ -343,14 +343,20 @@ def quietest(run, retries: int, max_wait_s: float, noisy: float = 0.25):
     """``run()`` -> (result, foreign load); rerun (after waiting for a quiet machine)
     while the load of other processes during the run exceeded ``noisy``, at most
     ``retries`` times; the result of the quietest run."""
-    best = None
+    best, error = None, None
     for _ in range(max(1, retries)):
         wait_quiet(max_wait_s)
-        out = run()
+        try:
+            out = run()
+        except RuntimeError as e:  # a rank failed (e.g. aborted): try again
+            error = e
+            continue
         if best is None or out[1] < best[1]:
             best = out
         if out[1] <= noisy:
             break
+    if best is None:
+        raise error  # type: ignore[misc]
     return best
 
 
@@ -497,6 +503,7 @@ def measure(row: Row, sim: Simulation, family: str, plan: Plan, *, ranks: int, t
 # ----------------------------------------------------------------------------- calibration
 
 CALIBRATION = ROOT / "costmodels" / "calibration.json"
+_COLLECTIVE_SIZES = tuple(4 ** k * 64 for k in range(10))  # 64 B .. 16 MiB
 _UPDATE_SETS = ((1, 1 << 22), (8, 1 << 19), (64, 1 << 16), (512, 1 << 13), (2, 1 << 17), (32, 1 << 13),
                 (256, 1 << 10))
 """(tensors, elements each) of the optimizer-update measurements: bytes and tensor
@@ -580,6 +587,31 @@ def measure_working_tensors(threads: int) -> float:
     return statistics.median(values)
 
 
+def op_mix_times(threads: int) -> tuple[float, float]:
+    """Summed median forward and backward seconds of a fixed mix of ops (a Linear, a
+    convolution, an LSTM, a LayerNorm, a GELU; none of the benchmark's models), each
+    measured alone as the profiler does."""
+    from flexsearch.cost.profiler import measure_call
+    from flexsearch.graph.tracer import trace_calls
+
+    torch.set_num_threads(threads)
+    mods = (
+        (torch.nn.Linear(512, 2048), torch.randn(256, 512)),
+        (torch.nn.Conv2d(16, 32, 3, padding=1), torch.randn(32, 16, 32, 32)),
+        (torch.nn.LSTM(128, 128, batch_first=True), torch.randn(32, 16, 128)),
+        (torch.nn.LayerNorm(1024), torch.randn(256, 1024)),
+        (torch.nn.GELU(), torch.randn(1024, 1024)),
+    )
+    fwd = bwd = 0.0
+    for mod, x in mods:
+        graph, calls = trace_calls(torch.nn.Sequential(mod), (x,))
+        for node in graph.nodes:
+            if node.name in calls:
+                f, b = measure_call(calls[node.name], repeats=9, warmup=3)
+                fwd, bwd = fwd + f, bwd + b
+    return fwd, bwd
+
+
 def probe_job(rank: int, world: int, what: str, n: int) -> dict[str, float]:
     """On every rank: one calibration measurement (``calibrate``)."""
     import torch.distributed as dist
@@ -604,6 +636,25 @@ def probe_job(rank: int, world: int, what: str, n: int) -> dict[str, float]:
             dist.barrier()
             out[key] = _median_time(fn)
         return out
+    if what == "collectives":  # t(M) of each collective the emitters use
+        out = {}
+        for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
+            rows = []
+            for size in _COLLECTIVE_SIZES:
+                full = torch.randn(size // 4)
+                shard = torch.randn(size // 4 // world)
+                fn = {"all_reduce": lambda f=full: dist.all_reduce(f),
+                      "all_gather": lambda f=full, s=shard: dist.all_gather_into_tensor(f, s),
+                      "reduce_scatter": lambda f=full, s=shard: dist.reduce_scatter_tensor(s, f),
+                      "broadcast": lambda f=full: dist.broadcast(f, 0)}[op]
+                dist.barrier()
+                rows.append((size, _median_time(fn, 7 if size > 1 << 22 else 15, 2)))
+            out[op] = rows
+        return out
+    if what == "ops":  # the op mix on every rank at once
+        dist.barrier()
+        f, b = op_mix_times(torch.get_num_threads())
+        return {"forward": f, "backward": b}
     if what == "updates":  # every rank at once, as in training
         dist.barrier()
         return measure_updates(torch.get_num_threads())
@@ -680,6 +731,23 @@ def calibrate(ranks: int, threads: int, steps: int, warmup: int, path: Path = CA
 
     print(f"# calibrating: {where}", flush=True)
     wait_quiet(max_wait_s)
+    colls = run_ranks(probe_job, ranks, "collectives", 0, threads=threads)
+    fits = {}
+    for op, rows in colls[0].items():
+        times = [max(r[op][i][1] for r in colls) for i in range(len(rows))]
+        a, b = _lstsq([(1.0 / t, m / t) for (m, _), t in zip(rows, times, strict=True)], [1.0] * len(rows))
+        fits[op] = (a, b)  # relative least squares: t = a + b M, each size weighing alike
+    log["collectives"] = colls
+    print("# collectives t = a + b M: " + ", ".join(f"{op} {a * 1e6:.0f} us + {1e-9 / b if b else 0:.2f} GB/s"
+                                                   for op, (a, b) in fits.items()), flush=True)
+    wait_quiet(max_wait_s)
+    alone = op_mix_times(threads)
+    wait_quiet(max_wait_s)
+    together = run_ranks(probe_job, ranks, "ops", 0, threads=threads)
+    slow = (max(r["forward"] for r in together) / alone[0], max(r["backward"] for r in together) / alone[1])
+    log["concurrency"] = {"alone": alone, "together": together}
+    print(f"# ops on {ranks} ranks at once: x{slow[0]:.3f} forward, x{slow[1]:.3f} backward", flush=True)
+    wait_quiet(max_wait_s)
     updates = fit_updates(run_ranks(probe_job, ranks, "updates", 0, threads=threads))
     log["updates"] = updates
     working = measure_working_tensors(threads)
@@ -711,6 +779,16 @@ def calibrate(ranks: int, threads: int, steps: int, warmup: int, path: Path = CA
         "op_overhead": {m: {"forward_s": num(0.0, "placeholder"), "backward_s": num(0.0, "placeholder")}
                         for m in ("plain", "sharded")},
         "profiled_call": {"forward_s": num(0.0, "placeholder"), "backward_s": num(0.0, "placeholder")},
+        "collectives": {op: {"ranks": ranks,
+                             "latency_s": num(a, f"{op} of {_COLLECTIVE_SIZES[0]} B..{_COLLECTIVE_SIZES[-1] >> 20} MiB "
+                                                 "(the slowest rank's median), relative least-squares fit of "
+                                                 "t = a + b M: a"),
+                             "per_byte_s": num(b, f"{op}, same fit: b")}
+                        for op, (a, b) in fits.items()},
+        "concurrency": {k: num(max(1.0, v), f"summed {k} time of an op mix (Linear 512x2048, Conv2d 16->32, "
+                                            f"LSTM 128, LayerNorm 1024, GELU; profiled one by one) on {ranks} ranks "
+                                            "at once (the slowest) over the same alone")
+                        for k, v in zip(("forward", "backward"), slow, strict=True)},
         "runtime_bytes": {m: num(0.0, "placeholder") for m in ("ddp", "fsdp", "sharded", "pipeline")},
         "fsdp_collective_s": num(0.0, "placeholder"),
         "pipeline_action_s": num(0.0, "placeholder"),
@@ -817,6 +895,7 @@ def calibrate(ranks: int, threads: int, steps: int, warmup: int, path: Path = CA
     raw["ddp_per_tensor_s"] = num(per_tensor, f"{what}: slope per parameter tensor")
     raw["step_s"]["ddp"] = num(base, f"{what}: intercept per step")
     floor("ddp", m8, what.replace("MLPs of 8 and 32 layers", "MLP of 8 layers"))
+    print(f"# ddp: {per_tensor * 1e6:.1f} us per tensor, step {base * 1e3:.2f} ms", flush=True)
 
     # FSDP: per unit collective (all-gather in the forward and the backward, reduce-scatter)
     g8, _, m8, p8, _ = probe("deep8", "fsdp")
@@ -829,7 +908,6 @@ def calibrate(ranks: int, threads: int, steps: int, warmup: int, path: Path = CA
     raw["step_s"]["fsdp"] = num(base, f"{what}: intercept per step")
     floor("fsdp", m8, what.replace("MLPs of 8 and 32 layers", "MLP of 8 layers"))
     print(f"# fsdp: {per_coll * 1e6:.1f} us per unit collective, step {base * 1e3:.2f} ms", flush=True)
-    print(f"# ddp: {per_tensor * 1e6:.1f} us per tensor, step {base * 1e3:.2f} ms", flush=True)
 
     # DTensor ops (SOAP plans, every op data parallel on DTensors)
     g8, _, m8, p8, f8 = probe("deep8", "soap-dp")

@@ -179,8 +179,12 @@ def cluster(
 
 
 def _refuse_overwrite(path: str | None, force: bool, flag: str) -> None:
-    if path is not None and Path(path).exists() and not force:
+    if path is None:
+        return
+    if Path(path).exists() and not force:
         raise FlexsearchError(f"{path} exists; pass --force to overwrite it or choose another {flag} path")
+    if not Path(path).parent.is_dir():
+        raise FlexsearchError(f"{flag} {path}: directory {Path(path).parent} does not exist; create it first")
 
 
 def _plan_summary(p, search_time_s: float | None) -> dict:

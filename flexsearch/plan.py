@@ -15,14 +15,15 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from flexsearch.cost.hardware import ClusterSpec
 from flexsearch.errors import PlanFileError
 from flexsearch.graph.opgraph import OpGraph, TensorMeta
 from flexsearch.search.space import Config, parse_config
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+"""2: search curve, notes, decentralized topology fields (version 1 files still load)."""
 PlanKind = Literal["data", "soap", "pipeline", "hybrid", "decentralized"]
 
 
@@ -122,6 +123,13 @@ class Plan(_Frozen):
     def search_time_s(self) -> float | None:
         """Wall time of the search that made this plan (not saved)."""
         return self._search_time_s
+
+    @model_validator(mode="after")
+    def _decentralized_fields(self) -> Plan:
+        if self.kind == "decentralized" and (self.topology is None or self.spectral_gap is None
+                                             or self.iterations_factor is None):
+            raise ValueError("a decentralized plan needs topology, spectral_gap and iterations_factor")
+        return self
 
     def __eq__(self, other: object) -> bool:
         """Plans are equal when their saved content is (the search time is not part of it)."""

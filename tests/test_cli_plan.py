@@ -8,6 +8,7 @@ import pytest
 from conftest import ROOT
 from test_cli import run
 
+from flexsearch.plan import PLAN_VERSION
 from flexsearch.search.planner import REFERENCE_BASELINES
 
 TINY = str(ROOT / "benchmarks/models/alexnet.py:alexnet_tiny")
@@ -34,7 +35,7 @@ def test_plan_json_summary_and_files(planned):
     assert summary["iteration_time_s"] <= min(sync) * (1 + 1e-9)
     assert summary["lower_bound_s"] <= summary["iteration_time_s"]
     plan = json.loads(out.read_text())
-    assert plan["version"] == 1 and plan["kind"] == summary["kind"]
+    assert plan["version"] == PLAN_VERSION and plan["kind"] == summary["kind"]
     events = json.loads(tl.read_text())["traceEvents"]
     assert any(e["ph"] == "X" for e in events)
 

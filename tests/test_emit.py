@@ -157,3 +157,14 @@ def test_stage_cut_keeps_original_parameter_names() -> None:
         for m in stages:
             v = m(*v) if isinstance(v, tuple) else m(v)
         torch.testing.assert_close(v, model(*x))
+
+
+def test_in_place_ops_run() -> None:
+    """Ops that modify their input in place (``ReLU(inplace=True)``, ``out += x``) run
+    in SOAP plans (seeded random configurations) and at pipeline stage boundaries."""
+    spec = "tests/data/inplace_model.py:model"
+    plans = [make_plan(spec, 2, "soap", seed=s) for s in range(3)] + [make_plan(spec, 2, "1f1b")]
+    res = run_ranks(check_job, 2, spec, plans, timeout_s=600)
+    assert [r[0] for r in res[0]] == ["soap", "soap", "soap", "pipeline"]
+    for _kind, _s, loss, ref, _params in res[0]:
+        assert loss == pytest.approx(ref, rel=1e-4)

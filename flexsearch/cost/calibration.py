@@ -18,6 +18,14 @@ simulated as before (no calibration).
   ``plain`` for modules run by autograd on local tensors (DDP, pipeline stages),
   ``sharded`` for ops run on DTensors (SOAP plans, tensor-parallel stages): sharding
   propagation, redistribution and the interpreter per op.
+- ``collectives``: measured cost of each collective on this backend, fitted at ``n0``
+  ranks as ``t = a + b M``; on ``n`` ranks ``(n - 1) / (n0 - 1) a + (n - 1) n0 /
+  (n (n0 - 1)) b M`` (the ring's latency steps and per-rank bytes). gloo's collectives
+  on a CPU copy and reduce on the cores: all-gather and reduce-scatter cost several
+  times what the point-to-point link's alpha-beta predicts, all-reduce about that.
+- ``concurrency``: factors on every op's compute time (forward, backward): the
+  profiler measures ops in one process, but every device of this host computes at
+  once in training, sharing the cores' clocks, caches and memory bandwidth.
 - ``profiled_call``: subtracted from every *measured* op time (never below 0): the
   profiler times each op alone through ``functional_call`` and ``autograd.grad``, a
   fixed cost per call that the same op inside a model does not pay.
@@ -75,6 +83,20 @@ class UpdateCost(_Frozen):
     per_byte_s: NonNegative
 
 
+class CollectiveFit(_Frozen):
+    """``t = latency_s + per_byte_s x M`` on ``ranks`` ranks (module docstring)."""
+
+    ranks: int
+    latency_s: NonNegative
+    per_byte_s: NonNegative
+
+    def time_s(self, n: int, nbytes: float) -> float:
+        if n < 2 or nbytes <= 0:
+            return 0.0
+        n0 = self.ranks
+        return (n - 1) / (n0 - 1) * self.latency_s.value + (n - 1) * n0 / (n * (n0 - 1)) * self.per_byte_s.value * nbytes
+
+
 class OpOverhead(_Frozen):
     forward_s: NonNegative
     backward_s: NonNegative
@@ -88,6 +110,8 @@ class DeviceCalibration(_Frozen):
     sharded_update_per_tensor_s: NonNegative
     op_overhead: dict[Literal["plain", "sharded"], OpOverhead]
     profiled_call: OpOverhead
+    concurrency: dict[Literal["forward", "backward"], Positive]
+    collectives: dict[str, CollectiveFit] = {}
     pipeline_action_s: NonNegative
     step_s: dict[Mode, NonNegative]
     ddp_bucket_bytes: Positive

@@ -22,9 +22,10 @@ original keys):
   the union of its stage modules' state dicts (a :class:`ShardedModule` stage by its
   ``module``), each keyed by original names, this rank's stages only;
 - ``decentralized``: the model every rank keeps; :func:`save` first averages the ranks'
-  models (``average_parameters(inplace=True)``, a collective: every rank continues
-  from the average, as D-PSGD evaluates), so the checkpoint is the average model;
-  :func:`load` gives every rank the same model;
+  parameters (``average_parameters(inplace=True)``, a collective: every rank continues
+  from the average, as D-PSGD evaluates), so the checkpoint holds the average
+  parameters; buffers (BatchNorm statistics) are not averaged and one rank's are
+  written; :func:`load` gives every rank the same model;
 - ``data``: the inner model's ``state_dict()``: plain tensors for DDP, every rank the
   same (DCP writes each key once), ``Shard(0)`` DTensors for FSDP2;
 - ``soap``: ``ShardedModule.module.state_dict()``: DTensors on the mesh of each

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch.fx as fx
 from torch import nn
 
-from flexsearch.emit.dense import dense_grad
+from flexsearch.emit.dense import dense_input
 from flexsearch.errors import EmitError
 from flexsearch.graph.opgraph import OpGraph
 
@@ -84,7 +84,7 @@ def cut(gm: fx.GraphModule, graph: OpGraph, stages: Sequence[Sequence[str]]) -> 
             if k == 0 and n.op == "placeholder":
                 env[n].meta = dict(n.meta)
             elif k > 0:  # the gradient sent back to stage k - 1 fills a dense buffer
-                env[n] = g.call_function(dense_grad, (env[n],))
+                env[n] = g.call_function(dense_input, (env[n],))
         for n in nodes:
             if n.op == "placeholder" or k not in where[n] or n in env:
                 continue

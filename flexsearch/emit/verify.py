@@ -48,9 +48,9 @@ def verify(model: nn.Module, plan: Plan, inputs: tuple, target: Any,
 
     Raises AssertionError (naming the tensor) on the first mismatch; returns what was
     checked: ``loss``, ``reference_loss``, ``params`` (names this rank holds)."""
-    from flexsearch.emit import parallelize
-
     import torch.distributed as dist
+
+    from flexsearch.emit import parallelize
 
     ref = copy.deepcopy(model)
     emitted = parallelize(model, plan, group=group)

@@ -48,8 +48,10 @@ the gradients, the update.
 **Memory** per device (``k`` optimizer copies: Adam 2, momentum 1, SGD 0; ``A`` the
 activations kept for the backward):
 
-- D-PSGD: ``(2 + k) P + A + d_in P``, with ``d_in`` the rank's largest in-degree over
-  the period (a receive buffer per in-neighbour's model);
+- D-PSGD: ``(3 + k) P + A + d_in P``, with ``d_in`` the rank's largest in-degree over
+  the period: the snapshot of its own model it sends while the backward runs, and a
+  receive buffer per in-neighbour's model (as :mod:`flexsearch.emit.decentralized`
+  allocates them);
 - parameter server: ``2 P + A`` on a worker (parameters, gradients; no optimizer state),
   plus ``(k + 1) P / s`` on a server (the shard's optimizer state and one buffer into
   which it accumulates the pushed gradients as they arrive);
@@ -160,7 +162,7 @@ def simulate_gossip(ctx: CostContext, cost: StageCost, topology: Topology, *, op
             ordered.append(Task("update", "average", average_time(ctx, p, d_in), (i,), (("x", t),),
                                 (("a", t, i),), detail=f"{1 + d_in} models"))
             ordered.append(Task("update", "optimizer", upd, (i,), (("a", t, i), ("b", t, i)), (("u", t, i),)))
-    state = 2 + OPTIMIZER_STATE[optimizer]
+    state = 3 + OPTIMIZER_STATE[optimizer]  # parameters, gradients, the sent snapshot, optimizer state
     base = state * p + cost.stash_bytes + cost.working_bytes
     memory = [base + in_max[i] * p for i in range(n)]
     return _finish(ctx, ordered, memory, period, timeline)

@@ -35,7 +35,8 @@ simulator can keep fragments across changes (:mod:`flexsearch.sim.simulator`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 
 from flexsearch.cost import comm
 from flexsearch.cost.calibration import DeviceCalibration, calibration_for
@@ -164,6 +165,7 @@ class CostContext:
                     if cost.source == "measured":
                         pf, pb = cal.profiled_call.forward_s.value, cal.profiled_call.backward_s.value
                         hit = (max(0.0, hit[0] - pf), max(0.0, hit[1] - pb))
+                    hit = (hit[0] * cal.concurrency["forward"].value, hit[1] * cal.concurrency["backward"].value)
                     fo, bo = cal.op_s("sharded" if self.sharded(c) else "plain")
                     hit = (hit[0] + fo, hit[1] + bo)
             self._ops[key] = hit
@@ -175,10 +177,16 @@ class CostContext:
         return tuple(sorted(set(devices))) if self.blocking else ()
 
     def collective(self, op: str, group: tuple[int, ...], nbytes: float) -> comm.CommCost:
+        """The collective's cost: the alpha-beta model's, its time replaced by the
+        calibration's measured fit for ``op`` where there is one (same links loaded)."""
         key = (op, group, nbytes)
         hit = self._colls.get(key)
         if hit is None:
-            hit = self._colls[key] = comm.collective(op, self.cluster, group, nbytes)
+            hit = comm.collective(op, self.cluster, group, nbytes)
+            fit = self.calibration.collectives.get(op) if self.calibration is not None else None
+            if fit is not None and hit.time_s > 0:
+                hit = replace(hit, time_s=fit.time_s(len(group), nbytes), algorithm=f"{hit.algorithm}+measured")
+            self._colls[key] = hit
         return hit
 
 
@@ -312,6 +320,38 @@ def edge_geometry(node: OpNode, c: Config, k: int, p: OpNode, pc: Config, node_o
                         tuple(grad_colls))
 
 
+def _mesh_move(
+    node: OpNode, c: Config, k: int, p: OpNode, pc: Config, ctx: CostContext, frag: Fragment
+) -> tuple[list[Task], list[Task], dict[int, list[Key]]]:
+    """Edge ``p -> node`` between ops on different device blocks as the SOAP emitter runs
+    it (calibrated simulations): the producer's output gathered on its block (an
+    all-gather when split), then broadcast whole to the consumer's block; the gradient
+    comes back the same way. Each consumer device keeps the whole tensor."""
+    n = node.name
+    esize = dtype_size(p.outputs[0].dtype)
+    nbytes = float(esize * math.prod(p.outputs[0].shape))
+    ready = "F" if pc.kind == "r" else "f"
+    src, dst = sorted(set(pc.devices)), sorted(set(c.devices))
+    split = pc.kind in ("a", "p") or pc.s > 1
+    members = sorted(set(src) | set(dst))
+
+    def move(deps: tuple[Key, ...], defines: tuple[Key, ...], what: str) -> Task:
+        gather = ctx.collective("all_gather", tuple(src), nbytes) if split and len(src) > 1 else None
+        bcast = ctx.collective("broadcast", tuple(members), nbytes)
+        seconds = bcast.time_s + (gather.time_s if gather is not None else 0.0)
+        links = [link for cost in (gather, bcast) if cost is not None for link, _ in cost.loads]
+        res = ctx.device_resources(members) + _link_resources(ctx, links)
+        return Task("coll", n, seconds, res, deps, defines, nbytes, f"{what} d{src}->d{dst} all_gather+broadcast")
+
+    key = ("x", n, k, "move")
+    forward = [move(tuple((ready, p.name, h) for h in src), (key,), f"{p.name}->{n}")]
+    needs = {d: [key] for d in dst}
+    for d in dst:
+        frag.activations[d] = frag.activations.get(d, 0.0) + nbytes
+    backward = [move(tuple(("b", n, d) for d in dst), tuple(("G", p.name, h) for h in src), f"grad {n}->{p.name}")]
+    return forward, backward, needs
+
+
 def edge_tasks(
     node: OpNode, c: Config, k: int, p: OpNode, pc: Config, ctx: CostContext, frag: Fragment
 ) -> tuple[list[Task], list[Task], dict[int, list[Key]]]:
@@ -323,6 +363,8 @@ def edge_tasks(
     needs: dict[int, list[Key]] = {}
     if is_source(p):
         return forward, backward, needs
+    if ctx.calibration is not None and not ctx.ddp and (pc.first, pc.s, pc.t) != (c.first, c.s, c.t):
+        return _mesh_move(node, c, k, p, pc, ctx, frag)
     geo = ctx.geometry(node, c, k, p, pc)
     n = node.name
     esize = dtype_size(p.outputs[0].dtype)

@@ -237,9 +237,11 @@ def _print_plan(p, search_time_s: float | None, *, default_cluster: bool = False
             rows.append((f"stage {i}", f"{st.nodes[0]} .. {st.nodes[-1]} ({len(st.nodes)} ops) on devices "
                          f"{st.devices[0]}-{st.devices[-1]}"))
     if p.kind == "decentralized":
-        rows.append(("topology", f"{p.topology}, spectral gap {p.spectral_gap:.4f}"))
-        rows.append(("iterations to same accuracy", f"{p.iterations_factor:.2f}x synchronous SGD's "
-                                                    f"(objective: {p.objective})"))
+        gap = "" if p.spectral_gap is None else f", spectral gap {p.spectral_gap:.4f}"
+        rows.append(("topology", f"{p.topology}{gap}"))
+        if p.iterations_factor is not None:
+            rows.append(("iterations to same accuracy", f"{p.iterations_factor:.2f}x synchronous SGD's "
+                                                        f"(objective: {p.objective})"))
     for name, t in sorted(p.baselines.items()):
         rows.append((f"baseline {name}", _ms(t)))
     for name in p.infeasible_baselines:

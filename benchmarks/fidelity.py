@@ -1,50 +1,66 @@
 """Fidelity: the simulator's predicted iteration time and peak memory against real runs
 of the emitted plans on this machine's gloo processes (issue [8/8]).
 
+    python benchmarks/fidelity.py                      # the table (about 3 minutes)
+    python benchmarks/fidelity.py --reprofile          # the op profile measured afresh first
+    python benchmarks/fidelity.py --calibrate          # re-measure costmodels/calibration.json first
     python benchmarks/fidelity.py [--ranks 2] [--threads 1] [--steps 10] [--warmup 3]
-                                  [--cases mlp,gpt:data,...] [--json results.json]
+        [--cases mlp,gpt:data+soap] [--retries 3] [--max-wait 60] [--json out.json]
 
-For each case (a zoo model family at a size whose step takes tens to hundreds of ms
-here) and each plan kind the emitter runs (``data`` = DDP, ``fsdp`` = FSDP2, ``soap`` =
-the planner's best SOAP plan on DTensor, pipelines ``gpipe`` / ``1f1b`` /
-``interleaved``, ``hybrid`` pipeline x tensor parallel):
+For each case (a zoo family at a size whose step takes 20-200 ms here: ``mlp`` 4 x 1024
+Linear, ``gpt`` 2 layers d=256, ``cnn`` the tiny AlexNet at batch 512, ``rnn`` a 2 x
+LSTM(256) language model) and each plan kind the emitter runs (``data`` = DDP, ``fsdp``
+= FSDP2, ``soap`` = the planner's SOAP plan on DTensor (the best expert baseline when
+the search returns data parallelism, a random one where there is none), pipelines
+``gpipe`` / ``1f1b`` / ``interleaved`` (the pipeline search's best of that schedule),
+``hybrid`` = pipeline x tensor parallel, which needs 4 ranks):
 
-1. **profile**: every distinct op of the model is measured alone by the profiler
-   (:func:`flexsearch.cost.profiler.profile_model`, ``--threads`` threads, cached in
-   ``--profile``), at the full batch and at the partitioned shapes the plans use;
-2. **plan**: a plan of that kind is forced on the ``cpu`` cluster preset (measured
-   peak FLOP/s, memory bandwidth and gloo links) with the measured op costs;
-3. **predict**: the plan is simulated with the measured op costs (the simulator the
-   planner uses, with the calibration of ``costmodels/calibration.json``);
-4. **measure**: the plan is emitted (:func:`flexsearch.emit.parallelize`) on ``--ranks``
-   fresh gloo processes of ``--threads`` threads each; every step is
-   ``zero_grad(); train_step(); Adam.step()`` on the same global batch (the plan's
-   optimizer); the iteration time is the median over ``--steps`` steps after
-   ``--warmup`` warm-up steps (per rank; the slowest rank counts).
+1. **profile**: every distinct op is measured alone by the profiler
+   (:func:`flexsearch.cost.profiler.profile_model`, ``--threads`` threads) at the whole
+   batch and at splits 2..32 (SOAP degrees, pipeline microbatches), cached in
+   ``--profile`` (a rerun measures only what is new; delete the file on another
+   machine). The measurements answer for the ``cpu`` preset's device
+   (:meth:`~flexsearch.cost.profiler.ProfileDB.aliased`);
+2. **plan**: a plan of that kind on the ``cpu`` preset, searched with the measured costs;
+3. **predict**: the simulator (the planner's), with the measured op costs and the
+   calibration of ``costmodels/calibration.json`` (:mod:`flexsearch.cost.calibration`);
+4. **measure**: the plan emitted (:func:`flexsearch.emit.parallelize`) on ``--ranks``
+   fresh gloo processes of ``--threads`` threads; a step is ``zero_grad();
+   train_step(); Adam.step()`` on the same global batch (MSE against a fixed random
+   target); the iteration time is the median of ``--steps`` steps after warm-up, per
+   rank, the slowest rank's.
 
 **Memory.** torch's CPU allocator keeps no statistics (``torch.cuda.memory_stats`` has
-no CPU counterpart) and ``tracemalloc`` sees only Python's allocator, not torch's. The
-rank process's resident set is used instead: the kernel's peak RSS (``VmHWM`` of
-``/proc/self/status``), reset with ``/proc/self/clear_refs`` right after the emitted
-module and its optimizer are built. The measured peak per rank is ``VmHWM - RSS at
-that point + bytes of the rank's parameters`` (the parameters are resident before the
-reset; every other term the simulator predicts: gradients, Adam state, activations,
-communication buffers, is allocated during the steps). The simulator's prediction is
-per device ``(2 + optimizer state) x parameters + activations kept``; both are compared
-on the rank with the largest measured peak. ``glibc``'s allocator is pinned
-(``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``) so that large tensors come and
-go as whole mappings and freed memory of one step is not counted twice.
+no CPU counterpart) and ``tracemalloc`` sees Python's allocator, not torch's. The rank's
+resident set is used: the kernel's peak RSS (``VmHWM``), reset through
+``/proc/self/clear_refs`` once the module and its optimizer are built, over the
+warm-up steps (which allocate everything a step keeps: gradients, Adam state, DDP's
+rebuilt buckets, pipeline buffers, and the step's activations and temporaries). glibc
+is pinned meanwhile (``mallopt``: mmap threshold 64 KB, no dynamic adjustment), so that
+every tensor is its own mapping and a freed one leaves the resident set; it is unpinned
+before the timed steps (pinned, every large allocation page-faults: about 25 % slower).
+Measured peak per rank = ``VmHWM - RSS before the steps + the rank's parameter bytes``
+(resident before). The prediction for the same rank: ``(2 + optimizer state) x
+parameters + activations kept``, plus the calibrated terms (DDP's gradient buckets,
+the update's temporaries, the runtime's own buffers). The table shows the rank with the
+larger measured peak.
+
+**Noise.** Other processes on this 2-core machine distort every time. Before each run
+the script waits (``--max-wait``) until the CPUs are nearly idle; during the timed
+steps it counts the CPU time other processes took (``other``: CPUs' worth, from
+``/proc/stat`` minus the ranks' own) and reruns a disturbed measurement (``> 0.25``) up
+to ``--retries`` times, keeping the quietest. ``/proc/loadavg`` is printed first and last.
 
 **Ranking.** Per case, Kendall's tau-b between the predicted and the measured order of
-its plans (the candidate plans the planner compares); the headline is the mean over
-cases, weighted by the number of plan pairs.
+its plans; the headline is the mean over cases weighted by their number of plan pairs.
 
-Each (case, kind) runs in its own processes, so one failing plan is reported and the
-rest go on. ``uptime``'s load average is printed first and last: measurements taken
-while other jobs run are noisy; rerun on a quiet machine.
+``--calibrate`` measures every term of the calibration (:func:`calibrate`) on probe
+models that are not in the table, writes ``costmodels/calibration.json`` (each number
+with this command as its source) and the raw measurements to
+``costmodels/measurements/calibration-cpu.json``.
 
 Last line: ``median_error=... max_error=... memory_median_error=... kendall_tau=...``
-(|relative error| of iteration time over all cases; of peak memory; ranking).
+(|relative error| of the iteration time over all runs; of the peak memory; ranking).
 """
 
 from __future__ import annotations
@@ -78,7 +94,7 @@ from flexsearch.sim.simulator import Simulation, Simulator  # noqa: E402
 
 KINDS = ("data", "fsdp", "soap", "gpipe", "1f1b", "interleaved", "hybrid")
 CLUSTER = "cpu"
-PROFILE = ROOT / "costmodels" / "measurements" / "fidelity-profile.json"
+PROFILE = ROOT / "costmodels" / "measurements" / "fidelity-profile-cpu-1t.json"
 DEGREES = (2, 4, 8, 16, 32)  # profiled splits: SOAP degrees and pipeline microbatches
 
 
@@ -414,6 +430,7 @@ def measure_job(rank: int, world: int, family: str, batch: int | None, plan: Pla
         out["forward_s"] = _median_time(fwd, steps, 2)
     busy1, own1 = _foreign_cpu()
     out.update(busy_s=busy1 - busy0, own_s=own1 - own0, wall_s=sum(times))
+    dist.barrier()  # no rank tears its process group down while another still uses it
     return out
 
 
@@ -1020,6 +1037,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--cases", default=None, help="e.g. mlp,gpt:data+soap (default: every case and kind)")
     ap.add_argument("--profile", type=Path, default=PROFILE, help="op profile cache")
+    ap.add_argument("--reprofile", action="store_true",
+                    help="measure the op profile afresh (this host's speed drifts: profile and runs alike)")
     ap.add_argument("--json", type=Path, default=None, help="write every row here")
     ap.add_argument("--retries", type=int, default=3,
                     help="rerun a measurement disturbed by other processes (> 0.25 CPUs busy) up to this often")
@@ -1029,6 +1048,8 @@ def main(argv: list[str] | None = None) -> None:
                     help=f"measure the calibration terms into {CALIBRATION.relative_to(ROOT)} first")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.reprofile and args.profile.exists():
+        args.profile.unlink()
     if args.calibrate:
         calibrate(args.ranks, args.threads, max(args.steps, 40), args.warmup, profile_path=args.profile,
                   retries=args.retries, max_wait_s=args.max_wait)

@@ -293,6 +293,7 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
     state = 2 + OPTIMIZER_STATE[optimizer]
     memory = [0.0] * devices
     largest = [0.0] * devices
+    stashed = [0.0] * devices
     for (r, i), acts in lanes.items():
         peaks = in_flight(acts)
         for s, q in peaks.items():
@@ -300,10 +301,14 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
             extra = c_s.param_bytes * (q - 1) if asynchronous else 0.0
             for d in layout.ranks[r][i]:
                 memory[d] += c_s.param_bytes * state + c_s.stash_bytes * q + extra + c_s.working_bytes
-                largest[d] = max(largest[d], c_s.largest_param_bytes)
-    if cal is not None:  # the update's temporaries; the runtime's own buffers
+                # without the stage's largest tensor: half its parameters (a stage of two or more layers)
+                largest[d] = max(largest[d], c_s.largest_param_bytes or c_s.param_bytes / 2)
+                stashed[d] += c_s.stash_bytes * q + c_s.working_bytes
+    if cal is not None:  # gradients allocated as the activations go; the update's temporaries; the runtime's
         for d in range(devices):
-            memory[d] += cal.optimizer_working_tensors.value * largest[d] + cal.runtime_bytes["pipeline"].value
+            grads = held[d]
+            memory[d] += (max(stashed[d], grads + cal.optimizer_working_tensors.value * largest[d]) - stashed[d] - grads
+                          + cal.runtime_bytes["pipeline"].value)
     return Simulation(
         iteration_time_s=time_s,
         memory_bytes=tuple(memory),

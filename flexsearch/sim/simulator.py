@@ -11,6 +11,10 @@ devices. The iteration time is the end of the last task.
 gradients ``P``, optimizer state ``k P`` (Adam 2, momentum 1, SGD 0), activations kept
 for the backward pass (outputs of non-view ops and the inputs received from other
 devices). A plan whose peak on some device exceeds its memory is **infeasible**.
+Calibrated (:mod:`flexsearch.cost.calibration`), the peak follows the measured
+runtime: ``(1 + k) P + max(activations, P + the update's temporaries)`` (gradients,
+freed by ``zero_grad``, are allocated as the backward frees the activations) plus
+DDP's gradient buckets ``P`` and the runtime's own buffers.
 
 **Delta simulation.** A :class:`Simulator` keeps each node's fragment keyed by the
 node's configuration and its producers'; after a change only the fragments of changed
@@ -210,7 +214,7 @@ class Simulator:
             ordered.extend(frags[i].backward)
             if i in buckets:
                 ordered.append(buckets[i])
-        return self._schedule(frags, ordered, timeline, ddp, list(buckets.values()))
+        return self._schedule(frags, ordered, timeline, ddp, list(buckets.values()), configs=configs)
 
     def fsdp_units(self, given: Mapping[str, str] | None = None) -> dict[str, list[int]]:
         """FSDP's wrapping (the emitter's): one unit per top-level layer holding
@@ -295,7 +299,7 @@ class Simulator:
         peak = sorted(size.values(), reverse=True)
         unsharded = sum(peak[:2]) + (peak[0] if peak else 0.0)
         return self._schedule(frags, ordered, keep_timeline, True, reduced, shards=len(devices),
-                              unsharded=unsharded)
+                              unsharded=unsharded, configs=configs)
 
     def _buckets(self, frags: list[Fragment]) -> dict[int, Task]:
         """DDP's gradient buckets (calibration ``ddp_bucket_bytes``): parameters in the
@@ -327,8 +331,26 @@ class Simulator:
                 members, size, tensors, cap = [], 0.0, 0, cal.ddp_bucket_bytes.value
         return out
 
+    def _output_grad(self, configs: Mapping[str, Config] | None) -> dict[int, float]:
+        """Per device, the bytes of the gradient of the model's outputs it holds."""
+        out: dict[int, float] = {}
+        if configs is None:
+            return out
+        for n in self.graph.nodes:
+            if n.kind != "output":
+                continue
+            for name in n.inputs:
+                p, c = self.graph.node(name), configs.get(name)
+                if c is None or not p.outputs:
+                    continue
+                share = p.outputs[0].nbytes / (c.s * (c.t if c.kind in ("a", "p") else 1))
+                for d in c.devices:
+                    out[d] = out.get(d, 0.0) + share
+        return out
+
     def _schedule(self, frags: list[Fragment], ordered: list[Task], keep_timeline: bool, ddp: bool = False,
-                  buckets: list[Task] = (), shards: int = 1, unsharded: float = 0.0) -> Simulation:
+                  buckets: list[Task] = (), shards: int = 1, unsharded: float = 0.0,
+                  configs: Mapping[str, Config] | None = None) -> Simulation:
         """List-schedule ``ordered``, then one optimizer update per device; memory.
         ``buckets``: gradient collectives every update waits for (DDP, FSDP); ``shards``:
         parameters, gradients and optimizer state divided over this many devices (FSDP),
@@ -385,12 +407,15 @@ class Simulator:
                 timeline.append(Scheduled(t, start, start + dur))
         makespan = max(free[:devices] + free[devices:], default=0.0)
         state = 2 + OPTIMIZER_STATE[self.optimizer]
-        memory = [state * params[d] + acts[d] + unsharded for d in range(devices)]
-        if cal is not None:
-            for d in range(devices):
-                memory[d] += cal.optimizer_working_tensors.value * largest[d] + cal.runtime_bytes[mode].value
-                if ddp and shards == 1:
-                    memory[d] += params[d]  # DDP's buckets: a flat copy of the gradients
+        if cal is None:
+            memory = [state * params[d] + acts[d] + unsharded for d in range(devices)]
+        else:  # calibrated: gradients live from the backward to the next zero_grad, not during the forward
+            for d, b in self._output_grad(configs).items():  # the loss's gradient of the output
+                acts[d] += b
+            memory = [(state - 1) * params[d] + unsharded + cal.runtime_bytes[mode].value
+                      + max(acts[d], params[d] + cal.optimizer_working_tensors.value * largest[d])
+                      + (params[d] if ddp and shards == 1 else 0.0)  # DDP's buckets: a flat copy of the gradients
+                      for d in range(devices)]
         return Simulation(
             iteration_time_s=makespan,
             memory_bytes=tuple(memory),

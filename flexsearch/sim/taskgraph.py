@@ -20,8 +20,9 @@ Per node ``n`` with configuration ``c`` (:class:`~flexsearch.search.space.Config
   of ``t`` partitions follows the forward;
 - **gradient synchronisation**: an all-reduce of the node's (owned) parameter
   gradients over each group of devices holding the same parameter shard;
-- memory terms: parameter shard, activations kept for the backward pass (outputs of
-  non-view ops, :func:`aliases`, and received inputs).
+- memory terms: parameter shard, activations kept for the backward pass
+  (:func:`kept_bytes`: outputs of non-view ops, a recurrent layer's gates; and
+  received inputs).
 
 Dependencies are symbolic keys resolved when fragments are scheduled in program
 order (forward in topological order, backward in reverse, then the optimizer update):
@@ -191,6 +192,22 @@ class CostContext:
 
 
 _COPYING_VIEWS = frozenset({"Tensor.repeat", "Tensor.contiguous", "torch.repeat_interleave"})
+_RNN_SAVED = {"LSTM": 6, "GRU": 5, "RNN": 2, "LSTMCell": 6, "GRUCell": 5, "RNNCell": 2}
+"""Bytes a recurrent layer keeps for its backward per byte of its sequence output: per
+step the gates (LSTM 4, GRU 3, RNN 1 times the hidden size), the cell state (LSTM) and
+the hidden output itself."""
+
+
+def kept_bytes(node: OpNode) -> float:
+    """Bytes of activations ``node`` keeps for the backward pass (whole op): its
+    outputs, none for a view (:func:`aliases`), a recurrent layer's gates too."""
+    if node.bytes_written <= 0 or aliases(node):
+        return 0.0
+    if node.kind == "rnn" and node.outputs:
+        factor = _RNN_SAVED.get(node.target.rsplit(".", 1)[-1])
+        if factor is not None:
+            return float(factor * node.outputs[0].nbytes + sum(t.nbytes for t in node.outputs[1:]))
+    return float(node.output_bytes)
 
 
 def aliases(node: OpNode) -> bool:
@@ -430,8 +447,8 @@ def node_tasks(
     needs = needs or {}
     cost = ctx.op_cost(node, c, first)
     fwd_time, bwd_time = cost
-    out_bytes = node.output_bytes / (c.s * (c.t if c.kind in ("a", "p") else 1))
-    keeps = node.bytes_written > 0 and not aliases(node)
+    out_bytes = kept_bytes(node) / (c.s * (c.t if c.kind in ("a", "p") else 1))
+    keeps = out_bytes > 0
     for _, _, d in parts:
         frag.forward.append(Task("fwd", n, fwd_time, (d,), tuple(needs.get(d, ())), (("f", n, d),),
                                  detail=c.text))
@@ -464,7 +481,8 @@ def node_tasks(
         for _, _, d in parts:
             frag.params[d] = frag.params.get(d, 0.0) + shard
             frag.tensors[d] = frag.tensors.get(d, 0) + count
-            frag.largest[d] = max(frag.largest.get(d, 0.0), shard / count)
+            # the largest tensor: the weight of a weight and a bias, one of two weights of four
+            frag.largest[d] = max(frag.largest.get(d, 0.0), shard if count <= 2 else 2 * shard / count)
         groups = (
             [[c.device(i, j) for i in range(c.s)] for j in range(c.t)] if sharded else [list(c.devices)]
         )

@@ -84,6 +84,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from zoo import get, load_module  # noqa: E402
 
+import flexsearch.api  # noqa: E402
 from flexsearch.cost.hardware import Cluster  # noqa: E402
 from flexsearch.cost.profiler import local_device, profile_model  # noqa: E402
 from flexsearch.graph.microbatch import batch_size, microbatch_graph  # noqa: E402
@@ -261,25 +262,27 @@ def fsdp_units(model: torch.nn.Module, graph: OpGraph) -> dict[str, str]:
 
 def predict(graph: OpGraph, plan: Plan, cl: Cluster, measured=None, calibration=None,
             model: torch.nn.Module | None = None) -> Simulation:
-    """The simulator's prediction for ``plan`` (as :func:`flexsearch.api.simulate`,
-    with measured op costs; ``model`` tells FSDP's units)."""
+    """The simulator's prediction for ``plan``: :func:`flexsearch.api.simulate` with the
+    measured op costs (``model`` tells FSDP's units). ``calibration``: a candidate
+    calibration (``--calibrate`` fitting), simulated directly instead of the one on disk."""
+    units = fsdp_units(model, graph) if model is not None and plan.shard_params else None
+    if calibration is None:
+        return flexsearch.api.simulate(graph, plan, cl, measured=measured, fsdp_units=units)
     if plan.kind in ("pipeline", "hybrid"):
         import itertools
 
         from flexsearch.search.pipeline import simulate_stages
+        from flexsearch.sim.taskgraph import CostContext
 
         ends = list(itertools.accumulate(len(st.nodes) for st in plan.stages))
         bounds = list(zip([0, *ends[:-1]], ends, strict=True))
-        from flexsearch.sim.taskgraph import CostContext
-
         return simulate_stages(graph, cl, bounds=bounds, tensor=plan.tensor_degree,
                                replicas=plan.stages[0].replicas, schedule=plan.schedule,
                                microbatches=plan.microbatches, chunks=plan.chunks or 1,
                                recompute=plan.recompute, optimizer=plan.optimizer, measured=measured,
                                ctx=CostContext(cl, measured, calibration=calibration))
     return Simulator(graph, cl, optimizer=plan.optimizer, measured=measured, calibration=calibration).simulate(
-        plan.node_configs(), ddp=plan.kind == "data", shard_params=plan.shard_params,
-        fsdp_units=fsdp_units(model, graph) if model is not None and plan.shard_params else None)
+        plan.node_configs(), ddp=plan.kind == "data", shard_params=plan.shard_params, fsdp_units=units)
 
 
 def profile(model, inputs, threads: int, path: Path = PROFILE):

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Literal
 
 from torch import nn
 
+from flexsearch.cost.compute import MeasuredCosts
 from flexsearch.cost.hardware import Cluster
 from flexsearch.errors import ClusterSpecError, FlexsearchError, PlanFileError
 from flexsearch.graph.opgraph import OpGraph
@@ -74,18 +75,21 @@ def plan(
                       optimizer=optimizer, objective=objective, progress=progress, decentralized=decentralized)
 
 
-def simulate(graph: OpGraph, plan: Plan, cluster: str | os.PathLike[str] | Cluster | None = None) -> Simulation:
+def simulate(graph: OpGraph, plan: Plan, cluster: str | os.PathLike[str] | Cluster | None = None, *,
+             measured: MeasuredCosts | None = None, fsdp_units: Mapping[str, str] | None = None) -> Simulation:
     """Predict one iteration of ``plan`` for ``graph`` (made for it: checked) on
-    ``cluster`` (default: the cluster embedded in the plan)."""
+    ``cluster`` (default: the cluster embedded in the plan), with ``measured`` op costs
+    when given (as the plan was searched with them). ``fsdp_units``: node -> FSDP unit
+    of a ``shard_params`` plan (default: the simulator's guess from module names)."""
     plan.check_graph(graph)
     if cluster is None:
         cl = Cluster.from_spec(plan.cluster, plan.devices)
     else:
         cl = resolve_cluster(cluster, plan.devices)
     if plan.kind in ("pipeline", "hybrid"):
-        return _simulate_pipeline(graph, plan, cl)
+        return _simulate_pipeline(graph, plan, cl, measured)
     if plan.kind == "decentralized":
-        return _simulate_decentralized(graph, plan, cl)
+        return _simulate_decentralized(graph, plan, cl, measured)
     configs = plan.node_configs()
     missing = [n.name for n in graph.nodes if n.name not in configs]
     missing += [k for k in plan.decisions if k not in configs]
@@ -97,15 +101,19 @@ def simulate(graph: OpGraph, plan: Plan, cluster: str | os.PathLike[str] | Clust
                 f"the plan's configuration {configs[n.name].text} for {n.name} is not legal on "
                 f"{cl.devices} devices; the file is damaged or edited, plan again"
             )
-    sim = Simulator(graph, cl, optimizer=plan.optimizer).simulate(configs)  # type: ignore[arg-type]
+    simulator = Simulator(graph, cl, optimizer=plan.optimizer, measured=measured)  # type: ignore[arg-type]
+    if plan.kind == "data" and plan.shard_params:
+        return simulator.simulate(configs, shard_params=True, fsdp_units=fsdp_units)
+    sim = simulator.simulate(configs, ddp=plan.kind == "data")
     if plan.kind == "data":
         from flexsearch.search.planner import ddp_simulation
 
-        return ddp_simulation(graph, cl, sim, timeline=True, optimizer=plan.optimizer)
+        return ddp_simulation(graph, cl, sim, timeline=True, calibrated=simulator.ctx.calibration is not None,
+                              optimizer=plan.optimizer, measured=measured)
     return sim
 
 
-def _simulate_decentralized(graph: OpGraph, plan: Plan, cl: Cluster) -> Simulation:
+def _simulate_decentralized(graph: OpGraph, plan: Plan, cl: Cluster, measured: MeasuredCosts | None) -> Simulation:
     """Re-simulate a D-PSGD plan on its topology."""
     from flexsearch.search.decentralized import replica_cost
     from flexsearch.search.topology import build
@@ -116,13 +124,13 @@ def _simulate_decentralized(graph: OpGraph, plan: Plan, cl: Cluster) -> Simulati
         raise PlanFileError("the decentralized plan names no topology; the file is damaged, plan again")
     try:
         top = build(plan.topology, plan.devices, edges=plan.topology_edges or None)
-        cost = replica_cost(graph, cl)
+        cost = replica_cost(graph, cl, measured=measured)
     except (FlexsearchError, ValueError) as e:
         raise PlanFileError(f"the decentralized plan cannot be simulated: {e}; plan again") from None
-    return simulate_gossip(CostContext(cl, None), cost, top, optimizer=plan.optimizer)
+    return simulate_gossip(CostContext(cl, measured), cost, top, optimizer=plan.optimizer)
 
 
-def _simulate_pipeline(graph: OpGraph, plan: Plan, cl: Cluster) -> Simulation:
+def _simulate_pipeline(graph: OpGraph, plan: Plan, cl: Cluster, measured: MeasuredCosts | None) -> Simulation:
     """Re-simulate a pipeline or hybrid plan from its stages, schedule and configurations."""
     from flexsearch.search.pipeline import simulate_stages
 
@@ -137,6 +145,6 @@ def _simulate_pipeline(graph: OpGraph, plan: Plan, cl: Cluster) -> Simulation:
         return simulate_stages(graph, cl, bounds=bounds, tensor=plan.tensor_degree, replicas=plan.stages[0].replicas,
                                schedule=plan.schedule, microbatches=plan.microbatches,
                                chunks=plan.chunks or 1, recompute=plan.recompute,
-                               optimizer=plan.optimizer)
+                               optimizer=plan.optimizer, measured=measured)
     except ValueError as e:
         raise PlanFileError(f"the plan's pipeline cannot be simulated: {e}; plan again") from None

@@ -198,7 +198,8 @@ def test_bad_config_text(tmp_path, table, text):
 
 
 @pytest.mark.parametrize(("name", "devices", "cluster"),
-                         [("alexnet_tiny", 4, "flexflow-k80"), ("gpt_tiny", 8, "dgx-h100")])
+                         [("alexnet_tiny", 4, "flexflow-k80"), ("gpt_tiny", 8, "dgx-h100"),
+                          ("mlp_tiny", 2, "cpu")])  # cpu: the calibrated device (DDP buckets)
 def test_simulate_reproduces_the_prediction(tmp_path, name, devices, cluster):
     graph, plan = planned(name, devices, cluster)
     path = tmp_path / "p.json"
@@ -222,8 +223,10 @@ def test_simulate_reproduces_the_prediction(tmp_path, name, devices, cluster):
     from flexsearch.search import baselines
     from flexsearch.search.planner import ddp_simulation
 
-    oplevel = sim.simulate(space.expand(baselines.data_parallel(space)))
-    assert ddp_simulation(graph, Cluster.preset(cluster, devices), oplevel).iteration_time_s == plan.baselines["data"]
+    oplevel = sim.simulate(space.expand(baselines.data_parallel(space)), ddp=True)
+    calibrated = sim.ctx.calibration is not None
+    assert ddp_simulation(graph, Cluster.preset(cluster, devices), oplevel,
+                          calibrated=calibrated).iteration_time_s == plan.baselines["data"]
 
 
 def test_simulate_with_another_models_graph():

@@ -369,8 +369,9 @@ def test_plan_never_slower_than_a_feasible_baseline(name, cluster, devices):
     g = zoo_graph(name)
     space = Space(g, devices)
     sim = Simulator(g, Cluster.preset(cluster, devices))
-    oplevel = sim.simulate(space.expand(baselines.data_parallel(space)))
-    assert plan.baselines["data"] == ddp_simulation(g, Cluster.preset(cluster, devices), oplevel).iteration_time_s
+    oplevel = sim.simulate(space.expand(baselines.data_parallel(space)), ddp=True)
+    assert plan.baselines["data"] == ddp_simulation(g, Cluster.preset(cluster, devices), oplevel,
+                                                    calibrated=sim.ctx.calibration is not None).iteration_time_s
     if plan.kind in ("pipeline", "hybrid", "decentralized"):  # re-simulation agrees
         assert flexsearch.simulate(g, plan).iteration_time_s == plan.predicted.iteration_time_s  # stages cover the graph; re-simulation agrees
         assert [n for st in plan.stages for n in st.nodes] == [n.name for n in g.nodes] or not plan.stages

@@ -87,7 +87,7 @@ def run_baselines(space: Space, sim: Simulator, devices_per_node: int) -> dict[s
     """Simulate every baseline; Megatron degrees collapse into the best one."""
     out: dict[str, BaselineRun] = {}
     for name, dec in bl.baselines(space, devices_per_node).items():
-        run = BaselineRun(name, dec, sim.simulate(space.expand(dec), timeline=False))
+        run = BaselineRun(name, dec, sim.simulate(space.expand(dec), timeline=False, ddp=name == "data"))
         key = "megatron" if name.startswith("megatron") else name
         prev = out.get(key)
         if prev is None or _better(run.simulation, prev.simulation):
@@ -96,14 +96,18 @@ def run_baselines(space: Space, sim: Simulator, devices_per_node: int) -> dict[s
 
 
 def ddp_simulation(graph: OpGraph, cluster: Cluster, oplevel: Simulation, *, timeline: bool = False,
-                   **kw) -> Simulation:
+                   calibrated: bool = False, **kw) -> Simulation:
     """The data-parallel plan as DDP runs it: the faster of ``oplevel`` (the op-level
     simulation of the all-sample configuration: each layer's gradients all-reduced as
     the backward produces them, every collective paying its latency) and the
     stage-level one (one replica's step, then all gradients all-reduced in one
     collective, DDP's single bucket for a model under its 25 MB bucket size). DDP's
     bucketing (25 MB buckets launched as they fill) is closest to the first for large
-    models and to the second for small ones."""
+    models and to the second for small ones. On a device with a calibration
+    (``calibrated``) the op-level simulation already models DDP's buckets as measured
+    and is the prediction."""
+    if calibrated:
+        return oplevel
     try:
         flat = simulate_stages(graph, cluster, bounds=[(0, len(graph.nodes))], tensor=1, replicas=cluster.devices,
                                schedule="1f1b", microbatches=1, timeline=timeline, **kw)
@@ -241,8 +245,9 @@ def plan_synchronous(
         base = run_baselines(space, sim, cluster.devices_per_node)
         seeds = [b.decisions for b in base.values()]
         dp = base["data"]
-        base["data"] = BaselineRun("data", dp.decisions, ddp_simulation(graph, cluster, dp.simulation,
-                                                                        optimizer=optimizer, measured=measured))
+        base["data"] = BaselineRun("data", dp.decisions, ddp_simulation(
+            graph, cluster, dp.simulation, calibrated=sim.ctx.calibration is not None,
+            optimizer=optimizer, measured=measured))
 
         ilp_status = f"skipped: {len(space.units)} decision units > {ilp_max_units}"
         if len(space.units) <= ilp_max_units:

@@ -191,7 +191,9 @@ class CostContext:
         return hit
 
 
-_COPYING_VIEWS = frozenset({"Tensor.repeat", "Tensor.contiguous", "torch.repeat_interleave"})
+_COPYING_VIEWS = frozenset({"Tensor.repeat", "Tensor.contiguous", "torch.repeat_interleave",
+                            "torch._VariableFunctionsClass.arange", "torch.arange", "torch.cat", "torch.stack"})
+"""Ops the registry classes as views that write new memory (copies, factories)."""
 _RNN_SAVED = {"LSTM": 6, "GRU": 5, "RNN": 2, "LSTMCell": 6, "GRUCell": 5, "RNNCell": 2}
 """Bytes a recurrent layer keeps for its backward per byte of its sequence output: per
 step the gates (LSTM 4, GRU 3, RNN 1 times the hidden size), the cell state (LSTM) and

@@ -87,7 +87,6 @@ from zoo import get, load_module  # noqa: E402
 import flexsearch.api  # noqa: E402
 from flexsearch.cost.hardware import Cluster  # noqa: E402
 from flexsearch.cost.profiler import local_device, profile_model  # noqa: E402
-from flexsearch.graph.microbatch import batch_size, microbatch_graph  # noqa: E402
 from flexsearch.graph.opgraph import OpGraph  # noqa: E402
 from flexsearch.graph.tracer import trace  # noqa: E402
 from flexsearch.plan import Plan  # noqa: E402
@@ -179,7 +178,7 @@ def force_plan(graph: OpGraph, cl: Cluster, kind: str, measured=None, seed: int 
     with ``measured`` op times. ``soap`` is the planner's SOAP search result (the best
     non-data baseline when the search returns data parallelism); pipelines are the
     pipeline search's best of that schedule with more than one stage."""
-    from flexsearch.search.pipeline import search_pipelines
+    from flexsearch.search.pipeline import even_pipeline, search_pipelines
     from flexsearch.search.planner import pipeline_plan, plan_graph
     from flexsearch.search.space import Space
 
@@ -213,37 +212,14 @@ def force_plan(graph: OpGraph, cl: Cluster, kind: str, measured=None, seed: int 
             and len(r.stages) > 1 and r.simulation.feasible]
     if microbatches is not None:
         want = [r for r in want if r.microbatches == microbatches]
-    r = want[0] if want else forced_pipeline(graph, cl, schedule, 2 if kind == "hybrid" else 1, microbatches or 2,
-                                               measured)
+    r = want[0] if want else even_pipeline(graph, cl, schedule, 2 if kind == "hybrid" else 1, microbatches or 2,
+                                             measured=measured)
     if r is None:
         return None
     base = plan_graph(graph, cl, max_iters=0, pipelines=False, ilp_max_units=0, measured=measured)
     fields = {k: getattr(base, k) for k in ("model", "graph_fingerprint", "devices", "cluster", "optimizer",
                                             "objective", "lower_bound_s", "inputs")}
     return pipeline_plan(graph, r, baselines={}, **fields)
-
-
-def forced_pipeline(graph: OpGraph, cl: Cluster, schedule: str, t: int, m: int, measured=None):
-    """Two pipeline ranks over the nodes split evenly, ``m`` microbatches (as
-    ``tests/emit_cases.py`` forces one where the search finds none worth running)."""
-    from flexsearch.search.pipeline import PipelineResult, simulate_stages, stage_configs
-
-    p, chunks = 2, 2 if schedule == "interleaved" else 1
-    if cl.devices % (p * t):
-        return None
-    d = cl.devices // (p * t)
-    if batch_size(graph) % (d * m):
-        return None
-    configs = stage_configs(microbatch_graph(graph, d * m), t)
-    if configs is None:
-        return None
-    n, stages = len(graph.nodes), p * chunks
-    bounds = [(n * k // stages, n * (k + 1) // stages) for k in range(stages)]
-    sim = simulate_stages(graph, cl, bounds=bounds, tensor=t, replicas=d, schedule=schedule, microbatches=m,
-                          chunks=chunks, measured=measured)
-    g = d * t
-    placed = tuple((a, b, tuple(range((k % p) * g, (k % p + 1) * g))) for k, (a, b) in enumerate(bounds))
-    return PipelineResult("hybrid" if t > 1 else "pipeline", schedule, m, chunks, False, t, d, placed, configs, sim)
 
 
 def fsdp_units(model: torch.nn.Module, graph: OpGraph) -> dict[str, str]:

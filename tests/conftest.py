@@ -29,6 +29,23 @@ def model_file(tmp_path):
     return write
 
 
+@pytest.fixture
+def ctrl_c_in_search(monkeypatch):
+    """Ctrl-C lands inside the MCMC loop: its cost function raises KeyboardInterrupt on
+    the 15th call."""
+    import flexsearch.search.mcmc as mcmc
+
+    real, calls = mcmc.cost_of, []
+
+    def cost_then_ctrl_c(sim):
+        calls.append(1)
+        if len(calls) == 15:
+            raise KeyboardInterrupt
+        return real(sim)
+
+    monkeypatch.setattr(mcmc, "cost_of", cost_then_ctrl_c)
+
+
 def reference_flops(model, inputs) -> int:
     """FlopCounterMode over one whole forward, on meta copies of the state and inputs
     (nothing is computed), with the math attention backend the tracer also counts."""

@@ -9,15 +9,9 @@ import torch
 import torch.nn.functional as F
 
 import flexsearch
-from flexsearch.graph.microbatch import batch_size, microbatch_graph
 from flexsearch.graph.tracer import trace
 from flexsearch.plan import Plan
-from flexsearch.search.pipeline import (
-    PipelineResult,
-    search_pipelines,
-    simulate_stages,
-    stage_configs,
-)
+from flexsearch.search.pipeline import even_pipeline, search_pipelines
 from flexsearch.search.planner import pipeline_plan, plan_graph
 from flexsearch.search.space import Space
 
@@ -59,34 +53,12 @@ def make_plan(spec: str, devices: int, kind: str, seed: int = 0, cluster: str = 
     results = search_pipelines(graph, cl, simulate_top=1000, schedules=(schedule,))
     want = [r for r in results if (r.tensor > 1) == (kind == "hybrid") and r.schedule == schedule
             and len(r.stages) > 1]
-    r = want[seed % len(want)] if want else forced_pipeline(graph, cl, schedule, 2 if kind == "hybrid" else 1)
+    r = want[seed % len(want)] if want else even_pipeline(graph, cl, schedule, 2 if kind == "hybrid" else 1)
     if r is None:
         return None
     fields = {k: getattr(base, k) for k in ("model", "graph_fingerprint", "devices", "cluster", "optimizer",
                                             "objective", "lower_bound_s", "inputs")}
     return pipeline_plan(graph, r, baselines={}, **fields)
-
-
-def forced_pipeline(graph, cl, schedule: str, t: int) -> PipelineResult | None:
-    """Two pipeline ranks over nodes split evenly (the search finds no pipeline worth
-    running for some tiny models; the emitter must still run one)."""
-    p, chunks = 2, 2 if schedule == "interleaved" else 1
-    if cl.devices % (p * t):
-        return None
-    d = cl.devices // (p * t)
-    m = 2
-    if batch_size(graph) % (d * m):
-        return None
-    configs = stage_configs(microbatch_graph(graph, d * m), t)
-    if configs is None:
-        return None
-    n, stages = len(graph.nodes), p * chunks
-    bounds = [(n * k // stages, n * (k + 1) // stages) for k in range(stages)]
-    sim = simulate_stages(graph, cl, bounds=bounds, tensor=t, replicas=d, schedule=schedule, microbatches=m,
-                          chunks=chunks)
-    g = d * t
-    placed = tuple((a, b, tuple(range((k % p) * g, (k % p + 1) * g))) for k, (a, b) in enumerate(bounds))
-    return PipelineResult("hybrid" if t > 1 else "pipeline", schedule, m, chunks, False, t, d, placed, configs, sim)
 
 
 def mse(out, target):

@@ -142,18 +142,7 @@ def test_cli_bad_input(tmp_path, capsys, args, content, needle):
     assert out == "" and len(err.strip().splitlines()) == 1 and needle in err
 
 
-def test_ctrl_c_aborts_the_bench_instead_of_recording_a_cut_search(monkeypatch):
-    import flexsearch.search.mcmc as mcmc
-
-    real, calls = mcmc.cost_of, []
-
-    def cost_then_ctrl_c(sim):
-        calls.append(1)
-        if len(calls) == 15:
-            raise KeyboardInterrupt
-        return real(sim)
-
-    monkeypatch.setattr(mcmc, "cost_of", cost_then_ctrl_c)
+def test_ctrl_c_aborts_the_bench_instead_of_recording_a_cut_search(ctrl_c_in_search):
     with pytest.raises(KeyboardInterrupt):
         b.run_matrix(TINY, max_iters=ITERS)
 

@@ -165,22 +165,12 @@ def test_interrupted_search_returns_best_plan_through_the_api():
     assert not full.interrupted
 
 
-def test_interrupted_search_through_the_cli(monkeypatch, tmp_path):
+def test_interrupted_search_through_the_cli(ctrl_c_in_search, tmp_path):
     """A Ctrl-C that lands inside the search loop (here: in the cost function)."""
     from typer.testing import CliRunner
 
-    import flexsearch.search.mcmc as mcmc
     from flexsearch.cli import app
 
-    real, calls = mcmc.cost_of, []
-
-    def cost_then_ctrl_c(sim):
-        calls.append(1)
-        if len(calls) == 15:
-            raise KeyboardInterrupt
-        return real(sim)
-
-    monkeypatch.setattr(mcmc, "cost_of", cost_then_ctrl_c)
     out = tmp_path / "plan.json"
     r = CliRunner().invoke(app, ["plan", MLP, "--devices", "4", "--max-iters", "500", "--json", "--out", str(out)])
     assert r.exit_code == 0, r.output

@@ -16,9 +16,9 @@ topology (:mod:`flexsearch.search.topology`) at this iteration's step:
 5. the caller's ``optimizer.step()`` then applies ``g_i`` to the averaged parameters
    (for plain SGD: ``x_i <- sum_j W_ij x_j - lr g_i``, the paper's update).
 
-Only point-to-point messages and ``all_reduce`` from torch.distributed are used (gloo
-on CPU, NCCL when the parameters are on a GPU); the gossip needs no collective, and
-the mean loss that :meth:`~DecentralizedModule.train_step` returns costs one scalar
+torch.distributed does all communication (gloo on CPU, NCCL when the parameters are
+on a GPU): one ``broadcast`` of rank 0's model at construction, point-to-point
+messages for the gossip (no collective), and the mean loss that :meth:`~DecentralizedModule.train_step` returns costs one scalar
 ``all_reduce`` (overlapped with the exchange; ``global_loss=False`` drops it).
 """
 
@@ -60,6 +60,14 @@ def topology_of(plan: Plan) -> Topology:
     except (FlexsearchError, ValueError, KeyError, TypeError) as e:
         raise EmitError(f"cannot build the plan's {plan.topology!r} topology on {plan.devices} devices: "
                         f"{_one_line(e)}") from None
+
+
+def _by_dtype_device(named: list[tuple[str, nn.Parameter]]) -> list[list[tuple[str, nn.Parameter]]]:
+    """``named`` split by (dtype, device), in a fixed order (every rank agrees on it)."""
+    by_key: dict[tuple[torch.dtype, torch.device], list[tuple[str, nn.Parameter]]] = {}
+    for name, p in named:
+        by_key.setdefault((p.dtype, p.device), []).append((name, p))
+    return [v for _k, v in sorted(by_key.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1])))]
 
 
 class _Group:
@@ -131,29 +139,13 @@ class DecentralizedModule(nn.Module):
         if rt.device_type == "cuda" and any(not p.is_cuda for p in model.parameters()):
             model.to(torch.device("cuda", torch.cuda.current_device()))
         self._groups = self._make_groups()
-        self._check_topology()
         self._broadcast_from_first()
 
     # -- set-up ---------------------------------------------------------------------
 
     def _make_groups(self) -> list[_Group]:
-        by_key: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
-        for p in self.module.parameters():
-            if p.requires_grad:
-                by_key.setdefault((p.dtype, p.device), []).append(p)
-        return [_Group(ps) for _key, ps in sorted(by_key.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1])))]
-
-    def _check_topology(self) -> None:
-        """Every message one rank expects is one another rank sends (else the exchange
-        would hang), for every step of the topology's period."""
-        topo, n = self.topology, self.topology.n
-        for step in range(max(1, topo.period)):
-            sends = {(i, j) for i in range(n) for j in topo.out_neighbours(i, step) if j != i}
-            recvs = {(j, i) for i in range(n) for j, _w in topo.in_neighbours(i, step) if j != i}
-            if sends != recvs:
-                diff = sorted(sends ^ recvs)[:3]
-                raise EmitError(f"the {topo.name} topology's senders and receivers disagree at step {step} "
-                                f"(e.g. edges {diff}); its in- and out-neighbours must describe the same graph")
+        trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        return [_Group([p for _n, p in group]) for group in _by_dtype_device(trainable)]
 
     def _broadcast_from_first(self) -> None:
         src = self._rt.ranks[0]
@@ -178,13 +170,9 @@ class DecentralizedModule(nn.Module):
         """This rank's row of ``W`` at ``step`` (default: the next one): its self weight,
         its in-neighbours with their weights, and its out-neighbours (plan device indices)."""
         t = self.iteration if step is None else step
-        me = self._rt.device
-        merged: dict[int, float] = {}
-        for j, w in self.topology.in_neighbours(me, t):
-            if j != me:
-                merged[j] = merged.get(j, 0.0) + float(w)
-        outs = tuple(sorted({j for j in self.topology.out_neighbours(me, t) if j != me}))
-        return float(self.topology.self_weight(me, t)), tuple(sorted(merged.items())), outs
+        me, topo = self._rt.device, self.topology
+        ins = tuple(sorted((j, float(w)) for j, w in topo.in_neighbours(me, t)))
+        return float(topo.self_weight(me, t)), ins, tuple(sorted(topo.out_neighbours(me, t)))
 
     def _post_exchange(self, snaps: list[torch.Tensor], ins, outs) -> tuple[list, list]:
         ranks, group = self._rt.ranks, self._rt.group
@@ -241,17 +229,14 @@ class DecentralizedModule(nn.Module):
         ``torch.func.functional_call(module.model, averaged, inputs)``."""
         n = len(self._rt.ranks)
         named = list(self.module.named_parameters())
-        by_key: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-        for idx, (_name, p) in enumerate(named):
-            by_key.setdefault((p.dtype, p.device), []).append(idx)
         out: dict[str, torch.Tensor] = {}
-        for _key, idxs in sorted(by_key.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
-            ps = [named[k][1].detach() for k in idxs]
+        for group in _by_dtype_device(named):
+            ps = [p.detach() for _n, p in group]
             flat = _flatten_dense_tensors(ps)
             dist.all_reduce(flat, group=self._rt.group)
             flat.div_(n)
-            for k, t in zip(idxs, _unflatten_dense_tensors(flat, ps), strict=True):
-                out[named[k][0]] = t
+            for (name, _p), t in zip(group, _unflatten_dense_tensors(flat, ps), strict=True):
+                out[name] = t
         if inplace:
             with torch.no_grad():
                 for name, p in named:

@@ -91,6 +91,15 @@ class DecentralizedResult:
         return self.simulation.iteration_time_s
 
 
+def _order(r: DecentralizedResult) -> tuple[bool, float]:
+    return (not r.simulation.feasible, r.effective_time_s)
+
+
+def best_candidate(results: Sequence[DecentralizedResult]) -> DecentralizedResult | None:
+    """The fastest candidate under its objective, feasible ones first (None for none)."""
+    return min(results, key=_order, default=None)
+
+
 def _check_objective(objective: str) -> str:
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}; use one of {', '.join(OBJECTIVES)}")
@@ -178,7 +187,7 @@ def decentralized_candidates(
         factor = iterations_factor(top, noise_ratio=noise_ratio, heterogeneity_ratio=heterogeneity_ratio)
         out.append(DecentralizedResult(top, sim, factor, effective_time(sim.iteration_time_s, factor, objective),
                                        objective))
-    out.sort(key=lambda r: (not r.simulation.feasible, r.effective_time_s))
+    out.sort(key=_order)
     return out
 
 
@@ -229,8 +238,7 @@ def explain(best: DecentralizedResult | Sequence[DecentralizedResult] | None, sy
     ``reason`` says why there is no candidate when there is none. Pure."""
     _check_objective(objective)
     if best is not None and not isinstance(best, DecentralizedResult):
-        ranked = sorted(best, key=lambda r: (not r.simulation.feasible, r.effective_time_s))
-        best = ranked[0] if ranked else None
+        best = best_candidate(best)
     sync = f"{sync_name} {_t(sync_time_s)}/iter"
     if best is None:
         why = f" ({reason})" if reason else ""

@@ -273,6 +273,32 @@ def microbatch_options(per_replica: int, p: int, most: int = 5) -> list[int]:
     return kept
 
 
+def even_pipeline(graph: OpGraph, cluster: Cluster, schedule: str, tensor: int = 1, microbatches: int = 2, *,
+                  measured=None) -> PipelineResult | None:
+    """Two pipeline ranks over the nodes split evenly (two chunks each for the
+    interleaved schedule), every other dimension data parallel: a pipeline the emitter
+    can always run, for tests and benchmarks that need one where the search finds none
+    worth running. None when the devices or the batch do not split that way."""
+    p, chunks = 2, 2 if schedule == "interleaved" else 1
+    if cluster.devices % (p * tensor):
+        return None
+    d = cluster.devices // (p * tensor)
+    m = microbatches
+    if batch_size(graph) % (d * m):
+        return None
+    configs = stage_configs(microbatch_graph(graph, d * m), tensor)
+    if configs is None:
+        return None
+    n, stages = len(graph.nodes), p * chunks
+    bounds = [(n * k // stages, n * (k + 1) // stages) for k in range(stages)]
+    sim = simulate_stages(graph, cluster, bounds=bounds, tensor=tensor, replicas=d, schedule=schedule,
+                          microbatches=m, chunks=chunks, measured=measured)
+    g = d * tensor
+    placed = tuple((a, b, tuple(range((k % p) * g, (k % p + 1) * g))) for k, (a, b) in enumerate(bounds))
+    return PipelineResult("hybrid" if tensor > 1 else "pipeline", schedule, m, chunks, False, tensor, d, placed,
+                          configs, sim)
+
+
 def search_pipelines(graph: OpGraph, cluster: Cluster, *, optimizer: str = "adam", measured=None,
                      simulate_top: int = 6, schedules: Sequence[str] = SYNC_SCHEDULES,
                      max_stages: int | None = None) -> list[PipelineResult]:

@@ -188,7 +188,9 @@ def with_decentralized(plan: Plan, graph: OpGraph, cluster: Cluster, *, measured
         else:
             infeasible.append(name)
     note = dz.explain(cands, plan.kind, plan.predicted.iteration_time_s, objective=plan.objective)
-    best = next((c for c in cands if c.simulation.feasible), None)
+    best = dz.best_candidate(cands)
+    if best is not None and not best.simulation.feasible:
+        best = None
     margin = DECENTRALIZED_MARGIN if plan.objective == "iteration" else 0.0
     wins = best is not None and best.effective_time_s < plan.predicted.iteration_time_s
     if wins and best.effective_time_s * (1 + margin) >= plan.predicted.iteration_time_s:

@@ -66,7 +66,13 @@ from typing import TYPE_CHECKING
 from flexsearch.cost import comm
 from flexsearch.cost.compute import Work, roofline_time
 from flexsearch.sim.pipeline import PipelineLayout, StageCost, simulate_pipeline
-from flexsearch.sim.simulator import _UPDATE_TRAFFIC, OPTIMIZER_STATE, Simulation, run_tasks
+from flexsearch.sim.simulator import (
+    _UPDATE_TRAFFIC,
+    OPTIMIZER_STATE,
+    Simulation,
+    busy_compute,
+    run_tasks,
+)
 from flexsearch.sim.taskgraph import CostContext, Task
 
 if TYPE_CHECKING:
@@ -118,11 +124,7 @@ def _finish(ctx: CostContext, ordered: list[Task], memory: Sequence[float], iter
             timeline: bool) -> Simulation:
     n = ctx.cluster.devices
     run = run_tasks(ordered, n, len(ctx.cluster.links), timeline)
-    compute = [0.0] * n
-    for t in ordered:
-        if t.kind in ("fwd", "bwd", "update"):
-            for d in t.resources:
-                compute[d] += t.duration
+    compute = busy_compute(ordered, n)
     return Simulation(
         iteration_time_s=max(run.free, default=0.0) / iterations,
         memory_bytes=tuple(memory),

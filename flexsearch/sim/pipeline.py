@@ -50,6 +50,7 @@ from flexsearch.sim.simulator import (
     _UPDATE_TRAFFIC,
     OPTIMIZER_STATE,
     Simulation,
+    busy_compute,
     run_tasks,
 )
 from flexsearch.sim.taskgraph import CostContext, Task
@@ -276,11 +277,7 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
                 ordered.extend(update((d,), held[d], tuple(deps), ("u", d), tensors[d]))
 
     run = run_tasks(ordered, devices, len(ctx.cluster.links), timeline)
-    compute = [0.0] * devices
-    for t in ordered:
-        if t.kind in ("fwd", "bwd", "update"):
-            for d in t.resources:
-                compute[d] += t.duration
+    compute = busy_compute(ordered, devices)
     if asynchronous:
         m = layout.microbatches
         ends = [run.end[("pb", 0, j, 0)] for j in range(m)]

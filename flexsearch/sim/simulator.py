@@ -441,6 +441,17 @@ class TaskRun:
     serial: float
 
 
+def busy_compute(ordered: list[Task], devices: int) -> list[float]:
+    """Per device, the summed duration of the compute tasks it runs (forward, backward,
+    update): a stage-level simulation's ``compute_s``."""
+    compute = [0.0] * devices
+    for t in ordered:
+        if t.kind in ("fwd", "bwd", "update"):
+            for d in t.resources:
+                compute[d] += t.duration
+    return compute
+
+
 def run_tasks(ordered: list[Task], devices: int, links: int, keep_timeline: bool = True) -> TaskRun:
     """List-schedule ``ordered`` (module docstring): each task starts at the latest end of
     its dependencies and of its resources' previous tasks and holds its resources until

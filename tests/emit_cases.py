@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import flexsearch
@@ -65,8 +66,29 @@ def mse(out, target):
     return F.mse_loss(out.float(), target)
 
 
+def groups_agree(world: int) -> None:
+    """No two process groups share a name: torch names a group by how many groups the
+    rank made before it, and its members meet in the store under that name, so ranks
+    that made groups in different orders (a group made lazily where only some ranks run)
+    reuse a name for different groups and connect to the wrong peers: a hang or, by
+    luck, a run."""
+    from torch.distributed.distributed_c10d import _world
+
+    mine = {name: tuple(sorted(_world.pg_group_ranks[pg])) for pg, name in _world.pg_names.items()}
+    every: list = [None] * world
+    dist.all_gather_object(every, mine)
+    seen: dict[str, tuple[tuple[int, ...], int]] = {}
+    for r, groups in enumerate(every):
+        for name, ranks in sorted(groups.items()):
+            first, where = seen.setdefault(name, (ranks, r))
+            if first != ranks:
+                raise AssertionError(f"process group {name!r} is ranks {first} on rank {where} but "
+                                     f"ranks {ranks} on rank {r}")
+
+
 def check_job(rank: int, world: int, spec: str, plans: list) -> list:
-    """On every rank: each plan emitted and verified (loss, gradients, 3 steps)."""
+    """On every rank: each plan emitted and verified (loss, gradients, 3 steps), and the
+    process groups it made agree across ranks."""
     from flexsearch.emit.verify import verify
 
     out = []
@@ -76,5 +98,6 @@ def check_job(rank: int, world: int, spec: str, plans: list) -> list:
         with torch.no_grad():
             y = torch.randn(model(*x).shape)
         r = verify(model, plan, x, y, mse)
+        groups_agree(world)
         out.append((plan.kind, plan.schedule, r["loss"], r["reference_loss"], r["params"]))
     return out

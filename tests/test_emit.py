@@ -168,3 +168,20 @@ def test_in_place_ops_run() -> None:
     assert [r[0] for r in res[0]] == ["soap", "soap", "soap", "pipeline"]
     for _kind, _s, loss, ref, _params in res[0]:
         assert loss == pytest.approx(ref, rel=1e-4)
+
+
+def hang_job(rank: int, world: int) -> None:
+    if rank == 1:
+        import time
+
+        time.sleep(600)
+
+
+def test_a_hung_job_reports_where_its_ranks_stood() -> None:
+    """A job past its timeout is killed, and the error names what the running ranks
+    were doing (so a hang in CI says where it hung)."""
+    with pytest.raises(RanksFailed) as e:
+        run_ranks(hang_job, 2, timeout_s=20)
+    msg = str(e.value)
+    assert msg.startswith("ranks [1] still running after 20 s (killed)"), msg
+    assert "rank 1 stood at:" in msg and "hang_job" in msg, msg

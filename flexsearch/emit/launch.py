@@ -4,12 +4,15 @@ For tests and benchmarks of emitted plans on one machine (``torchrun`` does the 
 for real jobs): ``run_ranks(fn, world, *args)`` spawns the processes, gives each a
 process group with a timeout (a failing rank fails the job instead of hanging it),
 and returns every rank's result, or raises :class:`RanksFailed` with the first rank's
-error.
+error. A job that runs past its timeout reports where each rank that was still running
+stood (Python stacks written by :mod:`faulthandler` shortly before the deadline), so a
+hang in CI names its cause.
 """
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import tempfile
 import traceback
@@ -26,8 +29,10 @@ class RanksFailed(RuntimeError):
 
 
 def _entry(fn: Callable, rank: int, world: int, store_path: str, out: str, threads: int,
-           pg_timeout_s: float, args: tuple) -> None:
+           pg_timeout_s: float, stack_after_s: float, args: tuple) -> None:
     torch.set_num_threads(threads)
+    stacks = open(os.path.join(out, f"{rank}.stack"), "w")  # noqa: SIM115 - open until the process ends
+    faulthandler.dump_traceback_later(stack_after_s, file=stacks)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
         store = dist.FileStore(store_path, world)
@@ -50,8 +55,9 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 300, thre
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="flexsearch-ranks-") as d:
         store = os.path.join(d, "store")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, store, d, threads, pg_timeout_s, args),
-                             daemon=True) for r in range(world)]
+        stack_after_s = max(1.0, timeout_s - min(10.0, timeout_s / 10))
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, store, d, threads, pg_timeout_s, stack_after_s,
+                                                  args), daemon=True) for r in range(world)]
         for p in procs:
             p.start()
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
@@ -70,8 +76,13 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 300, thre
         if errors:
             raise RanksFailed("\n".join(errors))
         if alive:
-            raise RanksFailed(f"ranks {alive} still running after {timeout_s:.0f} s (killed)")
+            stacks = "".join(f"\nrank {r} stood at:\n{_read(os.path.join(d, f'{r}.stack'))}" for r in alive)
+            raise RanksFailed(f"ranks {alive} still running after {timeout_s:.0f} s (killed){stacks}")
         bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
         if bad:
             raise RanksFailed(f"ranks {bad} exited with codes {[procs[r].exitcode for r in bad]}")
         return [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def _read(path: str) -> str:
+    return open(path).read() if os.path.exists(path) else "(no stack written)\n"

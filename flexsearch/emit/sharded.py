@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Mapping
+import itertools
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -152,6 +153,24 @@ def _transfer(rt: Runtime, x: DTensor, dst, placements) -> DTensor:
     return out.redistribute(dst, placements) if tuple(placements) != out.placements else out
 
 
+def build_layouts(rt: Runtime, configs: Iterable[Config]) -> None:
+    """Make every device mesh and transfer group a :class:`ShardedModule` over ``configs``
+    on ``rt`` can use: the block mesh of each configuration (and of an op without one),
+    the whole-runtime mesh outputs are gathered on, and one group per pair of those meshes
+    (a :class:`_Move` between them broadcasts over the union of their ranks).
+
+    ``DeviceMesh`` and ``new_group`` are collective over the default group and name
+    groups by a counter, so every rank must make the same groups in the same order, also
+    those it is not in. A module whose forward runs on only some ranks (a stage of a
+    hybrid plan) must therefore not make them lazily: the caller runs this on every rank,
+    for every stage, before any forward."""
+    blocks = sorted({(0, len(rt.ranks), 1), (0, 1, 1)} | {(c.first, c.s, c.t) for c in configs})
+    for b in blocks:
+        rt.block_mesh(*b)
+    for (f1, s1, t1), (f2, s2, t2) in itertools.combinations(blocks, 2):
+        rt.subgroup(tuple(rt.ranks[d] for d in {*range(f1, f1 + s1 * t1), *range(f2, f2 + s2 * t2)}))
+
+
 class _Move(torch.autograd.Function):
     """A tensor from one device mesh to another (forward: gather + broadcast to the new
     block; backward: the gradient the same way back)."""
@@ -160,7 +179,6 @@ class _Move(torch.autograd.Function):
     def forward(ctx, x: DTensor, dst, placements, rt: Runtime) -> DTensor:  # type: ignore[override]
         ctx.rt, ctx.src = rt, x.device_mesh
         ctx.src_placements = tuple(Replicate() if isinstance(p, Partial) else p for p in x.placements)
-        rt.subgroup(tuple(_mesh_ranks(x.device_mesh) | _mesh_ranks(dst)))  # made by every rank, in order
         return _transfer(rt, x, dst, placements)
 
     @staticmethod
@@ -229,6 +247,7 @@ class ShardedModule(nn.Module):
         self._graph = graph
         self._configs = dict(configs)
         self._rt = rt
+        build_layouts(rt, self._configs.values())
         self._world = rt.block_mesh(0, len(rt.ranks), 1)
         self._distribute()
 

@@ -43,7 +43,7 @@ from torch.utils.checkpoint import checkpoint
 
 from flexsearch.emit.data import batch_shard
 from flexsearch.emit.runtime import Runtime
-from flexsearch.emit.sharded import ShardedModule
+from flexsearch.emit.sharded import ShardedModule, build_layouts
 from flexsearch.emit.stages import cut
 from flexsearch.errors import EmitError
 from flexsearch.graph.opgraph import OpGraph
@@ -103,15 +103,15 @@ class PipelineModule(nn.Module):
         gm = lift(model)
         cuts = cut(gm, graph, [s.nodes for s in plan.stages])
         configs = plan.node_configs()
-        # every rank builds every tensor-parallel mesh and group, in the same order
+        # every rank builds every stage's meshes and groups, in the same order (a stage's
+        # forward runs on its ranks only, so nothing may be made lazily there)
         subs: dict[tuple[int, int], Runtime] = {}
         for rr in range(p):
             for jj in range(d):
-                devs = [rr * g + jj * t + ii for ii in range(t)]
-                sub = rt.sub(devs)
+                sub = rt.sub([rr * g + jj * t + ii for ii in range(t)])
                 if t > 1:
-                    sub.block_mesh(0, 1, t)
-                    sub.block_mesh(0, t, 1)
+                    build_layouts(sub, [configs[n.name] for k in range(rr, nstages, p)
+                                        for n in cuts[k].graph.nodes if n.name in configs])
                 subs[rr, jj] = sub
         self._pp_group = None
         for jj in range(d):

@@ -13,7 +13,8 @@ LSTM(256) language model) and each plan kind the emitter runs (``data`` = DDP, `
 = FSDP2, ``soap`` = the planner's SOAP plan on DTensor (the best expert baseline when
 the search returns data parallelism, a random one where there is none), pipelines
 ``gpipe`` / ``1f1b`` / ``interleaved`` (the pipeline search's best of that schedule),
-``hybrid`` = pipeline x tensor parallel, which needs 4 ranks):
+``hybrid`` = pipeline x tensor parallel, which needs 4 ranks; ``dpsgd`` = D-PSGD on the
+best gossip topology for the rank count, on 2 ranks the pair):
 
 1. **profile**: every distinct op is measured alone by the profiler
    (:func:`flexsearch.cost.profiler.profile_model`, ``--threads`` threads) at the whole
@@ -92,7 +93,7 @@ from flexsearch.graph.tracer import trace  # noqa: E402
 from flexsearch.plan import Plan  # noqa: E402
 from flexsearch.sim.simulator import Simulation, Simulator  # noqa: E402
 
-KINDS = ("data", "fsdp", "soap", "gpipe", "1f1b", "interleaved", "hybrid")
+KINDS = ("data", "fsdp", "soap", "gpipe", "1f1b", "interleaved", "hybrid", "dpsgd")
 CLUSTER = "cpu"
 PROFILE = ROOT / "costmodels" / "measurements" / "fidelity-profile-cpu-1t.json"
 DEGREES = (2, 4, 8, 16, 32)  # profiled splits: SOAP degrees and pipeline microbatches
@@ -183,6 +184,17 @@ def force_plan(graph: OpGraph, cl: Cluster, kind: str, measured=None, seed: int 
     from flexsearch.search.space import Space
 
     space = Space(graph, cl.devices)
+    if kind == "dpsgd":
+        from flexsearch.search.decentralized import best_candidate, decentralized_candidates
+
+        base = plan_graph(graph, cl, max_iters=0, pipelines=False, ilp_max_units=0, measured=measured,
+                          decentralized=False)
+        best = best_candidate(decentralized_candidates(graph, cl, optimizer=base.optimizer, measured=measured))
+        if best is None:
+            return None
+        return base.model_copy(update=dict(kind="decentralized", decisions={}, configs={}, topology=best.name,
+                                           topology_edges=best.topology.edges, spectral_gap=best.spectral_gap,
+                                           iterations_factor=best.iterations_factor))
     if kind in ("data", "fsdp"):
         base = plan_graph(graph, cl, max_iters=0, pipelines=False, ilp_max_units=0, measured=measured)
         configs = space.expand({u.name: space.data_parallel(u) for u in space.units})
@@ -244,6 +256,15 @@ def predict(graph: OpGraph, plan: Plan, cl: Cluster, measured=None, calibration=
     units = fsdp_units(model, graph) if model is not None and plan.shard_params else None
     if calibration is None:
         return flexsearch.api.simulate(graph, plan, cl, measured=measured, fsdp_units=units)
+    if plan.kind == "decentralized":
+        from flexsearch.search.decentralized import replica_cost
+        from flexsearch.search.topology import build as topology
+        from flexsearch.sim.decentralized import simulate_gossip
+        from flexsearch.sim.taskgraph import CostContext
+
+        return simulate_gossip(CostContext(cl, measured, calibration=calibration),
+                               replica_cost(graph, cl, measured=measured), topology(plan.topology, plan.devices),
+                               optimizer=plan.optimizer)
     if plan.kind in ("pipeline", "hybrid"):
         import itertools
 
@@ -443,6 +464,8 @@ def describe(plan: Plan) -> str:
                 f"x{plan.tensor_degree} m{plan.microbatches}")
     if plan.kind == "data":
         return "fsdp" if plan.shard_params else "ddp"
+    if plan.kind == "decentralized":
+        return f"dpsgd {plan.topology}"
     kinds = {}
     for c in plan.decisions.values():
         kinds[c] = kinds.get(c, 0) + 1
@@ -785,10 +808,11 @@ def calibrate(ranks: int, threads: int, steps: int, warmup: int, path: Path = CA
                                             f"LSTM 128, LayerNorm 1024, GELU; profiled one by one) on {ranks} ranks "
                                             "at once (the slowest) over the same alone")
                         for k, v in zip(("forward", "backward"), slow, strict=True)},
-        "runtime_bytes": {m: num(0.0, "placeholder") for m in ("ddp", "fsdp", "sharded", "pipeline")},
+        "runtime_bytes": {m: num(0.0, "placeholder") for m in ("ddp", "fsdp", "sharded", "pipeline",
+                                                               "decentralized")},
         "fsdp_collective_s": num(0.0, "placeholder"),
         "pipeline_action_s": num(0.0, "placeholder"),
-        "step_s": {m: num(0.0, "placeholder") for m in ("ddp", "fsdp", "sharded", "pipeline")},
+        "step_s": {m: num(0.0, "placeholder") for m in ("ddp", "fsdp", "sharded", "pipeline", "decentralized")},
         "ddp_bucket_bytes": {"value": 25 * 2**20, "source": "DistributedDataParallel's default bucket_cap_mb=25"},
         "ddp_first_bucket_bytes": {"value": float(2**20), "source": "torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES "
                                                                      "(1 MiB; DDP's first bucket)"},
@@ -932,6 +956,17 @@ def calibrate(ranks: int, threads: int, steps: int, warmup: int, path: Path = CA
                                           "and backward actions)")
     floor("pipeline", m2, what.replace("with 2 and 8 microbatches", "with 2 microbatches"))
     print(f"# pipeline: action {action * 1e6:.1f} us, step {base * 1e3:.2f} ms", flush=True)
+
+    # D-PSGD: the fixed cost per step (posting and waiting for the gossip, the loss all-reduce)
+    _, _, m8, p8, _ = probe("deep8", "dpsgd")
+    _, _, m32, p32, _ = probe("deep32", "dpsgd")
+    r8, r32 = m8["step"] - p8, m32["step"] - p32
+    base = max(0.0, (r8 + r32) / 2)
+    what = (f"residual of the simulator on D-PSGD runs of 16-wide MLPs of 8 and 32 layers ({r8 * 1e3:.2f} and "
+            f"{r32 * 1e3:.2f} ms; medians of {steps} steps)")
+    raw["step_s"]["decentralized"] = num(base, f"{what}: their mean per step")
+    floor("decentralized", m8, what.replace("MLPs of 8 and 32 layers", "MLP of 8 layers"))
+    print(f"# decentralized: step {base * 1e3:.2f} ms (residuals {r8 * 1e3:.2f}, {r32 * 1e3:.2f} ms)", flush=True)
 
     current()
     log_path = ROOT / "costmodels" / "measurements" / "calibration-cpu.json"

@@ -33,6 +33,7 @@ from flexsearch.sim.decentralized import (
     simulate_all_reduce,
     simulate_gossip,
     simulate_parameter_server,
+    snapshot_time,
     update_time,
 )
 from flexsearch.sim.simulator import Simulator
@@ -119,7 +120,7 @@ def test_exchange_overlaps_compute(worker):
     sim = simulate_gossip(ctx, cost, build("ring", n), optimizer="momentum")
     assert sim.iteration_time_s < compute + exchange
     tail = average_time(ctx, p, 2) + update_time(ctx, p, "momentum")
-    assert sim.iteration_time_s == pytest.approx(max(compute, exchange) + tail, rel=1e-9)
+    assert sim.iteration_time_s == pytest.approx(snapshot_time(ctx, p) + max(compute, exchange) + tail, rel=1e-9)
     # alpha + d M / B: degree 2, one 5 ms latency, each NIC sends two models
     link = cluster.spec.inter_node
     assert exchange == pytest.approx(link.latency.value + 2 * p / link.bandwidth.value, rel=1e-9)
@@ -207,7 +208,7 @@ def test_time_varying_topology_reports_mean_per_iteration(worker, tmp_path):
     p = cost.param_bytes
     link = ctx.cluster.spec.inter_node
     step = max(cost.forward_s + cost.backward_s, link.latency.value + p / link.bandwidth.value)
-    step += average_time(ctx, p, 1) + update_time(ctx, p, "momentum")
+    step += snapshot_time(ctx, p) + average_time(ctx, p, 1) + update_time(ctx, p, "momentum")
     assert sim.iteration_time_s == pytest.approx(step, rel=1e-9)
     assert sum(1 for s in sim.timeline if s.task.name.startswith("gossip")) == 4
     trace_ = sim.to_chrome_trace(tmp_path / "t.json")

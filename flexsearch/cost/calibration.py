@@ -32,9 +32,11 @@ simulated as before (no calibration).
 - ``pipeline_action_s``: per forward or backward action of a pipeline schedule (the
   schedule's bookkeeping, microbatch split, send/receive posting).
 - ``step_s``: fixed cost of one iteration per execution mode (``ddp``, ``fsdp``,
-  ``sharded``, ``pipeline``): the loss all-reduce, zero_grad, hooks.
+  ``sharded``, ``pipeline``, ``decentralized``): the loss all-reduce, zero_grad, hooks,
+  posting and waiting for the gossip messages. A mode without an entry costs nothing.
 - ``runtime_bytes``: memory one iteration allocates per device whatever the model, per
-  execution mode (communication buffers, the autograd engine, caches).
+  execution mode (communication buffers, the autograd engine, caches); none for a mode
+  without an entry.
 - ``fsdp_collective_s``: per all-gather or reduce-scatter of an FSDP unit (its hooks,
   the flat buffer's bookkeeping).
 - ``ddp_bucket_bytes`` / ``ddp_first_bucket_bytes``: DDP all-reduces gradients in
@@ -68,7 +70,7 @@ from flexsearch.errors import ClusterSpecError
 
 CALIBRATION_FILE = COSTMODELS_DIR / "calibration.json"
 
-Mode = Literal["ddp", "fsdp", "sharded", "pipeline"]
+Mode = Literal["ddp", "fsdp", "sharded", "pipeline", "decentralized"]
 
 
 class Flag(_Frozen):
@@ -127,6 +129,16 @@ class DeviceCalibration(_Frozen):
         u = self.optimizer[optimizer]  # type: ignore[index]
         per_tensor = u.per_tensor_s.value + (self.sharded_update_per_tensor_s.value if sharded else 0.0)
         return per_tensor * tensors + u.per_byte_s.value * nbytes
+
+    def step(self, mode: Mode) -> float:
+        """Seconds of ``mode``'s fixed cost per iteration (0 when not measured)."""
+        v = self.step_s.get(mode)
+        return v.value if v is not None else 0.0
+
+    def runtime(self, mode: Mode) -> float:
+        """Bytes ``mode``'s runtime allocates per device (0 when not measured)."""
+        v = self.runtime_bytes.get(mode)
+        return v.value if v is not None else 0.0
 
     def op_s(self, mode: Literal["plain", "sharded"]) -> tuple[float, float]:
         o = self.op_overhead[mode]

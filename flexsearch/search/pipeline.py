@@ -56,6 +56,10 @@ class NodeCost:
     backward_s: float
     param_bytes: float
     stash_bytes: float
+    tensors: int = 0
+    """Parameter tensors (whole or a shard each) the node places on the device."""
+    largest_param_bytes: float = 0.0
+    """The largest of them."""
 
 
 def _span(tasks) -> float:
@@ -83,8 +87,8 @@ def node_costs(graph: OpGraph, configs: dict[str, Config], cluster: Cluster, *,
             frag = sim.fragment(node.name, configs)
             fw = frag.forward
             bw = [t for t in frag.backward if not any(k[0] == "s" for k in t.defines)]
-            hit = memo[key] = NodeCost(_span(fw), _span(bw),
-                                       frag.params.get(0, 0.0), frag.activations.get(0, 0.0))
+            hit = memo[key] = NodeCost(_span(fw), _span(bw), frag.params.get(0, 0.0), frag.activations.get(0, 0.0),
+                                       frag.tensors.get(0, 0), frag.largest.get(0, 0.0))
         out[node.name] = hit
     return out
 
@@ -168,6 +172,8 @@ def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float],
         stash_bytes=cuts[a] if recompute else stash,
         send_bytes=cuts[b] if b < len(costs) else 0.0,
         working_bytes=stash if recompute else 0.0,
+        tensors=sum(c.tensors for c in seg),
+        largest_param_bytes=max((c.largest_param_bytes for c in seg), default=0.0),
     )
 
 

@@ -32,6 +32,7 @@ baseline that fits. Nothing fitting raises :class:`~flexsearch.errors.Infeasible
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -284,11 +285,16 @@ def plan_synchronous(
     if result.decisions is None and pipe is None:
         best = min(base.values(), key=lambda b: b.simulation.peak_memory_bytes)
         cap = best.simulation.capacity_bytes
+        total = sum(best.simulation.memory_bytes)
+        worth = math.ceil(total / cap)
+        spread = (f"{total / 2**30:.1f} GiB in all, {worth} devices' worth" if worth > cluster.devices else
+                  f"{total / 2**30:.1f} GiB in all, which {cluster.devices} devices could hold only if "
+                  "it were spread evenly")
         raise InfeasiblePlanError(
             f"no plan fits in {cap / 2**30:.1f} GiB per device on {cluster.devices} x "
             f"{cluster.device.name} (the leanest baseline, {best.name}, needs "
-            f"{best.simulation.peak_memory_bytes / 2**30:.1f} GiB); use more devices, a "
-            "smaller batch, or a cluster with more memory"
+            f"{best.simulation.peak_memory_bytes / 2**30:.1f} GiB on its fullest device and {spread}); "
+            "use more devices, a smaller batch, or a cluster with more memory"
         )
     baselines = {k: b.simulation.iteration_time_s for k, b in base.items() if b.simulation.feasible}
     infeasible = [k for k, b in base.items() if not b.simulation.feasible]

@@ -14,18 +14,24 @@ so communication overlaps compute and queues on shared links.
 **D-PSGD** (Lian et al. 2017, REFERENCE section 3), one gossip step ``t`` of the
 topology (:mod:`flexsearch.search.topology`):
 
-- per rank: forward, backward (the gradient at the rank's current model ``x_i``);
-- at the same time, the **exchange**: every rank sends its ``P``-byte model to each of
-  its out-neighbours at step ``t``. All of the step's transfers form one
+- per rank, first: the **snapshot**, its model flattened into one buffer (``2 P`` bytes
+  moved at the device's elementwise bandwidth);
+- then forward, backward (the gradient at the rank's current model ``x_i``);
+- at the same time, the **exchange**: every rank sends its ``P``-byte snapshot to each
+  of its out-neighbours at step ``t``. All of the step's transfers form one
   :func:`~flexsearch.cost.comm.exchange` task, ``max path latency + max_l bytes(l) /
   B(l)`` over the real links (concurrent sends share their NIC: ``alpha + d P / B`` for
-  out-degree ``d`` on a switch, independent of ``n``); it holds every link it loads;
-- per rank, after the exchange: the **averaging** ``x_i <- sum_j W_ij x_j``, a
-  memory-bound pass reading ``1 + d_in`` model copies and writing one
-  (``(2 + d_in) P`` bytes at the device's elementwise bandwidth);
-- per rank, after the averaging and the backward: the optimizer update
-  ``x_i <- x_i - lr g_i`` (the gradient taken before averaging, so the exchange hides
-  behind the compute): ``max(fwd + bwd, exchange) + average + update`` when nothing queues.
+  out-degree ``d`` on a switch, independent of ``n``); it holds every link it loads
+  (posted asynchronously, like a pipeline's sends: not the devices);
+- per rank, after the exchange and the backward: the **averaging** ``x_i <- sum_j W_ij
+  x_j`` as the emitter does it, in the snapshot buffer (scaled in place, then one
+  fused add per in-neighbour) and copied back into the parameters: ``(4 + 3 d_in) P``
+  bytes at the elementwise bandwidth;
+- per rank, after the averaging: the optimizer update ``x_i <- x_i - lr g_i`` (the
+  gradient taken before averaging, so the exchange hides behind the compute):
+  ``snapshot + max(fwd + bwd, exchange) + average + update`` when nothing queues. With
+  a calibration (:mod:`flexsearch.cost.calibration`) the update is the calibrated one
+  (per tensor and per byte) plus the ``decentralized`` mode's fixed cost per step.
 
 A time-varying topology (``period > 1``, the one-peer exponential graph) is simulated
 for the ``period`` steps of one period in a row (step ``t + 1`` starts from step ``t``'s
@@ -51,7 +57,9 @@ activations kept for the backward):
 - D-PSGD: ``(3 + k) P + A + d_in P``, with ``d_in`` the rank's largest in-degree over
   the period: the snapshot of its own model it sends while the backward runs, and a
   receive buffer per in-neighbour's model (as :mod:`flexsearch.emit.decentralized`
-  allocates them);
+  allocates them); calibrated, as the simulator's other plans: ``(2 + k + d_in) P +
+  max(A, P + temporaries) + runtime`` (gradients are allocated as the activations are
+  freed; the update's temporaries are a multiple of the largest parameter tensor);
 - parameter server: ``2 P + A`` on a worker (parameters, gradients; no optimizer state),
   plus ``(k + 1) P / s`` on a server (the shard's optimizer state and one buffer into
   which it accumulates the pushed gradients as they arrive);
@@ -95,9 +103,26 @@ def update_time(ctx: CostContext, param_bytes: float, optimizer: str) -> float:
     return elementwise_time(ctx, _UPDATE_TRAFFIC[optimizer] * param_bytes)
 
 
+def snapshot_time(ctx: CostContext, param_bytes: float) -> float:
+    """Seconds of flattening the model into the buffer the exchange sends."""
+    return elementwise_time(ctx, 2 * param_bytes)
+
+
 def average_time(ctx: CostContext, param_bytes: float, in_degree: int) -> float:
-    """Seconds of the gossip average: read ``1 + in_degree`` models, write one."""
-    return elementwise_time(ctx, (2 + in_degree) * param_bytes)
+    """Seconds of the gossip average as the emitter runs it: scale the snapshot in place
+    (read, write), add each in-neighbour's model (read two, write one), copy the result
+    back into the parameters (read, write)."""
+    return elementwise_time(ctx, (4 + 3 * in_degree) * param_bytes)
+
+
+def gossip_update_time(ctx: CostContext, cost: StageCost, optimizer: str) -> float:
+    """Seconds of a D-PSGD rank's optimizer update: the calibrated update and the
+    ``decentralized`` mode's fixed cost per step where the device has a calibration,
+    else the simulator's roofline rule."""
+    cal = ctx.calibration
+    if cal is None:
+        return update_time(ctx, cost.param_bytes, optimizer)
+    return cal.update_s(optimizer, cost.tensors, cost.param_bytes) + cal.step("decentralized")
 
 
 def exchange_task(ctx: CostContext, name: str, transfers: Sequence[tuple[int, int, float]],
@@ -146,26 +171,35 @@ def simulate_gossip(ctx: CostContext, cost: StageCost, topology: Topology, *, op
         raise ValueError(f"topology {topology.name!r} has {topology.n} ranks, the cluster {n} devices")
     p = cost.param_bytes
     period = max(1, int(topology.period))
-    upd = update_time(ctx, p, optimizer)
+    upd = gossip_update_time(ctx, cost, optimizer)
+    snap = snapshot_time(ctx, p)
     ordered: list[Task] = []
     in_max = [0] * n
     for t in range(period):
-        after = tuple(("u", t - 1, i) for i in range(n)) if t else ()
-        sends = [(i, k, p) for i in range(n) for k in _others(topology.out_neighbours(i, t), i)]
-        ordered.append(exchange_task(
-            ctx, f"gossip {t}", sends, after, (("x", t),),
-            f"{topology.name} step {t}: {len(sends)} models of {p:.0f} bytes"))
         for i in range(n):
             prev = (("u", t - 1, i),) if t else ()
+            ordered.append(Task("update", "snapshot", snap, (i,), prev, (("s", t, i),)))
+        sends = [(i, k, p) for i in range(n) for k in _others(topology.out_neighbours(i, t), i)]
+        ordered.append(exchange_task(
+            ctx, f"gossip {t}", sends, tuple(("s", t, i) for i in range(n)), (("x", t),),
+            f"{topology.name} step {t}: {len(sends)} models of {p:.0f} bytes"))
+        for i in range(n):
             d_in = len(_others(topology.in_neighbours(i, t), i))
             in_max[i] = max(in_max[i], d_in)
-            ordered.append(Task("fwd", f"forward {t}", cost.forward_s, (i,), prev, (("f", t, i),)))
+            ordered.append(Task("fwd", f"forward {t}", cost.forward_s, (i,), (("s", t, i),), (("f", t, i),)))
             ordered.append(Task("bwd", f"backward {t}", cost.backward_s, (i,), (("f", t, i),), (("b", t, i),)))
-            ordered.append(Task("update", "average", average_time(ctx, p, d_in), (i,), (("x", t),),
+            ordered.append(Task("update", "average", average_time(ctx, p, d_in), (i,), (("x", t), ("b", t, i)),
                                 (("a", t, i),), detail=f"{1 + d_in} models"))
-            ordered.append(Task("update", "optimizer", upd, (i,), (("a", t, i), ("b", t, i)), (("u", t, i),)))
-    state = 3 + OPTIMIZER_STATE[optimizer]  # parameters, gradients, the sent snapshot, optimizer state
-    base = state * p + cost.stash_bytes + cost.working_bytes
+            ordered.append(Task("update", "optimizer", upd, (i,), (("a", t, i),), (("u", t, i),)))
+    k = OPTIMIZER_STATE[optimizer]
+    acts = cost.stash_bytes + cost.working_bytes
+    cal = ctx.calibration
+    if cal is None:
+        base = (3 + k) * p + acts  # parameters, gradients, the sent snapshot, optimizer state
+    else:
+        largest = cost.largest_param_bytes or p / 2
+        base = (2 + k) * p + max(acts, p + cal.optimizer_working_tensors.value * largest) \
+            + cal.runtime("decentralized")
     memory = [base + in_max[i] * p for i in range(n)]
     return _finish(ctx, ordered, memory, period, timeline)
 

@@ -546,6 +546,19 @@ def _median_time(fn, repeats: int = 9, warmup: int = 2) -> float:
     return statistics.median(ts)
 
 
+def _residual_line(r_a: float, r_b: float, x_a: float, x_b: float) -> tuple[float, float]:
+    """``(slope, intercept)``, both clamped at 0, of the line through the simulator's
+    residuals ``r_a``, ``r_b`` (measured minus predicted seconds) of two probes with
+    ``x_a < x_b`` of the counted thing (tensors, collectives, actions)."""
+    slope = max(0.0, (r_b - r_a) / (x_b - x_a))
+    return slope, max(0.0, r_a - slope * x_a)
+
+
+def _tensors(graph: OpGraph) -> int:
+    """Parameter tensors of ``graph``."""
+    return sum(len(n.params) for n in graph.nodes if n.param_bytes)
+
+
 def _lstsq(rows: list[tuple[float, float]], ys: list[float]) -> tuple[float, float]:
     """Least squares of ``y = a x0 + b x1``, both clamped at 0."""
     import numpy as np
@@ -907,10 +920,7 @@ def calibrate(ranks: int, threads: int, steps: int, warmup: int, path: Path = CA
     # DDP: per gradient tensor (hooks) and per step, on top of the plain ops
     g8, _, m8, p8, _ = probe("deep8", "data")
     g32, _, m32, p32, _ = probe("deep32", "data")
-    tensors = sum(len(n.params) for n in g32.nodes if n.param_bytes) - sum(
-        len(n.params) for n in g8.nodes if n.param_bytes)
-    per_tensor = max(0.0, ((m32["step"] - m8["step"]) - (p32 - p8)) / tensors)
-    base = max(0.0, (m8["step"] - p8) - per_tensor * sum(len(n.params) for n in g8.nodes if n.param_bytes))
+    per_tensor, base = _residual_line(m8["step"] - p8, m32["step"] - p32, _tensors(g8), _tensors(g32))
     what = f"residual of the simulator on DDP runs of 16-wide MLPs of 8 and 32 layers (medians of {steps} steps)"
     raw["ddp_per_tensor_s"] = num(per_tensor, f"{what}: slope per parameter tensor")
     raw["step_s"]["ddp"] = num(base, f"{what}: intercept per step")
@@ -920,8 +930,7 @@ def calibrate(ranks: int, threads: int, steps: int, warmup: int, path: Path = CA
     # FSDP: per unit collective (all-gather in the forward and the backward, reduce-scatter)
     g8, _, m8, p8, _ = probe("deep8", "fsdp")
     g32, _, m32, p32, _ = probe("deep32", "fsdp")
-    per_coll = max(0.0, ((m32["step"] - m8["step"]) - (p32 - p8)) / (3 * (32 - 8)))
-    base = max(0.0, (m8["step"] - p8) - per_coll * 3 * 8)
+    per_coll, base = _residual_line(m8["step"] - p8, m32["step"] - p32, 3 * 8, 3 * 32)
     what = (f"residual of the simulator on FSDP runs of 16-wide MLPs of 8 and 32 layers, one unit each "
             f"(medians of {steps} steps)")
     raw["fsdp_collective_s"] = num(per_coll, f"{what}: slope per unit collective (3 per unit)")
@@ -946,9 +955,8 @@ def calibrate(ranks: int, threads: int, steps: int, warmup: int, path: Path = CA
 
     _, pl2, m2, p2, _ = probe("deep32", "gpipe", microbatches=2)
     _, pl8, m8, p8, _ = probe("deep32", "gpipe", microbatches=8)
-    action = max(0.0, ((m8["step"] - m2["step"]) - (p8 - p2)) / (2 * (8 - 2)))
     stages = len(pl2.stages)
-    base = max(0.0, (m2["step"] - p2) - 2 * (2 + stages - 1) * action)
+    action, base = _residual_line(m2["step"] - p2, m8["step"] - p8, 2 * (2 + stages - 1), 2 * (8 + stages - 1))
     what = ("residual of the simulator on GPipe runs of a 16-wide MLP of 32 layers over 2 stages with 2 and 8 "
             f"microbatches (medians of {steps} steps)")
     raw["pipeline_action_s"] = num(action, f"{what}: slope per forward or backward action of a stage")

@@ -170,7 +170,7 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
     def update(devs: tuple[int, ...], nbytes: float, deps: tuple, key, tensors: float = 0) -> list[Task]:
         if cal is not None:
             dur = cal.update_s(optimizer, tensors, nbytes, sharded=tensor_parallel)
-            dur += cal.step_s["pipeline"].value
+            dur += cal.step("pipeline")
         else:
             dur = roofline_time(Work(0.0, _UPDATE_TRAFFIC[optimizer] * nbytes), ctx.cluster.device,
                                 "float32", "elementwise", ctx.efficiency)
@@ -305,7 +305,7 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
         for d in range(devices):
             grads = held[d]
             memory[d] += (max(stashed[d], grads + cal.optimizer_working_tensors.value * largest[d]) - stashed[d] - grads
-                          + cal.runtime_bytes["pipeline"].value)
+                          + cal.runtime("pipeline"))
     return Simulation(
         iteration_time_s=time_s,
         memory_bytes=tuple(memory),

@@ -392,7 +392,7 @@ class Simulator:
                 continue
             if cal is not None:
                 dur = cal.update_s(self.optimizer, tensors[d], params[d], sharded)
-                dur += cal.step_s[mode].value
+                dur += cal.step(mode)
             else:
                 dur = roofline_time(Work(0.0, _UPDATE_TRAFFIC[self.optimizer] * params[d]), dev,
                                     "float32", "elementwise", self.ctx.efficiency)
@@ -412,7 +412,7 @@ class Simulator:
         else:  # calibrated: gradients live from the backward to the next zero_grad, not during the forward
             for d, b in self._output_grad(configs).items():  # the loss's gradient of the output
                 acts[d] += b
-            memory = [(state - 1) * params[d] + unsharded + cal.runtime_bytes[mode].value
+            memory = [(state - 1) * params[d] + unsharded + cal.runtime(mode)
                       + max(acts[d], params[d] + cal.optimizer_working_tensors.value * largest[d])
                       + (params[d] if ddp and shards == 1 else 0.0)  # DDP's buckets: a flat copy of the gradients
                       for d in range(devices)]

@@ -20,7 +20,7 @@ The per-worker compute (forward, backward, activation memory) does not depend on
 is costed once per (model, cluster) and reused for every n. Times are in ms per
 iteration; ``!`` marks a plan that does not fit in device memory (D-PSGD keeps a receive
 buffer per in-neighbour). ``xiter`` is the ring's iterations factor (iterations to the
-same accuracy relative to synchronous SGD, :func:`flexsearch.search.topology.iterations_factor`).
+same accuracy relative to synchronous SGD, :func:`flexsearch.strategy.topology.iterations_factor`).
 The last line: ``key=value`` headline figures (speedups of D-PSGD over all-reduce and
 over the parameter server at n = 112).
 """
@@ -36,9 +36,9 @@ from flexsearch.errors import TopologyError
 from flexsearch.graph.tracer import trace
 from flexsearch.model_files import load_model
 from flexsearch.search.decentralized import centralized_baselines, replica_cost
-from flexsearch.search.topology import build, iterations_factor
 from flexsearch.sim.decentralized import simulate_gossip
 from flexsearch.sim.taskgraph import CostContext
+from flexsearch.strategy.topology import build, iterations_factor
 
 ROOT = Path(__file__).resolve().parent
 NS = (8, 16, 32, 64, 112)

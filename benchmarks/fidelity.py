@@ -181,7 +181,7 @@ def force_plan(graph: OpGraph, cl: Cluster, kind: str, measured=None, seed: int 
     pipeline search's best of that schedule with more than one stage."""
     from flexsearch.search.pipeline import even_pipeline, search_pipelines
     from flexsearch.search.planner import pipeline_plan, plan_graph
-    from flexsearch.search.space import Space
+    from flexsearch.strategy.space import Space
 
     space = Space(graph, cl.devices)
     if kind == "dpsgd":
@@ -206,7 +206,7 @@ def force_plan(graph: OpGraph, cl: Cluster, kind: str, measured=None, seed: int 
             return best
         import random
 
-        from flexsearch.search.baselines import baselines
+        from flexsearch.strategy.recipes import baselines
 
         sim = Simulator(graph, cl, measured=measured)
         options = [(sim.simulate(space.expand(d), timeline=False).iteration_time_s, name, d)
@@ -258,9 +258,9 @@ def predict(graph: OpGraph, plan: Plan, cl: Cluster, measured=None, calibration=
         return flexsearch.api.simulate(graph, plan, cl, measured=measured, fsdp_units=units)
     if plan.kind == "decentralized":
         from flexsearch.search.decentralized import replica_cost
-        from flexsearch.search.topology import build as topology
         from flexsearch.sim.decentralized import simulate_gossip
         from flexsearch.sim.taskgraph import CostContext
+        from flexsearch.strategy.topology import build as topology
 
         return simulate_gossip(CostContext(cl, measured, calibration=calibration),
                                replica_cost(graph, cl, measured=measured), topology(plan.topology, plan.devices),
@@ -710,7 +710,7 @@ def probe_job(rank: int, world: int, what: str, n: int) -> dict[str, float]:
 
 
 def _probe_plan(family: str, cl: Cluster, kind: str, db, microbatches: int | None = None):
-    from flexsearch.search.space import Space
+    from flexsearch.strategy.space import Space
 
     model, x, _ = build(family)
     graph = trace(model, x, name=f"fidelity:{family}")

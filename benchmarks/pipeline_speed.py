@@ -27,7 +27,7 @@ from flexsearch.graph.tracer import trace
 from flexsearch.model_files import load_model
 from flexsearch.search.partition import Chain, Memory, partition
 from flexsearch.search.pipeline import cluster_levels, cut_bytes, node_costs, pipedream_chain
-from flexsearch.search.space import Space
+from flexsearch.strategy.space import Space
 
 ROOT = Path(__file__).resolve().parent
 

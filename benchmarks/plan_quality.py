@@ -41,8 +41,8 @@ import flexsearch  # noqa: E402
 from flexsearch.cost.hardware import Cluster  # noqa: E402
 from flexsearch.errors import InfeasiblePlanError  # noqa: E402
 from flexsearch.search.planner import REFERENCE_BASELINES, plan_graph, run_baselines  # noqa: E402
-from flexsearch.search.space import Space  # noqa: E402
 from flexsearch.sim.simulator import Simulator  # noqa: E402
+from flexsearch.strategy.space import Space  # noqa: E402
 
 CLUSTERS = (
     ("flexflow-p100", 16),

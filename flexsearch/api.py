@@ -20,8 +20,8 @@ from flexsearch.errors import ClusterSpecError, FlexsearchError, PlanFileError
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.graph.tracer import trace
 from flexsearch.plan import Plan
-from flexsearch.search.space import legal
 from flexsearch.sim.simulator import Simulation, Simulator
+from flexsearch.strategy.config import legal
 
 DEFAULT_CLUSTER = "dgx-h100"
 
@@ -116,9 +116,9 @@ def simulate(graph: OpGraph, plan: Plan, cluster: str | os.PathLike[str] | Clust
 def _simulate_decentralized(graph: OpGraph, plan: Plan, cl: Cluster, measured: MeasuredCosts | None) -> Simulation:
     """Re-simulate a D-PSGD plan on its topology."""
     from flexsearch.search.decentralized import replica_cost
-    from flexsearch.search.topology import build
     from flexsearch.sim.decentralized import simulate_gossip
     from flexsearch.sim.taskgraph import CostContext
+    from flexsearch.strategy.topology import build
 
     if plan.topology is None:
         raise PlanFileError("the decentralized plan names no topology; the file is damaged, plan again")

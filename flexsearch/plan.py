@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from flexsearch.cost.hardware import ClusterSpec
 from flexsearch.errors import PlanFileError
 from flexsearch.graph.opgraph import OpGraph, TensorMeta
-from flexsearch.search.space import Config, parse_config
+from flexsearch.strategy.config import Config, parse_config
 
 PLAN_VERSION = 2
 """2: search curve, notes, decentralized topology fields (version 1 files still load)."""
@@ -99,14 +99,14 @@ class Plan(_Frozen):
     """The model's example inputs (positional), so the emitter can re-trace the model
     and check it is the one the plan was made for."""
     topology: str | None = None
-    """Decentralized plans: the gossip topology's name (:mod:`flexsearch.search.topology`)."""
+    """Decentralized plans: the gossip topology's name (:mod:`flexsearch.strategy.topology`)."""
     topology_edges: tuple[tuple[int, int], ...] = ()
     """Decentralized plans with a custom topology: its edges (rank pairs)."""
     spectral_gap: float | None = None
     """Decentralized plans: ``1 - beta`` of the mixing matrix (REFERENCE section 3)."""
     iterations_factor: float | None = None
     """Decentralized plans: iterations to reach the same accuracy as synchronous SGD,
-    relative to it (>= 1; the time-to-accuracy model of :mod:`flexsearch.search.topology`)."""
+    relative to it (>= 1; the time-to-accuracy model of :mod:`flexsearch.strategy.topology`)."""
     search: SearchInfo = SearchInfo()
     notes: tuple[str, ...] = ()
     """Why the planner chose this plan over others it considered (one line each)."""

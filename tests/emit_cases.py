@@ -14,7 +14,7 @@ from flexsearch.graph.tracer import trace
 from flexsearch.plan import Plan
 from flexsearch.search.pipeline import even_pipeline, search_pipelines
 from flexsearch.search.planner import pipeline_plan, plan_graph
-from flexsearch.search.space import Space
+from flexsearch.strategy.space import Space
 
 FAMILIES = {
     "mlp": "benchmarks/models/mlp.py:mlp_tiny",

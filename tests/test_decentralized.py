@@ -14,7 +14,6 @@ from flexsearch.cost import comm
 from flexsearch.cost.hardware import Cluster
 from flexsearch.graph.tracer import trace
 from flexsearch.model_files import load_model
-from flexsearch.search import baselines as bl
 from flexsearch.search.decentralized import (
     COMPLETE_MAX_RANKS,
     DecentralizedResult,
@@ -26,8 +25,6 @@ from flexsearch.search.decentralized import (
     replica_cost,
 )
 from flexsearch.search.planner import flat_baselines
-from flexsearch.search.space import Space
-from flexsearch.search.topology import build, iterations_factor
 from flexsearch.sim.decentralized import (
     average_time,
     simulate_all_reduce,
@@ -38,6 +35,9 @@ from flexsearch.sim.decentralized import (
 )
 from flexsearch.sim.simulator import Simulator
 from flexsearch.sim.taskgraph import CostContext
+from flexsearch.strategy import recipes as bl
+from flexsearch.strategy.space import Space
+from flexsearch.strategy.topology import build, iterations_factor
 
 NS = (8, 16, 32, 64, 112)
 

@@ -19,7 +19,7 @@ from flexsearch.emit.launch import run_ranks
 from flexsearch.errors import EmitError
 from flexsearch.graph.tracer import trace
 from flexsearch.plan import Plan
-from flexsearch.search.space import Space
+from flexsearch.strategy.space import Space
 
 SPEC = str(ROOT / "benchmarks/models/mlp.py:mlp_tiny")
 WORLD = 2

@@ -98,7 +98,7 @@ def beta(w: np.ndarray) -> float:
 
 
 def topo(name: str):
-    from flexsearch.search.topology import build
+    from flexsearch.strategy.topology import build
 
     return build(name, WORLD)
 
@@ -382,7 +382,7 @@ def error_job(rank: int, world: int, plan: Plan) -> list[str]:
     from flexsearch.emit.decentralized import DecentralizedModule
     from flexsearch.emit.runtime import Runtime
     from flexsearch.errors import EmitError
-    from flexsearch.search.topology import build
+    from flexsearch.strategy.topology import build
 
     msgs = []
     attempts = [

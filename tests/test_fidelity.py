@@ -21,8 +21,8 @@ from flexsearch.cost.hardware import Cluster  # noqa: E402
 from flexsearch.cost.profiler import ProfileDB, ProfileEntry, ProfileFile, profile_key  # noqa: E402
 from flexsearch.graph.microbatch import microbatch_graph  # noqa: E402
 from flexsearch.graph.tracer import trace  # noqa: E402
-from flexsearch.search.space import Space  # noqa: E402
 from flexsearch.sim.simulator import Simulator  # noqa: E402
+from flexsearch.strategy.space import Space  # noqa: E402
 
 
 def test_one_case_end_to_end(tmp_path):

@@ -18,8 +18,8 @@ import zoo  # noqa: E402
 import flexsearch  # noqa: E402
 from flexsearch import Cluster, Plan, PlanFileError, trace  # noqa: E402
 from flexsearch.plan import PLAN_VERSION  # noqa: E402
-from flexsearch.search.space import Space  # noqa: E402
 from flexsearch.sim.simulator import Simulator  # noqa: E402
+from flexsearch.strategy.space import Space
 
 
 @functools.cache
@@ -220,8 +220,8 @@ def test_simulate_reproduces_the_prediction(tmp_path, name, devices, cluster):
     # and the baselines it reports re-simulate too
     space = Space(graph, devices)
     sim = Simulator(graph, Cluster.preset(cluster, devices))
-    from flexsearch.search import baselines
     from flexsearch.search.planner import ddp_simulation
+    from flexsearch.strategy import recipes as baselines
 
     oplevel = sim.simulate(space.expand(baselines.data_parallel(space)), ddp=True)
     calibrated = sim.ctx.calibration is not None

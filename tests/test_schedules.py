@@ -9,7 +9,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from flexsearch.search.schedules import (
+from flexsearch.strategy.schedules import (
     SCHEDULES,
     Action,
     format_grid,

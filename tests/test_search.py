@@ -19,7 +19,6 @@ import zoo  # noqa: E402
 
 import flexsearch  # noqa: E402
 from flexsearch import Cluster, InfeasiblePlanError, trace  # noqa: E402
-from flexsearch.search import baselines  # noqa: E402
 from flexsearch.search.assignment import AssignmentBuilder  # noqa: E402
 from flexsearch.search.ilp import (  # noqa: E402
     AssignmentProblem,
@@ -30,8 +29,10 @@ from flexsearch.search.ilp import (  # noqa: E402
 )
 from flexsearch.search.mcmc import cost_of, mcmc  # noqa: E402
 from flexsearch.search.planner import REFERENCE_BASELINES, ddp_simulation  # noqa: E402
-from flexsearch.search.space import Config, Space, legal  # noqa: E402
 from flexsearch.sim.simulator import Simulator  # noqa: E402
+from flexsearch.strategy import recipes as baselines  # noqa: E402
+from flexsearch.strategy.config import Config, legal
+from flexsearch.strategy.space import Space
 
 MAX_EXHAUSTIVE = 5000
 

@@ -18,9 +18,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import zoo  # noqa: E402
 
 from flexsearch import Cluster, trace  # noqa: E402
-from flexsearch.search import baselines  # noqa: E402
-from flexsearch.search.space import Config, Space, is_source  # noqa: E402
 from flexsearch.sim.simulator import Simulator, simulate_configs  # noqa: E402
+from flexsearch.strategy import recipes as baselines  # noqa: E402
+from flexsearch.strategy.config import Config, is_source
+from flexsearch.strategy.space import Space
 
 SETTINGS = settings(
     max_examples=15, derandomize=True, deadline=None, database=None,

@@ -16,9 +16,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import zoo  # noqa: E402
 
 from flexsearch import trace  # noqa: E402
-from flexsearch.search.space import (  # noqa: E402
+from flexsearch.strategy.config import (
     Config,
-    Space,
     candidates,
     follow,
     is_follower,
@@ -26,6 +25,7 @@ from flexsearch.search.space import (  # noqa: E402
     legal,
     parse_config,
 )
+from flexsearch.strategy.space import Space
 
 
 @functools.cache

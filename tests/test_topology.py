@@ -1,5 +1,5 @@
 """Gossip topologies: mixing matrices, spectral gaps, neighbour lists, errors, and the
-time-to-accuracy factor (flexsearch.search.topology)."""
+time-to-accuracy factor (flexsearch.strategy.topology)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from flexsearch.errors import FlexsearchError, TopologyError
-from flexsearch.search import topology as topology_module
-from flexsearch.search.topology import (
+from flexsearch.strategy import topology as topology_module
+from flexsearch.strategy.topology import (
     TOPOLOGIES,
     Topology,
     build,

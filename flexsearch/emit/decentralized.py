@@ -4,7 +4,7 @@ torch.distributed point-to-point messages.
 Every rank keeps its own copy ``x_i`` of the model (identical at the start: rank 0's
 parameters and buffers are broadcast when the module is built). One iteration of
 :meth:`DecentralizedModule.train_step`, for the mixing matrix ``W`` of the plan's gossip
-topology (:mod:`flexsearch.search.topology`) at this iteration's step:
+topology (:mod:`flexsearch.strategy.topology`) at this iteration's step:
 
 1. snapshot ``x_i``: the trainable parameters flattened into one contiguous buffer per
    (dtype, device);
@@ -40,7 +40,7 @@ from flexsearch.errors import EmitError, FlexsearchError
 from flexsearch.plan import Plan
 
 if TYPE_CHECKING:
-    from flexsearch.search.topology import Topology
+    from flexsearch.strategy.topology import Topology
 
 
 def _one_line(e: BaseException) -> str:
@@ -49,7 +49,7 @@ def _one_line(e: BaseException) -> str:
 
 def topology_of(plan: Plan) -> Topology:
     """The gossip topology a decentralized plan names, over the plan's devices."""
-    from flexsearch.search.topology import build
+    from flexsearch.strategy.topology import build
 
     if not plan.topology:
         raise EmitError("this plan names no gossip topology: the emitter cannot run 'decentralized' plans "

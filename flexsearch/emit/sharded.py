@@ -2,7 +2,7 @@
 
 The model's FX graph (the one the tracer lifted; node names are the plan's op names)
 is run by an interpreter (:class:`ShardedModule`). For an op with configuration
-``Config(s, kind, t, dim, first)`` (see :mod:`flexsearch.search.space`):
+``Config(s, kind, t, dim, first)`` (see :mod:`flexsearch.strategy.config`):
 
 - **mesh**: the ``s x t`` :class:`DeviceMesh` of devices ``first .. first+s*t-1``
   (mesh dims ``("s", "t")``; ranks outside it hold empty shards and skip the op);
@@ -65,7 +65,7 @@ from flexsearch.errors import EmitError
 from flexsearch.graph.microbatch import batch_dim
 from flexsearch.graph.opgraph import OpGraph, OpNode
 from flexsearch.graph.regions import dim_map, reduced_input_dims
-from flexsearch.search.space import Config, is_source
+from flexsearch.strategy.config import Config, is_source
 
 _REPLICATE = (Replicate(), Replicate())
 

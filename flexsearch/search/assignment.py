@@ -25,9 +25,10 @@ from __future__ import annotations
 from collections import defaultdict
 
 from flexsearch.search.ilp import AssignmentProblem, AssignmentResult, solve_assignment
-from flexsearch.search.space import Config, Space, follow, is_source
 from flexsearch.sim.simulator import OPTIMIZER_STATE
 from flexsearch.sim.taskgraph import CostContext, Fragment, Task, edge_tasks, node_tasks
+from flexsearch.strategy.config import Config, follow, is_source
+from flexsearch.strategy.space import Space
 
 
 def _alone(tasks: list[Task]) -> float:

@@ -15,7 +15,7 @@ Pure functions of (graph, cluster, options) that a planner calls in a few lines:
 - :func:`decentralized_candidates`: D-PSGD on every applicable topology
   (:data:`DEFAULT_TOPOLOGIES`), each simulated by
   :func:`~flexsearch.sim.decentralized.simulate_gossip`, with its
-  :func:`~flexsearch.search.topology.iterations_factor` and its **effective time**::
+  :func:`~flexsearch.strategy.topology.iterations_factor` and its **effective time**::
 
       effective_time_s = iteration_time_s                      (objective "iteration")
       effective_time_s = iteration_time_s * iterations_factor  (objective "time_to_accuracy")
@@ -49,8 +49,7 @@ from flexsearch.cost.hardware import Cluster
 from flexsearch.errors import TopologyError
 from flexsearch.graph.microbatch import microbatch_graph
 from flexsearch.graph.opgraph import OpGraph
-from flexsearch.search.pipeline import cut_bytes, node_costs, stage_configs, stage_cost
-from flexsearch.search.topology import Topology, build, iterations_factor
+from flexsearch.search.pipeline import cut_bytes, node_costs, stage_cost
 from flexsearch.sim.decentralized import (
     simulate_all_reduce,
     simulate_gossip,
@@ -59,6 +58,8 @@ from flexsearch.sim.decentralized import (
 from flexsearch.sim.pipeline import StageCost
 from flexsearch.sim.simulator import Simulation
 from flexsearch.sim.taskgraph import CostContext
+from flexsearch.strategy.recipes import stage_configs
+from flexsearch.strategy.topology import Topology, build, iterations_factor
 
 DEFAULT_TOPOLOGIES = ("ring", "torus", "exponential", "one_peer_exponential", "complete")
 COMPLETE_MAX_RANKS = 64
@@ -172,7 +173,7 @@ def decentralized_candidates(
     :func:`replica_cost` of ``graph``; ``graph`` is not read when it is given) lets a
     caller cost the replica once for several calls;
     ``noise_ratio`` and ``heterogeneity_ratio`` go to
-    :func:`~flexsearch.search.topology.iterations_factor`. Raises ValueError when the
+    :func:`~flexsearch.strategy.topology.iterations_factor`. Raises ValueError when the
     batch does not split over the devices."""
     _check_objective(objective)
     tops, _ = candidate_topologies(cluster.devices, topologies)

@@ -1,6 +1,6 @@
 """FlexFlow's MCMC search over SOAP decisions (Metropolis-Hastings).
 
-State: a configuration per decision unit (:class:`~flexsearch.search.space.Space`).
+State: a configuration per decision unit (:class:`~flexsearch.strategy.space.Space`).
 Cost: the simulated iteration time; a plan that does not fit in memory costs
 ``time * (1 + 10 * overflow)`` with ``overflow = peak / capacity - 1``, so the chain can
 cross infeasible states but the best kept is always the best *feasible* one.
@@ -39,8 +39,9 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from flexsearch.search.space import Config, Space
 from flexsearch.sim.simulator import Simulation, Simulator
+from flexsearch.strategy.config import Config
+from flexsearch.strategy.space import Space
 
 
 @contextlib.contextmanager

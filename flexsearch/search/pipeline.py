@@ -37,13 +37,14 @@ from dataclasses import dataclass
 from flexsearch.cost.hardware import Cluster
 from flexsearch.graph.microbatch import batch_size, microbatch_graph
 from flexsearch.graph.opgraph import OpGraph
-from flexsearch.search import baselines as bl
 from flexsearch.search.partition import Chain, Level, Memory, partition
-from flexsearch.search.schedules import in_flight, rank_actions
-from flexsearch.search.space import Config, Space
 from flexsearch.sim.pipeline import PipelineLayout, StageCost, simulate_pipeline
 from flexsearch.sim.simulator import OPTIMIZER_STATE, Simulation, Simulator
 from flexsearch.sim.taskgraph import CostContext
+from flexsearch.strategy.config import Config
+from flexsearch.strategy.recipes import stage_configs
+from flexsearch.strategy.schedules import in_flight, rank_actions
+from flexsearch.strategy.space import Space
 
 SYNC_SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
@@ -124,21 +125,6 @@ def shared_params(graph: OpGraph) -> dict[str, tuple[int, ...]]:
         for p in n.params:
             uses.setdefault(p, []).append(i)
     return {p: tuple(v) for p, v in uses.items() if len(v) > 1}
-
-
-def stage_configs(graph: OpGraph, t: int) -> dict[str, Config] | None:
-    """Each node's configuration on a stage's tensor-parallel group of ``t`` devices:
-    whole ops for ``t = 1``, the Megatron-style plan otherwise (None if not legal)."""
-    space = Space(graph, t)
-    if t == 1:
-        return space.expand({})
-    if not bl.is_transformer(space):
-        return None
-    dec = bl.megatron(space, t)
-    configs = space.expand(dec)
-    if not any(c.t == t for c in configs.values()):
-        return None
-    return configs
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,6 @@ from flexsearch.cost.hardware import Cluster
 from flexsearch.errors import InfeasiblePlanError
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.plan import Plan, Predicted, SearchInfo, Stage
-from flexsearch.search import baselines as bl
 from flexsearch.search import decentralized as dz
 from flexsearch.search.assignment import AssignmentBuilder
 from flexsearch.search.mcmc import SearchResult, mcmc, sigint_restored
@@ -53,8 +52,10 @@ from flexsearch.search.pipeline import (
     simulate_stages,
     tensor_degrees,
 )
-from flexsearch.search.space import Config, Space
 from flexsearch.sim.simulator import Simulation, Simulator
+from flexsearch.strategy import recipes as bl
+from flexsearch.strategy.config import Config
+from flexsearch.strategy.space import Space
 
 DEFAULT_MAX_ITERS = 2000
 REFERENCE_BASELINES = ("pipedream", "ps", "ps-sharded")

@@ -12,7 +12,7 @@ dependencies have ended and its resources (its device; every link it loads) are 
 so communication overlaps compute and queues on shared links.
 
 **D-PSGD** (Lian et al. 2017, REFERENCE section 3), one gossip step ``t`` of the
-topology (:mod:`flexsearch.search.topology`):
+topology (:mod:`flexsearch.strategy.topology`):
 
 - per rank, first: the **snapshot**, its model flattened into one buffer (``2 P`` bytes
   moved at the device's elementwise bandwidth);
@@ -84,7 +84,7 @@ from flexsearch.sim.simulator import (
 from flexsearch.sim.taskgraph import CostContext, Task
 
 if TYPE_CHECKING:
-    from flexsearch.search.topology import Topology
+    from flexsearch.strategy.topology import Topology
 
 
 def _check(ctx: CostContext, optimizer: str) -> int:

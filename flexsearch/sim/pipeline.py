@@ -8,7 +8,7 @@ replicated: a tuple of replicas, each a group of devices running the stage in lo
 parameter and stashed-activation bytes per device, and the activation bytes one replica
 sends to the next stage per microbatch.
 
-**Tasks.** For every action of the schedule (:mod:`flexsearch.search.schedules`) a
+**Tasks.** For every action of the schedule (:mod:`flexsearch.strategy.schedules`) a
 forward or backward task on the replica's devices; after a forward, the activations go
 to the next stage's replica, after a backward the gradient comes back: one transfer
 over the real links of the path per tensor-parallel rank (run in parallel: one task
@@ -45,7 +45,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from flexsearch.cost.compute import Work, roofline_time
-from flexsearch.search.schedules import Action, in_flight, rank_actions, warmup_then_alternate
 from flexsearch.sim.simulator import (
     _UPDATE_TRAFFIC,
     OPTIMIZER_STATE,
@@ -54,6 +53,7 @@ from flexsearch.sim.simulator import (
     run_tasks,
 )
 from flexsearch.sim.taskgraph import CostContext, Task
+from flexsearch.strategy.schedules import Action, in_flight, rank_actions, warmup_then_alternate
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,8 @@ from flexsearch.cost.compute import MeasuredCosts, Work, roofline_time
 from flexsearch.cost.efficiency import EfficiencyTable
 from flexsearch.cost.hardware import Cluster
 from flexsearch.graph.opgraph import OpGraph
-from flexsearch.search.space import Config
 from flexsearch.sim.taskgraph import CostContext, Fragment, Task, _collective, build_fragment
+from flexsearch.strategy.config import Config
 
 Optimizer = Literal["adam", "momentum", "sgd"]
 OPTIMIZER_STATE = {"adam": 2, "momentum": 1, "sgd": 0}
@@ -141,7 +141,7 @@ class Simulation:
 class Simulator:
     """Simulates configurations of one graph on one cluster, keeping fragments between
     calls (delta simulation). ``simulate(configs)`` takes a configuration for every
-    node (:meth:`flexsearch.search.space.Space.expand`)."""
+    node (:meth:`flexsearch.strategy.space.Space.expand`)."""
 
     def __init__(
         self,

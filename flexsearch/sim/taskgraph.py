@@ -1,7 +1,7 @@
 """The task graph of one training iteration: (graph, configuration per node, cluster)
 to tasks on devices and links.
 
-Per node ``n`` with configuration ``c`` (:class:`~flexsearch.search.space.Config`) a
+Per node ``n`` with configuration ``c`` (:class:`~flexsearch.strategy.config.Config`) a
 :class:`Fragment` holds:
 
 - a forward and a backward **compute task** per partition, on its device, costed by
@@ -46,7 +46,7 @@ from flexsearch.cost.efficiency import EfficiencyTable, load_efficiency
 from flexsearch.cost.hardware import Cluster
 from flexsearch.graph.opgraph import OpNode, dtype_size
 from flexsearch.graph.regions import Region, input_region, intersect, split_interval, volume
-from flexsearch.search.space import Config, is_source, sample_dim
+from flexsearch.strategy.config import Config, is_source, sample_dim
 
 Key = tuple
 

@@ -1,4 +1,6 @@
-"""Baseline strategies, simulated by the same simulator as every searched plan.
+"""Named strategies: the baselines every search is judged against, and the tensor-parallel
+layout of hybrid pipeline stages. Each is simulated by the same simulator as every
+searched plan.
 
 - ``data``: every decision op data parallel over all devices (the largest legal
   sample split, replicated on the rest; :meth:`Space.data_parallel`).
@@ -14,13 +16,18 @@
   parallel everywhere except the fully-connected layers after the convolutions, which
   are parameter-parallel over all devices.
 
+- ``stage_configs``: a pipeline stage's layout on its ``t`` tensor-parallel devices,
+  whole ops for ``t = 1``, else Megatron's (what the emitter runs inside a hybrid stage).
+
 A baseline configuration that is not legal for some op (a dim that does not divide)
 falls back to the replicated form of the same mesh, then to data parallel.
 """
 
 from __future__ import annotations
 
-from flexsearch.search.space import Config, Space, Unit
+from flexsearch.graph.opgraph import OpGraph
+from flexsearch.strategy.config import Config
+from flexsearch.strategy.space import Space, Unit
 
 
 def data_parallel(space: Space) -> dict[str, Config]:
@@ -112,3 +119,18 @@ def baselines(space: Space, devices_per_node: int) -> dict[str, dict[str, Config
     if is_cnn(space):
         out["expert"] = expert(space)
     return out
+
+
+def stage_configs(graph: OpGraph, t: int) -> dict[str, Config] | None:
+    """Each node's configuration on a stage's tensor-parallel group of ``t`` devices:
+    whole ops for ``t = 1``, the Megatron-style plan otherwise (None if not legal)."""
+    space = Space(graph, t)
+    if t == 1:
+        return space.expand({})
+    if not is_transformer(space):
+        return None
+    dec = megatron(space, t)
+    configs = space.expand(dec)
+    if not any(c.t == t for c in configs.values()):
+        return None
+    return configs

@@ -9,6 +9,7 @@ and 90th-percentile |relative error| = |predicted - measured| / measured, forwar
 backward, and the worst ops.
 
     python benchmarks/costmodel_accuracy.py [--threads 1] [--repeats 3] [--cluster cpu]
+    python benchmarks/costmodel_accuracy.py --quick  # the MLP and ResNet-20 only, one repeat
     python benchmarks/costmodel_accuracy.py --fit    # calibrate, then evaluate held out
 
 ``--fit`` calibrates the device's per-class efficiency factors on half of the distinct
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from zoo import build, get  # noqa: E402
 
 from flexsearch.cost.compute import WHOLE, op_cost  # noqa: E402
+from flexsearch.cost.efficiency import EFFICIENCY_FILE  # noqa: E402
 from flexsearch.cost.hardware import Cluster  # noqa: E402
 from flexsearch.cost.profiler import ProfileDB, local_device, profile_graph  # noqa: E402
 from flexsearch.graph.tracer import trace_calls  # noqa: E402
@@ -53,7 +55,7 @@ CASES = (
 )
 MATMUL_CLASS = ("linear", "matmul", "conv")
 COMPUTE_BOUND = ("linear", "matmul", "conv", "attention", "rnn")
-EFFICIENCY = Path(__file__).resolve().parent.parent / "costmodels" / "efficiency.json"
+EFFICIENCY = EFFICIENCY_FILE
 
 
 def fit(rows: list[tuple], device_name: str, measured_on: str) -> None:
@@ -96,7 +98,10 @@ def main() -> None:
     ap.add_argument("--cluster", default="cpu")
     ap.add_argument("--models", nargs="*", default=[c[0] for c in CASES])
     ap.add_argument("--fit", action="store_true", help="calibrate efficiency factors, evaluate held out")
+    ap.add_argument("--quick", action="store_true", help="the MLP and ResNet-20 only, one repeat (no --fit)")
     args = ap.parse_args()
+    if args.quick:
+        args.models, args.repeats, args.fit = ["mlp", "resnet20"], 1, False
 
     torch.set_num_threads(args.threads)
     device = Cluster.resolve(args.cluster, devices=1).device

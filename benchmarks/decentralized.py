@@ -35,9 +35,10 @@ from flexsearch.cost.hardware import Cluster
 from flexsearch.errors import TopologyError
 from flexsearch.graph.tracer import trace
 from flexsearch.model_files import load_model
-from flexsearch.search.decentralized import centralized_baselines, replica_cost
+from flexsearch.search.decentralized import centralized_baselines
+from flexsearch.sim.context import CostContext
 from flexsearch.sim.decentralized import simulate_gossip
-from flexsearch.sim.taskgraph import CostContext
+from flexsearch.sim.stages import replica_cost
 from flexsearch.strategy.topology import build, iterations_factor
 
 ROOT = Path(__file__).resolve().parent
@@ -60,7 +61,10 @@ def cell(sim) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ns", type=int, nargs="+", default=list(NS))
+    ap.add_argument("--quick", action="store_true", help="n = 8 and 16 only")
     args = ap.parse_args()
+    if args.quick:
+        args.ns = [8, 16]
     t0 = time.perf_counter()
     graphs = {}
     for name, spec, replicas, _ in MODELS:
@@ -75,7 +79,7 @@ def main() -> None:
     for cname in CLUSTERS:
         for name, _, _, optimizer in MODELS:
             graph, replicas = graphs[name]
-            cost = replica_cost(graph, Cluster.preset(cname, 1), replicas=replicas)  # cached per (model, cluster)
+            cost = replica_cost(graph, CostContext(Cluster.preset(cname, 1)), replicas=replicas)  # per (model, cluster)
             for n in args.ns:
                 cluster = Cluster.preset(cname, n)
                 ctx = CostContext(cluster)
@@ -89,7 +93,7 @@ def main() -> None:
                         continue
                     gossip[top] = (simulate_gossip(ctx, cost, topology, optimizer=optimizer, timeline=False),
                                    iterations_factor(topology))
-                base = centralized_baselines(graph, cluster, optimizer=optimizer, cost=cost, all_reduce=True)
+                base = centralized_baselines(graph, ctx, optimizer=optimizer, cost=cost, all_reduce=True)
                 ring, factor = gossip["ring"]
                 ar, ps = base["all-reduce"].iteration_time_s, base["ps"].iteration_time_s
                 r = ring.iteration_time_s

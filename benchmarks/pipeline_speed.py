@@ -26,8 +26,9 @@ from flexsearch.graph.microbatch import microbatch_graph
 from flexsearch.graph.tracer import trace
 from flexsearch.model_files import load_model
 from flexsearch.search.partition import Chain, Memory, partition
-from flexsearch.search.pipeline import cluster_levels, cut_bytes, node_costs, pipedream_chain
-from flexsearch.strategy.space import Space
+from flexsearch.search.pipeline import cluster_levels, pipedream_chain
+from flexsearch.sim.context import CostContext
+from flexsearch.sim.stages import cut_bytes, stage_node_costs
 
 ROOT = Path(__file__).resolve().parent
 
@@ -55,7 +56,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--layers", type=int, default=1000)
+    ap.add_argument("--quick", action="store_true", help="one round")
     args = ap.parse_args()
+    if args.quick:
+        args.rounds = 1
 
     cluster = Cluster.preset("dgx-h100", 64)
     levels = cluster_levels(cluster)
@@ -74,8 +78,7 @@ def main() -> None:
     graph = trace(model, inputs)
     c16 = Cluster.preset("dgx-h100", 16)
     mg = microbatch_graph(graph, 16)
-    costs_map = node_costs(mg, Space(mg, 1).expand({}), Cluster.from_spec(c16.spec, 1))
-    costs = [costs_map[x.name] for x in mg.nodes]
+    costs = stage_node_costs(mg, CostContext(c16), 1)
     dag = pipedream_chain(costs, cut_bytes(mg))
     build_s = time.perf_counter() - t0
     mem16 = Memory(c16.device.memory_capacity.value, 4.0, in_flight=lambda r: -(-16 // r), weight_stashing=True)

@@ -41,6 +41,7 @@ import flexsearch  # noqa: E402
 from flexsearch.cost.hardware import Cluster  # noqa: E402
 from flexsearch.errors import InfeasiblePlanError  # noqa: E402
 from flexsearch.search.planner import REFERENCE_BASELINES, plan_graph, run_baselines  # noqa: E402
+from flexsearch.sim.context import CostContext  # noqa: E402
 from flexsearch.sim.simulator import Simulator  # noqa: E402
 from flexsearch.strategy.space import Space  # noqa: E402
 
@@ -53,7 +54,7 @@ CLUSTERS = (
     ("dgx-h100", 8),
     ("dgx-h100", 64),
 )
-QUICK_MODELS = ("alexnet", "mlp", "bert_large", "rnnlm")
+QUICK_MODELS = ("alexnet", "mlp")
 QUICK_CLUSTERS = (("flexflow-p100", 16), ("dgx-h100", 8))
 HEADER = (
     f"{'model':<13} {'cluster':<14} {'N':>3} {'time ms':>10} {'vs data':>8} {'vs megatron':>11} "
@@ -80,9 +81,8 @@ def run_case(graph, preset: str, devices: int, args) -> dict:
             ilp_time_limit_s=args.ilp_limit_s,
         )
     except InfeasiblePlanError:
-        base = run_baselines(
-            Space(graph, cluster.devices), Simulator(graph, cluster), cluster.devices_per_node
-        )
+        base = run_baselines(Space(graph, cluster.devices), Simulator(graph, CostContext(cluster)),
+                             cluster.devices_per_node)
         fits = [k for k, b in base.items() if b.simulation.feasible]
         return {
             "status": "infeasible",
@@ -111,9 +111,9 @@ def main() -> None:
     ap.add_argument(
         "--quick",
         action="store_true",
-        help=f"models {' '.join(QUICK_MODELS)} on 2 clusters, 100 iterations",
+        help=f"models {' '.join(QUICK_MODELS)} on 2 clusters, 50 iterations",
     )
-    ap.add_argument("--max-iters", type=int, help="MCMC steps per case (default 300, quick 100)")
+    ap.add_argument("--max-iters", type=int, help="MCMC steps per case (default 300, quick 50)")
     ap.add_argument("--budget-s", type=float, help="search budget per case, seconds (default none)")
     ap.add_argument(
         "--ilp-limit-s", type=float, help="ILP time limit per case (default 10, quick 5)"
@@ -131,7 +131,7 @@ def main() -> None:
     else:
         clusters = QUICK_CLUSTERS if args.quick else CLUSTERS
     if args.max_iters is None:
-        args.max_iters = 100 if args.quick else 300
+        args.max_iters = 50 if args.quick else 300
     if args.ilp_limit_s is None:
         args.ilp_limit_s = 5.0 if args.quick else 10.0
 

@@ -29,7 +29,7 @@
    recorded by wrapping the simulator.
 
     python benchmarks/search_speed.py                # full: budgets 60 s and 150 s
-    python benchmarks/search_speed.py --quick        # budgets 15 s and 40 s, fewer rounds
+    python benchmarks/search_speed.py --quick        # budgets 4 s and 6 s, fewer rounds (a smoke run)
 
 Last line: ``full_sims_per_s=... delta_sims_per_s=... delta_speedup=... converge_xl8_s=...
 converge_xl64_s=...`` (plus tracing, seeding and speedup-over-data figures).
@@ -53,6 +53,7 @@ from flexsearch.cost.hardware import Cluster  # noqa: E402
 from flexsearch.search.assignment import AssignmentBuilder  # noqa: E402
 from flexsearch.search.mcmc import cost_of, mcmc  # noqa: E402
 from flexsearch.search.planner import lower_bound, run_baselines  # noqa: E402
+from flexsearch.sim.context import CostContext  # noqa: E402
 from flexsearch.sim.simulator import Simulator  # noqa: E402
 from flexsearch.strategy.space import Space  # noqa: E402
 
@@ -79,14 +80,15 @@ def sim_rates(
     def random_decisions() -> dict:
         return {u.name: rng.choice(cands[u.name]) for u in units}
 
-    delta_sim = Simulator(graph, cluster)
+    ctx = CostContext(cluster)
+    delta_sim = Simulator(graph, ctx)
     dec = random_decisions()
     delta_sim.simulate(space.expand(dec), timeline=False)  # warm the fragment cache
     full, delta = [], []
     for _ in range(rounds):
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds:
-            Simulator(graph, cluster).simulate(space.expand(random_decisions()), timeline=False)
+            Simulator(graph, CostContext(cluster)).simulate(space.expand(random_decisions()), timeline=False)
             n += 1
         full.append(n / (time.perf_counter() - t0))
         n, t0 = 0, time.perf_counter()
@@ -113,8 +115,8 @@ class RecordingSimulator(Simulator):
         super().__init__(*args, **kwargs)
         self.t0, self.best_cost, self.best_cost_at = t0, math.inf, math.nan
 
-    def simulate(self, configs, *, timeline: bool = True):
-        s = super().simulate(configs, timeline=timeline)
+    def simulate(self, configs, **kw):
+        s = super().simulate(configs, **kw)
         c = cost_of(s)
         if c < self.best_cost:
             self.best_cost, self.best_cost_at = c, time.perf_counter() - self.t0
@@ -125,7 +127,8 @@ def converge(graph, cluster: Cluster, budget_s: float, seed: int = 0) -> dict:
     """Run the planner's stages with ``budget_s`` seconds in all; return timings."""
     t0 = time.perf_counter()
     space = Space(graph, cluster.devices)
-    sim = RecordingSimulator(graph, cluster, t0=t0)
+    ctx = CostContext(cluster)
+    sim = RecordingSimulator(graph, ctx, t0=t0)
     base = run_baselines(space, sim, cluster.devices_per_node)
     t_base = time.perf_counter() - t0
     seeds = [b.decisions for b in base.values()]
@@ -158,7 +161,7 @@ def converge(graph, cluster: Cluster, budget_s: float, seed: int = 0) -> dict:
             converged_iter=it,
             best_s=best,
             feasible=True,
-            lower_bound_s=lower_bound(graph, cluster),
+            lower_bound_s=lower_bound(graph, ctx),
         )
     else:
         out.update(
@@ -166,23 +169,23 @@ def converge(graph, cluster: Cluster, budget_s: float, seed: int = 0) -> dict:
             converged_iter=None,
             best_s=sim.best_cost,
             feasible=False,
-            lower_bound_s=lower_bound(graph, cluster),
+            lower_bound_s=lower_bound(graph, ctx),
         )
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="short budgets and fewer rounds")
-    ap.add_argument("--rounds", type=int, help="interleaved full/delta rounds (default 5, quick 3)")
+    ap.add_argument("--quick", action="store_true", help="short budgets and fewer rounds (a smoke run)")
+    ap.add_argument("--rounds", type=int, help="interleaved full/delta rounds (default 5, quick 2)")
     ap.add_argument(
-        "--round-s", type=float, help="seconds per full or delta round (default 2, quick 1)"
+        "--round-s", type=float, help="seconds per full or delta round (default 2, quick 0.5)"
     )
     ap.add_argument(
-        "--budget-8", type=float, help="search budget on 8 devices, s (default 60, quick 15)"
+        "--budget-8", type=float, help="search budget on 8 devices, s (default 60, quick 4)"
     )
     ap.add_argument(
-        "--budget-64", type=float, help="search budget on 64 devices, s (default 150, quick 40)"
+        "--budget-64", type=float, help="search budget on 64 devices, s (default 150, quick 6)"
     )
     ap.add_argument(
         "--per-device-batch", type=int, default=4, help="GPT-2 XL samples per device; 0: zoo batch"
@@ -190,11 +193,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     q = args.quick
-    rounds = args.rounds or (3 if q else 5)
-    round_s = args.round_s or (1.0 if q else 2.0)
+    rounds = args.rounds or (2 if q else 5)
+    round_s = args.round_s or (0.5 if q else 2.0)
     budgets = {
-        8: args.budget_8 or (15.0 if q else 60.0),
-        64: args.budget_64 or (40.0 if q else 150.0),
+        8: args.budget_8 or (4.0 if q else 60.0),
+        64: args.budget_64 or (6.0 if q else 150.0),
     }
 
     graph = trace("gpt2_small")

@@ -47,7 +47,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=["gpt2_xl", "gpt3_175b"])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="GPT-2 XL once")
     args = ap.parse_args()
+    if args.quick:
+        args.models, args.repeats = ["gpt2_xl"], 1
     figures = []
     print(f"{'model':<12} {'params':>16} {'nodes':>6} {'build s':>8} {'trace s':>8} {'total s':>8} {'peak RSS MB':>12}")
     for name in args.models:

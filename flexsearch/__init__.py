@@ -1,17 +1,19 @@
 """flexsearch: find the fastest way to train a PyTorch model on many devices.
 
 Public API (DESIGN section 1): :func:`load_model`, :func:`trace`, :class:`Cluster`,
-:func:`plan`, :func:`simulate`, :class:`Plan`, and the error types.
+:func:`plan`, :func:`simulate`, :func:`parallelize`, :class:`Plan`, and the error types.
 """
 
 from flexsearch.api import plan, simulate
 from flexsearch.cost.hardware import Cluster
+from flexsearch.emit import parallelize
 from flexsearch.errors import (
     ClusterSpecError,
     FlexsearchError,
     InfeasiblePlanError,
     ModelLoadError,
     PlanFileError,
+    PlanKindError,
     ProfileError,
     TraceError,
     UnsupportedOpError,
@@ -19,7 +21,7 @@ from flexsearch.errors import (
 from flexsearch.graph import OpGraph, OpNode, trace
 from flexsearch.model_files import load_model
 from flexsearch.plan import Plan
-from flexsearch.sim.simulator import Simulation
+from flexsearch.sim.result import Simulation
 
 __version__ = "0.1.0"
 
@@ -33,11 +35,13 @@ __all__ = [
     "OpNode",
     "Plan",
     "PlanFileError",
+    "PlanKindError",
     "ProfileError",
     "Simulation",
     "TraceError",
     "UnsupportedOpError",
     "load_model",
+    "parallelize",
     "plan",
     "simulate",
     "trace",

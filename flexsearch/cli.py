@@ -178,6 +178,47 @@ def cluster(
     stdout.print(table)
 
 
+@app.command()
+def calibrate(
+    out: Annotated[str | None, typer.Option(help="Calibration file to write [default: ~/.flexsearch/calibration.json "
+                                                 "or $FLEXSEARCH_HOME/calibration.json].", show_default=False)] = None,
+    ranks: Annotated[int, typer.Option(help="gloo processes (the cpu preset's devices) to measure on.", min=2)] = 2,
+    threads: Annotated[int, typer.Option(help="CPU threads per process.", min=1)] = 1,
+    steps: Annotated[int, typer.Option(help="Timed steps per probe run (the median is kept).", min=3)] = 40,
+    warmup: Annotated[int, typer.Option(help="Untimed steps before timing.", min=2)] = 3,
+    retries: Annotated[int, typer.Option(help="Rerun a measurement disturbed by other processes up to this often.",
+                                         min=1)] = 3,
+    max_wait: Annotated[float, typer.Option(help="Seconds to wait for a quiet machine before each measurement.",
+                                            min=0)] = 60.0,
+    restart: Annotated[bool, typer.Option("--restart", help="Ignore the progress of an interrupted run.")] = False,
+) -> None:
+    """Measure this machine's calibration of the simulator (the cpu preset's gloo processes).
+
+    Probe models are trained for real under every execution mode; the simulator's
+    residuals become per-op, per-tensor and per-step costs, each with this command and
+    the host as its source. Resumable: an interrupted run continues where it stopped."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from flexsearch.calibrate import Settings
+    from flexsearch.calibrate import calibrate as run
+
+    settings = Settings(ranks=ranks, threads=threads, steps=steps, warmup=warmup, retries=retries,
+                        max_wait_s=max_wait)
+    with Progress(TextColumn("calibrating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.description}"), console=err, transient=True, disable=not err.is_terminal) as bar:
+        task = bar.add_task("", total=None)
+
+        def progress(done: int, total: int, stage: str) -> None:
+            bar.update(task, completed=done, total=total, description=stage)
+
+        res = run(out=out, settings=settings, restart=restart, progress=progress)
+    from flexsearch.calibrate.run import STAGES
+
+    resumed = len(res.measured) < len(STAGES)
+    stdout.print(f"calibration of {res.device} written to {res.path} ({'resumed; ' if resumed else ''}"
+                 f"raw measurements in {res.log_path})", markup=False, soft_wrap=True)
+
+
 def _refuse_overwrite(path: str | None, force: bool, flag: str) -> None:
     if path is None:
         return
@@ -267,6 +308,9 @@ def plan(
     objective: Annotated[str, typer.Option(help="iteration or time_to_accuracy.")] = "iteration",
     decentralized: Annotated[bool, typer.Option(help="Consider D-PSGD plans (each device its own model, gossip "
                                                      "averaging); --no-decentralized keeps synchronous SGD.")] = True,
+    kind: Annotated[list[str] | None, typer.Option("--kind", help="Only plans of this kind: data, fsdp, soap, pipeline, "
+                                                                 "hybrid or decentralized (repeat or separate by commas "
+                                                                 "for several).", show_default=False)] = None,
     out: Annotated[str | None, typer.Option(help="Write the plan JSON here.")] = None,
     trace_out: Annotated[str | None, typer.Option("--trace", help="Write the plan's timeline (Chrome trace JSON) here.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out / --trace files that exist.")] = False,
@@ -277,22 +321,26 @@ def plan(
     Ctrl-C during the search returns the best plan found so far."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from flexsearch.api import DEFAULT_CLUSTER, resolve_cluster, simulate
+    from flexsearch.api import DEFAULT_CLUSTER, resolve_calibration, resolve_cluster, simulate
     from flexsearch.graph import trace as trace_graph
     from flexsearch.model_files import load_model
-    from flexsearch.search.planner import DEFAULT_MAX_ITERS, plan_graph
+    from flexsearch.search.planner import DEFAULT_MAX_ITERS, check_kinds, plan_graph
 
     if objective not in ("iteration", "time_to_accuracy"):
         raise typer.BadParameter("use iteration or time_to_accuracy", param_hint="--objective")
+    try:
+        kinds = check_kinds([k.strip() for item in kind for k in item.split(",") if k.strip()] if kind else None)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--kind") from None
     _refuse_overwrite(out, force, "--out")
     _refuse_overwrite(trace_out, force, "--trace")
     cl = resolve_cluster(cluster if cluster is not None else DEFAULT_CLUSTER, devices)
     from flexsearch.graph.pipedream_profile import is_profile_file
 
     if is_profile_file(model):
-        if out is not None or trace_out is not None:
-            raise typer.BadParameter("a PipeDream profile plans a PipeDream baseline; it has no plan file or "
-                                     "timeline, drop --out/--trace", param_hint="MODEL")
+        if out is not None or trace_out is not None or kind:
+            raise typer.BadParameter("a PipeDream profile plans a PipeDream baseline; it has no plan file, "
+                                     "timeline or kind, drop --out/--trace/--kind", param_hint="MODEL")
         _plan_profile(model, cl, as_json)
         return
     module, inputs = load_model(model)
@@ -307,15 +355,16 @@ def plan(
             found = f"best {_ms(best)}" if best < float("inf") else "nothing fits yet"
             bar.update(task, completed=it, description=f"searching: step {it}{of}, {found}")
 
-        p = plan_graph(graph, cl, budget_s=budget, max_iters=max_iters, seed=seed, objective=objective, progress=progress,
-                       decentralized=decentralized)
+        calibration = resolve_calibration("auto", cl)
+        p = plan_graph(graph, cl, kinds=kinds, budget_s=budget, max_iters=max_iters, seed=seed, objective=objective,
+                       progress=progress, decentralized=decentralized, calibration=calibration)
     if p.interrupted:
         err.print(f"interrupted: returning the best plan found so far ({p.search.iterations} MCMC steps; "
                   "the remaining searches were skipped)", markup=False, soft_wrap=True)
     if out is not None:
         p.save(out)
     if trace_out is not None:
-        simulate(graph, p).to_chrome_trace(trace_out)
+        simulate(graph, p, calibration=calibration).to_chrome_trace(trace_out)
     if as_json:
         sys.stdout.write(json.dumps(_plan_summary(p, p.search_time_s)) + "\n")
         return
@@ -330,10 +379,11 @@ def _plan_profile(path: str, cl, as_json: bool) -> None:
     """``flexsearch plan graph.txt``: PipeDream's partitioner on measured per-layer costs."""
     from flexsearch.graph.pipedream_profile import load_profile
     from flexsearch.search.pipeline import plan_profile
+    from flexsearch.sim.context import CostContext
 
     profile = load_profile(path)
     order = profile.topological_order()
-    best, data = plan_profile(profile, cl)
+    best, data = plan_profile(profile, CostContext(cl))  # the profile's own times: nothing to calibrate
     t, dp = best.simulation.iteration_time_s, data.iteration_time_s
     stages = [{"first": order[a], "last": order[b - 1], "layers": b - a, "replicas": len(devs),
                "devices": list(devs)} for a, b, devs in best.stages]

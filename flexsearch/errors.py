@@ -36,6 +36,14 @@ class InfeasiblePlanError(FlexsearchError):
     """No plan fits the devices' memory."""
 
 
+class PlanKindError(InfeasiblePlanError):
+    """No plan of the kinds asked for exists here (``plan --kind``): the message says why."""
+
+
+class CalibrationError(FlexsearchError):
+    """A calibration could not be measured or its file is unusable."""
+
+
 class ProfileError(FlexsearchError):
     """A profile file is damaged or a measurement could not be made."""
 

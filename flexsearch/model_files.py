@@ -59,6 +59,13 @@ def _import(path: Path) -> ModuleType:
     sys.modules[mod_name] = module
     try:
         spec.loader.exec_module(module)
+    except (SystemExit, KeyboardInterrupt) as exc:  # the file ends the process: not at import time
+        sys.modules.pop(mod_name, None)
+        what = f"exits (sys.exit({exc.code!r}))" if isinstance(exc, SystemExit) else "raises KeyboardInterrupt"
+        raise ModelLoadError(
+            f"model file {path} {what} when imported (at {_user_frame(exc, path)}); put script code under "
+            "`if __name__ == \"__main__\":`"
+        ) from None
     except Exception as exc:  # the user's code: report its own error and line
         sys.modules.pop(mod_name, None)
         msg = str(exc).splitlines()[0] if str(exc) else ""
@@ -72,6 +79,10 @@ def _import(path: Path) -> ModuleType:
 def _call(obj, what: str, path: Path):
     try:
         return obj()
+    except (SystemExit, KeyboardInterrupt) as exc:
+        how = f"exits (sys.exit({exc.code!r}))" if isinstance(exc, SystemExit) else "raises KeyboardInterrupt"
+        raise ModelLoadError(f"{what} in {path} {how} (at {_user_frame(exc, path)}); it must return the model") \
+            from None
     except Exception as exc:
         msg = str(exc).splitlines()[0] if str(exc) else ""
         raise ModelLoadError(

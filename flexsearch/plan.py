@@ -10,6 +10,7 @@ seed and ``max_iters`` give the same file, byte for byte.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -18,12 +19,15 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from flexsearch.cost.hardware import ClusterSpec
-from flexsearch.errors import PlanFileError
+from flexsearch.errors import FlexsearchError, PlanFileError
 from flexsearch.graph.opgraph import OpGraph, TensorMeta
-from flexsearch.strategy.config import Config, parse_config
+from flexsearch.strategy.config import Config, legal, parse_config
+from flexsearch.strategy.fsdp import fsdp_units
+from flexsearch.strategy.kinds import DataParallel, Decentralized, Pipelined, Soap, Strategy
 
-PLAN_VERSION = 2
-"""2: search curve, notes, decentralized topology fields (version 1 files still load)."""
+PLAN_VERSION = 3
+"""3: the FSDP units of a sharded data-parallel plan; 2: search curve, notes,
+decentralized topology fields (version 1 and 2 files still load)."""
 PlanKind = Literal["data", "soap", "pipeline", "hybrid", "decentralized"]
 
 
@@ -95,6 +99,9 @@ class Plan(_Frozen):
     shard_params: bool = False
     """Data parallel with parameters, gradients and optimizer state sharded over the
     devices (FSDP2 ``fully_shard``, ZeRO-3) instead of replicated (DDP)."""
+    fsdp_units: tuple[str, ...] = ()
+    """Sharded data-parallel plans: the module paths wrapped as FSDP units
+    (:mod:`flexsearch.strategy.fsdp`), decided once for the simulator and the emitter."""
     inputs: tuple[TensorMeta, ...] = ()
     """The model's example inputs (positional), so the emitter can re-trace the model
     and check it is the one the plan was made for."""
@@ -157,6 +164,48 @@ class Plan(_Frozen):
 
     def decision_configs(self) -> dict[str, Config]:
         return {k: parse_config(v) for k, v in self.decisions.items()}
+
+    def strategy(self, graph: OpGraph) -> Strategy:
+        """The plan as a strategy value for ``graph`` (made for it: checked), what the
+        simulator predicts; raises PlanFileError when the file's strategy does not fit
+        the graph (damaged or edited)."""
+        self.check_graph(graph)
+        if self.kind == "decentralized":
+            from flexsearch.strategy.topology import build
+
+            try:
+                return Decentralized(build(self.topology or "", self.devices, edges=self.topology_edges or None))
+            except (FlexsearchError, ValueError) as e:
+                raise PlanFileError(f"the decentralized plan cannot be simulated: {e}; plan again") from None
+        if self.kind in ("pipeline", "hybrid"):
+            if self.schedule == "pipedream":
+                raise PlanFileError("PipeDream's asynchronous plans are baselines, not plans flexsearch returns")
+            flat = [n for st in self.stages for n in st.nodes]
+            if flat != [n.name for n in graph.nodes] or not self.schedule or not self.microbatches:
+                raise PlanFileError("the plan's stages do not cover the model's nodes in order; plan again")
+            ends = list(itertools.accumulate(len(st.nodes) for st in self.stages))
+            bounds = tuple(zip([0, *ends[:-1]], ends, strict=True))
+            try:
+                return Pipelined(bounds, self.tensor_degree, self.stages[0].replicas, self.schedule,
+                                 self.microbatches, self.chunks or 1, self.recompute)
+            except ValueError as e:
+                raise PlanFileError(f"the plan's pipeline cannot be simulated: {e}; plan again") from None
+        configs = self.node_configs()
+        missing = [n.name for n in graph.nodes if n.name not in configs]
+        missing += [k for k in self.decisions if k not in configs]
+        if missing:
+            raise PlanFileError(f"the plan has no configuration for {missing[0]}; plan this model again")
+        for n in graph.nodes:  # decisions and followers alike: the emitter must be able to run them
+            if not legal(n, configs[n.name], self.devices):
+                raise PlanFileError(
+                    f"the plan's configuration {configs[n.name].text} for {n.name} is not legal on "
+                    f"{self.devices} devices; the file is damaged or edited, plan again"
+                )
+        decisions = self.decision_configs()
+        if self.kind == "soap":
+            return Soap(configs, decisions)
+        units = self.fsdp_units or (fsdp_units(graph.modules) if self.shard_params else ())
+        return DataParallel(configs, decisions, shard=self.shard_params, fsdp_units=units)
 
     def check_graph(self, graph: OpGraph) -> None:
         """Raise PlanFileError unless this plan was made for ``graph``."""

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from flexsearch.plan import Plan
-from flexsearch.sim.simulator import Simulation
+from flexsearch.sim.result import Simulation
 
 COLOURS = {"compute": "#4e79a7", "communication": "#f28e2b", "bubble": "#d0d0d0"}
 _FONT = "font-family='sans-serif' font-size='11'"

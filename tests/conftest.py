@@ -12,6 +12,16 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_configure(config) -> None:
+    """Files this machine wrote (``~/.flexsearch``: a calibration, measured presets)
+    must not change what the tests see: every test process, and the rank processes it
+    spawns, use an empty machine directory instead."""
+    import os
+    import tempfile
+
+    os.environ["FLEXSEARCH_HOME"] = tempfile.mkdtemp(prefix="flexsearch-home-")
+
+
 @pytest.fixture
 def root() -> Path:
     return ROOT

@@ -10,10 +10,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import flexsearch
+from flexsearch.errors import PlanKindError
 from flexsearch.graph.tracer import trace
 from flexsearch.plan import Plan
-from flexsearch.search.pipeline import even_pipeline, search_pipelines
-from flexsearch.search.planner import pipeline_plan, plan_graph
+from flexsearch.search.pipeline import SYNC_SCHEDULES
+from flexsearch.search.planner import lower_bound, plan_graph
+from flexsearch.search.results import plan_from
+from flexsearch.sim.context import CostContext
+from flexsearch.sim.predict import predict
+from flexsearch.strategy.kinds import Soap
 from flexsearch.strategy.space import Space
 
 FAMILIES = {
@@ -32,34 +37,28 @@ def load(spec: str):
 
 
 def make_plan(spec: str, devices: int, kind: str, seed: int = 0, cluster: str = "cpu") -> Plan | None:
-    """A plan of ``kind`` for the model (None when the model has no such plan here)."""
+    """A plan of ``kind`` for the model (None when the model has no such plan here):
+    the planner's best of that kind (``plan_graph(kinds=...)``; a pipeline kind names
+    its schedule), except ``soap``: a random legal SOAP strategy (seeded), to exercise
+    the emitter on configurations the search would not pick."""
     model, x = load(spec)
     graph = trace(model, x)
     cl = flexsearch.Cluster.resolve(cluster, devices)
-    base = plan_graph(graph, cl, max_iters=0, pipelines=False, decentralized=False)
-    space = Space(graph, devices)
-    if kind == "dpsgd":
-        return base.model_copy(update=dict(kind="decentralized", topology="ring", decisions={}, configs={}))
-    if kind in ("data", "fsdp"):
-        configs = space.expand({u.name: space.data_parallel(u) for u in space.units})
-        return base.model_copy(update=dict(kind="data", shard_params=kind == "fsdp",
-                                           configs={k: v.text for k, v in configs.items()}))
     if kind == "soap":
+        space = Space(graph, devices)
         rnd = random.Random(f"{spec}{devices}{seed}")
         decisions = {u.name: rnd.choice(space.candidates(u)) for u in space.units}
-        configs = space.expand(decisions)
-        return base.model_copy(update=dict(kind="soap", decisions={k: v.text for k, v in decisions.items()},
-                                           configs={k: v.text for k, v in configs.items()}))
+        strategy = Soap(space.expand(decisions), decisions)
+        ctx = CostContext(cl)
+        return plan_from(graph, cl, strategy, predict(graph, strategy, ctx), baselines={},
+                         lower_bound_s=lower_bound(graph, ctx))
+    kinds = {"dpsgd": "decentralized", "hybrid": "hybrid", "data": "data", "fsdp": "fsdp"}.get(kind, "pipeline")
     schedule = {"hybrid": "1f1b"}.get(kind, kind)
-    results = search_pipelines(graph, cl, simulate_top=1000, schedules=(schedule,))
-    want = [r for r in results if (r.tensor > 1) == (kind == "hybrid") and r.schedule == schedule
-            and len(r.stages) > 1]
-    r = want[seed % len(want)] if want else even_pipeline(graph, cl, schedule, 2 if kind == "hybrid" else 1)
-    if r is None:
+    try:
+        return plan_graph(graph, cl, kinds=(kinds,), max_iters=0, seed=seed,
+                          schedules=(schedule,) if kinds in ("pipeline", "hybrid") else SYNC_SCHEDULES)
+    except PlanKindError:
         return None
-    fields = {k: getattr(base, k) for k in ("model", "graph_fingerprint", "devices", "cluster", "optimizer",
-                                            "objective", "lower_bound_s", "inputs")}
-    return pipeline_plan(graph, r, baselines={}, **fields)
 
 
 def mse(out, target):

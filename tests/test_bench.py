@@ -9,7 +9,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-import flexsearch.sim.taskgraph as taskgraph
+import flexsearch.sim.context as taskgraph
 from flexsearch import bench as b
 from flexsearch.cli import app, main
 

@@ -119,6 +119,14 @@ GOLDEN_FLAGS = """
 bench --check default=False
 bench --update default=False
 bench --baseline default=None
+calibrate --out default=None
+calibrate --ranks default=2 min=2
+calibrate --threads default=1 min=1
+calibrate --steps default=40 min=3
+calibrate --warmup default=3 min=2
+calibrate --retries default=3 min=1
+calibrate --max-wait default=60.0 min=0
+calibrate --restart default=False
 cluster NAME default=None
 cluster --devices default=None min=1
 plan MODEL default=None required
@@ -129,6 +137,7 @@ plan --max-iters default=None min=0
 plan --seed default=0
 plan --objective default='iteration'
 plan --decentralized default=True
+plan --kind default=None
 plan --out default=None
 plan --trace default=None
 plan --force default=False

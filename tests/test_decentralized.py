@@ -22,19 +22,19 @@ from flexsearch.search.decentralized import (
     decentralized_candidates,
     effective_time,
     explain,
-    replica_cost,
 )
 from flexsearch.search.planner import flat_baselines
+from flexsearch.sim.accounting import roofline_update_s
+from flexsearch.sim.context import CostContext
 from flexsearch.sim.decentralized import (
     average_time,
     simulate_all_reduce,
     simulate_gossip,
     simulate_parameter_server,
     snapshot_time,
-    update_time,
 )
 from flexsearch.sim.simulator import Simulator
-from flexsearch.sim.taskgraph import CostContext
+from flexsearch.sim.stages import replica_cost
 from flexsearch.strategy import recipes as bl
 from flexsearch.strategy.space import Space
 from flexsearch.strategy.topology import build, iterations_factor
@@ -52,7 +52,7 @@ def resnet20():
 @pytest.fixture(scope="module")
 def worker(resnet20):
     """Per-worker cost (128 images) on each preset."""
-    return {c: replica_cost(resnet20, Cluster.preset(c, 1), replicas=1) for c in ("commodity", "dgx-h100")}
+    return {c: replica_cost(resnet20, CostContext(Cluster.preset(c, 1)), replicas=1) for c in ("commodity", "dgx-h100")}
 
 
 def _times(cost, preset: str, n: int, optimizer: str = "momentum") -> dict[str, float]:
@@ -90,7 +90,7 @@ def test_dgx_no_real_gain_and_all_reduce_wins_time_to_accuracy(resnet20, worker)
         # all-reduce's un-overlapped tail (a few % of the compute)
         assert r["all-reduce"] <= 1.1 * min(r["ring"], r["exponential"]), r
         cluster = Cluster.preset("dgx-h100", n)
-        for c in decentralized_candidates(resnet20, cluster, optimizer="momentum", cost=cost,
+        for c in decentralized_candidates(resnet20, CostContext(cluster), optimizer="momentum", cost=cost,
                                           objective="time_to_accuracy"):
             if c.iterations_factor >= 1.1:
                 assert r["all-reduce"] < c.effective_time_s, (n, c.name)
@@ -119,7 +119,7 @@ def test_exchange_overlaps_compute(worker):
     assert compute > 0.3 * exchange and exchange > 0.3 * compute  # both significant
     sim = simulate_gossip(ctx, cost, build("ring", n), optimizer="momentum")
     assert sim.iteration_time_s < compute + exchange
-    tail = average_time(ctx, p, 2) + update_time(ctx, p, "momentum")
+    tail = average_time(ctx, p, 2) + roofline_update_s(ctx, "momentum", p)
     assert sim.iteration_time_s == pytest.approx(snapshot_time(ctx, p) + max(compute, exchange) + tail, rel=1e-9)
     # alpha + d M / B: degree 2, one 5 ms latency, each NIC sends two models
     link = cluster.spec.inter_node
@@ -147,8 +147,8 @@ def test_memory_counts_receive_buffers(worker):
 def test_time_to_accuracy_uses_iterations_factor(resnet20, worker):
     cost = worker["commodity"]
     cluster = Cluster.preset("commodity", 64)
-    per_iter = decentralized_candidates(resnet20, cluster, cost=cost, objective="iteration")
-    tta = decentralized_candidates(resnet20, cluster, cost=cost, objective="time_to_accuracy")
+    per_iter = decentralized_candidates(resnet20, CostContext(cluster), cost=cost, objective="iteration")
+    tta = decentralized_candidates(resnet20, CostContext(cluster), cost=cost, objective="time_to_accuracy")
     by = {r.name: r for r in tta}
     for r in tta:
         assert r.iterations_factor == pytest.approx(iterations_factor(r.topology))
@@ -168,9 +168,9 @@ def test_time_to_accuracy_uses_iterations_factor(resnet20, worker):
 def test_all_reduce_is_the_data_baseline(resnet20):
     for preset in ("commodity", "dgx-h100"):
         cluster = Cluster.preset(preset, 8)
-        data = flat_baselines(resnet20, cluster, optimizer="momentum")["data"].simulation
-        cost = replica_cost(resnet20, cluster)
-        ar = centralized_baselines(resnet20, cluster, optimizer="momentum", cost=cost, all_reduce=True)["all-reduce"]
+        data = flat_baselines(resnet20, CostContext(cluster), "momentum")["data"].simulation
+        cost = replica_cost(resnet20, CostContext(cluster))
+        ar = centralized_baselines(resnet20, CostContext(cluster), optimizer="momentum", cost=cost, all_reduce=True)["all-reduce"]
         assert ar.iteration_time_s == pytest.approx(data.iteration_time_s, rel=1e-9)
         assert ar.memory_bytes == pytest.approx(data.memory_bytes)
         # the op-level data-parallel simulation gives every device the same compute
@@ -190,7 +190,7 @@ def test_parameter_server_phases_match_cost_model(worker):
     for servers in ((0,), tuple(range(n))):
         sim = simulate_parameter_server(ctx, cost, servers=servers, optimizer="sgd")
         comm_s = comm.parameter_server(cluster, range(n), servers, p).time_s
-        upd = update_time(ctx, p / len(servers), "sgd")
+        upd = roofline_update_s(ctx, "sgd", p / len(servers))
         assert sim.iteration_time_s == pytest.approx(compute + comm_s + upd, rel=1e-9)
     # one server: 2 alpha + 2 (n-1) M / B on its NIC
     link = cluster.spec.inter_node
@@ -208,7 +208,7 @@ def test_time_varying_topology_reports_mean_per_iteration(worker, tmp_path):
     p = cost.param_bytes
     link = ctx.cluster.spec.inter_node
     step = max(cost.forward_s + cost.backward_s, link.latency.value + p / link.bandwidth.value)
-    step += snapshot_time(ctx, p) + average_time(ctx, p, 1) + update_time(ctx, p, "momentum")
+    step += snapshot_time(ctx, p) + average_time(ctx, p, 1) + roofline_update_s(ctx, "momentum", p)
     assert sim.iteration_time_s == pytest.approx(step, rel=1e-9)
     assert sum(1 for s in sim.timeline if s.task.name.startswith("gossip")) == 4
     trace_ = sim.to_chrome_trace(tmp_path / "t.json")
@@ -230,20 +230,20 @@ def test_candidates_and_skips(resnet20):
     assert [t.name for t in tops] == ["ring", "custom"]
     # end to end from the graph: global batch 128 over 8 workers
     cluster = Cluster.preset("commodity", 8)
-    res = decentralized_candidates(resnet20, cluster, optimizer="momentum")
+    res = decentralized_candidates(resnet20, CostContext(cluster), optimizer="momentum")
     assert {r.name for r in res} == {"ring", "torus", "exponential", "one_peer_exponential", "complete"}
     assert all(isinstance(r, DecentralizedResult) and r.simulation.feasible for r in res)
-    base = centralized_baselines(resnet20, cluster, optimizer="momentum")
+    base = centralized_baselines(resnet20, CostContext(cluster), optimizer="momentum")
     assert set(base) == {"ps", "ps-sharded"}
-    assert decentralized_candidates(resnet20, Cluster.preset("commodity", 1)) == []
+    assert decentralized_candidates(resnet20, CostContext(Cluster.preset("commodity", 1))) == []
     with pytest.raises(ValueError, match="divisible"):
-        replica_cost(resnet20, Cluster.preset("commodity", 3))
+        replica_cost(resnet20, CostContext(Cluster.preset("commodity", 3)))
 
 
 def test_explain(resnet20, worker):
     cost = worker["commodity"]
     cluster = Cluster.preset("commodity", 64)
-    tta = decentralized_candidates(resnet20, cluster, cost=cost, objective="time_to_accuracy",
+    tta = decentralized_candidates(resnet20, CostContext(cluster), cost=cost, objective="time_to_accuracy",
                                    topologies=("ring",))
     ring = tta[0]
     line = explain(ring, "all-reduce", 0.030, objective="time_to_accuracy")

@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import fidelity  # noqa: E402
 
-from flexsearch.cost.calibration import calibration_for  # noqa: E402
+from flexsearch.cost.calibration import load_calibration  # noqa: E402
 from flexsearch.cost.compute import Partition  # noqa: E402
 from flexsearch.cost.hardware import Cluster  # noqa: E402
 from flexsearch.cost.profiler import ProfileDB, ProfileEntry, ProfileFile, profile_key  # noqa: E402
@@ -59,15 +59,16 @@ def test_calibration_applies_to_its_device_only():
     """The cpu preset's device is calibrated (costmodels/calibration.json); GPU presets
     are not, so their predictions are the uncalibrated model's."""
     cpu = Cluster.resolve("cpu", 2)
-    if calibration_for(cpu.device.name) is None:
-        pytest.skip("no calibration for this machine's cpu preset (run benchmarks/fidelity.py --calibrate)")
-    assert calibration_for(Cluster.resolve("dgx-h100", 8).device.name) is None
+    cal = load_calibration(cpu.device.name)
+    if cal is None:
+        pytest.skip("no calibration for this machine's cpu preset (run flexsearch calibrate)")
+    assert load_calibration(Cluster.resolve("dgx-h100", 8).device.name) is None
     model, x, _ = fidelity.build("deep8")
     graph = trace(model, x)
     space = Space(graph, 2)
     configs = space.expand({u.name: space.data_parallel(u) for u in space.units})
-    plain = Simulator(graph, cpu, calibration=False).simulate(configs)
-    calibrated = Simulator(graph, cpu).simulate(configs, ddp=True)
+    plain = Simulator(graph, cpu).simulate(configs)
+    calibrated = Simulator(graph, cpu, calibration=cal).simulate(configs, ddp=True)
     assert calibrated.iteration_time_s > plain.iteration_time_s  # per-step costs of the real runtime
     assert calibrated.peak_memory_bytes > plain.peak_memory_bytes  # DDP's buckets, runtime buffers
 

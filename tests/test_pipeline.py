@@ -24,8 +24,8 @@ from flexsearch.search.pipeline import (
     search_pipelines,
 )
 from flexsearch.search.planner import plan_graph
+from flexsearch.sim.context import CostContext
 from flexsearch.sim.pipeline import PipelineLayout, StageCost, simulate_pipeline
-from flexsearch.sim.taskgraph import CostContext
 
 CTX = CostContext(Cluster.preset("dgx-h100", 16))
 
@@ -113,7 +113,7 @@ def test_vgg16_on_pipedream_cluster(vgg16):
     Our PipeDream baseline makes the same choice; the planner itself returns a SOAP plan
     (conv layers data parallel, the classifier off it), which it predicts faster still."""
     cluster = Cluster.preset("pipedream-a", 16)
-    dream = pipedream_plan(vgg16, cluster)
+    dream = pipedream_plan(vgg16, CostContext(cluster))
     assert dream is not None and dream.simulation.feasible
     names = [n.name for n in vgg16.nodes]
     first, last = dream.stages[0], dream.stages[-1]
@@ -143,7 +143,7 @@ def test_pipeline_plan_round_trip_and_resimulation(tmp_path):
 
 def test_search_pipelines_results_fit_and_cover(vgg16):
     cluster = Cluster.preset("dgx-h100", 8)
-    results = search_pipelines(vgg16, cluster)
+    results = search_pipelines(vgg16, CostContext(cluster))
     assert results
     for r in results:
         assert r.stages[0][0] == 0 and r.stages[-1][1] == len(vgg16.nodes)
@@ -153,7 +153,7 @@ def test_search_pipelines_results_fit_and_cover(vgg16):
 
 def test_profile_plan_and_cli():
     profile = load_profile(ROOT / "benchmarks/profiles/vgg16_pipedream.txt")
-    best, data = plan_profile(profile, Cluster.preset("pipedream-a", 16))
+    best, data = plan_profile(profile, CostContext(Cluster.preset("pipedream-a", 16)))
     assert best.simulation.iteration_time_s < data.iteration_time_s
     assert len(best.stages[-1][2]) == 1
     out = CliRunner().invoke(app, ["plan", str(ROOT / "benchmarks/profiles/vgg16_pipedream.txt"),

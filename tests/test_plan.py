@@ -18,7 +18,6 @@ import zoo  # noqa: E402
 import flexsearch  # noqa: E402
 from flexsearch import Cluster, Plan, PlanFileError, trace  # noqa: E402
 from flexsearch.plan import PLAN_VERSION  # noqa: E402
-from flexsearch.sim.simulator import Simulator  # noqa: E402
 from flexsearch.strategy.space import Space
 
 
@@ -218,15 +217,17 @@ def test_simulate_reproduces_the_prediction(tmp_path, name, devices, cluster):
     assert flexsearch.simulate(graph, plan, cluster=other).iteration_time_s != pytest.approx(
         plan.predicted.iteration_time_s)
     # and the baselines it reports re-simulate too
-    space = Space(graph, devices)
-    sim = Simulator(graph, Cluster.preset(cluster, devices))
-    from flexsearch.search.planner import ddp_simulation
+    from flexsearch.api import resolve_calibration
+    from flexsearch.sim.context import CostContext
+    from flexsearch.sim.predict import predict
     from flexsearch.strategy import recipes as baselines
+    from flexsearch.strategy.kinds import DataParallel
 
-    oplevel = sim.simulate(space.expand(baselines.data_parallel(space)), ddp=True)
-    calibrated = sim.ctx.calibration is not None
-    assert ddp_simulation(graph, Cluster.preset(cluster, devices), oplevel,
-                          calibrated=calibrated).iteration_time_s == plan.baselines["data"]
+    space = Space(graph, devices)
+    cl = Cluster.preset(cluster, devices)
+    dp = baselines.data_parallel(space)
+    ctx = CostContext(cl, calibration=resolve_calibration("auto", cl))
+    assert predict(graph, DataParallel(space.expand(dp), dp), ctx).iteration_time_s == plan.baselines["data"]
 
 
 def test_simulate_with_another_models_graph():

@@ -39,14 +39,9 @@ def soap():
 def pipeline():
     """The best pipeline for GPT on 4 devices, with the search's baselines and curve (on
     a model this small DDP wins, so the planner would not return it)."""
-    from flexsearch.search.pipeline import search_pipelines
-    from flexsearch.search.planner import pipeline_plan
-
     graph, base, _ = _planned(GPT, "pipedream-a", 4)
-    r = next(r for r in search_pipelines(graph, resolve_cluster("pipedream-a", 4)) if r.simulation.feasible)
-    fields = {k: getattr(base, k) for k in ("model", "graph_fingerprint", "devices", "cluster", "optimizer",
-                                            "objective", "lower_bound_s", "inputs", "search", "baselines")}
-    plan = pipeline_plan(graph, r, **fields)
+    plan = plan_graph(graph, resolve_cluster("pipedream-a", 4), kinds=("pipeline", "hybrid"), max_iters=0)
+    plan = plan.model_copy(update={"baselines": {**base.baselines, **plan.baselines}, "search": base.search})
     assert plan.kind in ("pipeline", "hybrid")
     return graph, plan, simulate(graph, plan)
 

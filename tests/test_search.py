@@ -19,6 +19,7 @@ import zoo  # noqa: E402
 
 import flexsearch  # noqa: E402
 from flexsearch import Cluster, InfeasiblePlanError, trace  # noqa: E402
+from flexsearch.api import resolve_calibration  # noqa: E402
 from flexsearch.search.assignment import AssignmentBuilder  # noqa: E402
 from flexsearch.search.ilp import (  # noqa: E402
     AssignmentProblem,
@@ -28,10 +29,13 @@ from flexsearch.search.ilp import (  # noqa: E402
     solve_assignment,
 )
 from flexsearch.search.mcmc import cost_of, mcmc  # noqa: E402
-from flexsearch.search.planner import REFERENCE_BASELINES, ddp_simulation  # noqa: E402
+from flexsearch.search.planner import REFERENCE_BASELINES  # noqa: E402
+from flexsearch.sim.context import CostContext  # noqa: E402
+from flexsearch.sim.predict import predict  # noqa: E402
 from flexsearch.sim.simulator import Simulator  # noqa: E402
 from flexsearch.strategy import recipes as baselines  # noqa: E402
 from flexsearch.strategy.config import Config, legal
+from flexsearch.strategy.kinds import DataParallel  # noqa: E402
 from flexsearch.strategy.space import Space
 
 MAX_EXHAUSTIVE = 5000
@@ -369,10 +373,10 @@ def test_plan_never_slower_than_a_feasible_baseline(name, cluster, devices):
     # the baselines it reports are the simulated baselines
     g = zoo_graph(name)
     space = Space(g, devices)
-    sim = Simulator(g, Cluster.preset(cluster, devices))
-    oplevel = sim.simulate(space.expand(baselines.data_parallel(space)), ddp=True)
-    assert plan.baselines["data"] == ddp_simulation(g, Cluster.preset(cluster, devices), oplevel,
-                                                    calibrated=sim.ctx.calibration is not None).iteration_time_s
+    cl = Cluster.preset(cluster, devices)
+    dp = baselines.data_parallel(space)
+    ctx = CostContext(cl, calibration=resolve_calibration("auto", cl))
+    assert plan.baselines["data"] == predict(g, DataParallel(space.expand(dp), dp), ctx).iteration_time_s
     if plan.kind in ("pipeline", "hybrid", "decentralized"):  # re-simulation agrees
         assert flexsearch.simulate(g, plan).iteration_time_s == plan.predicted.iteration_time_s  # stages cover the graph; re-simulation agrees
         assert [n for st in plan.stages for n in st.nodes] == [n.name for n in g.nodes] or not plan.stages

@@ -1,10 +1,13 @@
-"""Calibration of the simulator against real runs: ``costmodels/calibration.json``.
+"""Calibration of the simulator against real runs: the file format and where it is read.
 
 The roofline, the op profiles and the alpha-beta links price the work an iteration
-does; running emitted plans (``benchmarks/fidelity.py``) shows what they leave out.
-Per device (keyed by the device spec's ``name``), each term below is a number with the
-command that measured it, like every hardware number. A device without an entry is
-simulated as before (no calibration).
+does; running emitted plans shows what they leave out. ``flexsearch calibrate``
+(:mod:`flexsearch.calibrate`) measures it on this machine into
+:func:`user_calibration_path`; the built-in ``costmodels/calibration.json`` holds the
+project's CI host's. Per device (keyed by the device spec's ``name``), each term below
+is a number with the command that measured it, like every hardware number. A device
+without an entry is simulated uncalibrated, and so is every prediction whose caller
+did not load a calibration (:func:`load_calibration`).
 
 - ``communication_blocks_compute``: communication runs on the devices' own cores
   (gloo on a CPU with one core per rank: copies and reductions compete with the compute
@@ -59,12 +62,13 @@ from pydantic import ValidationError
 
 from flexsearch.cost.hardware import (
     COSTMODELS_DIR,
+    Frozen,
     NonNegative,
     Positive,
     Source,
-    _Frozen,
-    _read_json,
-    _validation_message,
+    read_json,
+    user_dir,
+    validation_message,
 )
 from flexsearch.errors import ClusterSpecError
 
@@ -73,19 +77,19 @@ CALIBRATION_FILE = COSTMODELS_DIR / "calibration.json"
 Mode = Literal["ddp", "fsdp", "sharded", "pipeline", "decentralized"]
 
 
-class Flag(_Frozen):
+class Flag(Frozen):
     value: bool
     source: Source
 
 
-class UpdateCost(_Frozen):
+class UpdateCost(Frozen):
     """One device's optimizer update: ``per_tensor_s x tensors + per_byte_s x bytes``."""
 
     per_tensor_s: NonNegative
     per_byte_s: NonNegative
 
 
-class CollectiveFit(_Frozen):
+class CollectiveFit(Frozen):
     """``t = latency_s + per_byte_s x M`` on ``ranks`` ranks (module docstring)."""
 
     ranks: int
@@ -99,14 +103,30 @@ class CollectiveFit(_Frozen):
         return (n - 1) / (n0 - 1) * self.latency_s.value + (n - 1) * n0 / (n * (n0 - 1)) * self.per_byte_s.value * nbytes
 
 
-class OpOverhead(_Frozen):
+class OpOverhead(Frozen):
     forward_s: NonNegative
     backward_s: NonNegative
 
 
-class DeviceCalibration(_Frozen):
+class HostRecord(Frozen):
+    """The machine a calibration was measured on."""
+
+    cpu: str
+    cores: int
+    torch: str
+    date: str
+
+    def same_machine(self, host: dict) -> bool:
+        """Is ``host`` (:func:`flexsearch.cost.profiler.host_info`) this kind of machine:
+        the same CPU model, core count and torch?"""
+        return (self.cpu, self.cores, self.torch) == (host.get("cpu"), host.get("cores"), host.get("torch"))
+
+
+class DeviceCalibration(Frozen):
     """The calibration terms of one device (module docstring)."""
 
+    host: HostRecord | None = None
+    """Where it was measured (None: not recorded)."""
     communication_blocks_compute: Flag
     optimizer: dict[Literal["adam", "momentum", "sgd"], UpdateCost]
     sharded_update_per_tensor_s: NonNegative
@@ -145,7 +165,7 @@ class DeviceCalibration(_Frozen):
         return o.forward_s.value, o.backward_s.value
 
 
-class CalibrationFile(_Frozen):
+class CalibrationFile(Frozen):
     description: str = ""
     command: str = ""
     devices: dict[str, DeviceCalibration] = {}
@@ -153,30 +173,47 @@ class CalibrationFile(_Frozen):
 
 @lru_cache(maxsize=8)
 def _load_cached(path: str, _stamp: tuple[int, int]) -> CalibrationFile:
-    raw = _read_json(Path(path), "calibration file")
+    raw = read_json(Path(path), "calibration file")
     try:
         return CalibrationFile.model_validate(raw)
     except ValidationError as e:
-        raise ClusterSpecError(_validation_message(f"calibration file {path}", e)) from None
+        raise ClusterSpecError(validation_message(f"calibration file {path}", e)) from None
+
+
+def user_calibration_path() -> Path:
+    """This machine's calibration file, what ``flexsearch calibrate`` writes by default
+    (:func:`~flexsearch.cost.hardware.user_dir`)."""
+    return user_dir() / "calibration.json"
 
 
 def load_calibration_file(path: str | os.PathLike[str] | None = None) -> CalibrationFile:
-    """Read and validate a calibration file (default: the built-in one; an empty one if
-    it does not exist); cached until the file changes."""
+    """Read and validate a calibration file (default: the built-in one); cached until
+    the file changes. A missing default file is an empty calibration."""
     p = Path(path if path is not None else CALIBRATION_FILE).resolve()
     try:
         st = p.stat()
     except OSError:
         if path is None:
             return CalibrationFile()
-        _read_json(p, "calibration file")
+        read_json(p, "calibration file")
         raise
     return _load_cached(str(p), (st.st_mtime_ns, st.st_size))
 
 
-def calibration_for(device_name: str, path: str | os.PathLike[str] | None = None) -> DeviceCalibration | None:
-    """The calibration of the device named ``device_name`` (None when it has none)."""
-    return load_calibration_file(path).devices.get(device_name)
+def load_calibration(device_name: str, path: str | os.PathLike[str] | None = None) -> DeviceCalibration | None:
+    """The calibration of the device named ``device_name``, read from ``path``, else
+    from this machine's file (:func:`user_calibration_path`) when it has the device,
+    else from the built-in file; None when none has it. Nothing else in flexsearch
+    reads a calibration: a caller that wants one asks for it here."""
+    if path is not None:
+        return load_calibration_file(path).devices.get(device_name)
+    mine = user_calibration_path()
+    if mine.is_file():
+        hit = load_calibration_file(mine).devices.get(device_name)
+        if hit is not None:
+            return hit
+    return load_calibration_file().devices.get(device_name)
 
 
-__all__ = ["CALIBRATION_FILE", "CalibrationFile", "DeviceCalibration", "calibration_for", "load_calibration_file"]
+__all__ = ["CALIBRATION_FILE", "CalibrationFile", "DeviceCalibration", "load_calibration",
+           "load_calibration_file", "user_calibration_path"]

@@ -20,9 +20,9 @@ from pydantic import ValidationError, model_validator
 from flexsearch.cost.hardware import (
     COSTMODELS_DIR,
     Fraction,
-    _Frozen,
-    _read_json,
-    _validation_message,
+    Frozen,
+    read_json,
+    validation_message,
 )
 from flexsearch.errors import ClusterSpecError
 from flexsearch.graph.opgraph import NodeKind
@@ -30,14 +30,14 @@ from flexsearch.graph.opgraph import NodeKind
 EFFICIENCY_FILE = COSTMODELS_DIR / "efficiency.json"
 
 
-class KindEfficiency(_Frozen):
+class KindEfficiency(Frozen):
     """Fractions of peak FLOP/s and of peak memory bandwidth one op kind reaches."""
 
     flops: Fraction
     bandwidth: Fraction
 
 
-class EfficiencyTable(_Frozen):
+class EfficiencyTable(Frozen):
     """Per-kind efficiency factors, with optional per-device overrides."""
 
     description: str = ""
@@ -61,11 +61,11 @@ class EfficiencyTable(_Frozen):
 
 @lru_cache(maxsize=16)
 def _load_cached(path: str, _stamp: tuple[int, int]) -> EfficiencyTable:
-    raw = _read_json(Path(path), "efficiency file")
+    raw = read_json(Path(path), "efficiency file")
     try:
         return EfficiencyTable.model_validate(raw)
     except ValidationError as e:
-        raise ClusterSpecError(_validation_message(f"efficiency file {path}", e)) from None
+        raise ClusterSpecError(validation_message(f"efficiency file {path}", e)) from None
 
 
 def load_efficiency(path: str | os.PathLike[str] | None = None) -> EfficiencyTable:
@@ -75,7 +75,7 @@ def load_efficiency(path: str | os.PathLike[str] | None = None) -> EfficiencyTab
     try:
         st = p.stat()
     except OSError:
-        _read_json(p, "efficiency file")  # raises the one-line error
+        read_json(p, "efficiency file")  # raises the one-line error
         raise
     return _load_cached(str(p), (st.st_mtime_ns, st.st_size))
 
@@ -85,7 +85,7 @@ def efficiency_from_dict(data: dict) -> EfficiencyTable:
     try:
         return EfficiencyTable.model_validate(data)
     except ValidationError as e:
-        raise ClusterSpecError(_validation_message("efficiency table", e)) from None
+        raise ClusterSpecError(validation_message("efficiency table", e)) from None
 
 
 __all__ = ["EFFICIENCY_FILE", "EfficiencyTable", "KindEfficiency", "efficiency_from_dict", "load_efficiency"]

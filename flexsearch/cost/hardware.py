@@ -51,48 +51,59 @@ from pydantic import (
 
 from flexsearch.errors import ClusterSpecError
 
-COSTMODELS_DIR = Path(__file__).resolve().parents[2] / "costmodels"
-"""Where the built-in data lives: ``clusters/*.json`` (presets) and ``efficiency.json``."""
+COSTMODELS_DIR = Path(__file__).resolve().parents[1] / "costmodels"
+"""Where the built-in data lives (package data): ``clusters/*.json`` (presets),
+``efficiency.json`` and ``calibration.json``."""
 
 PRESETS_DIR = COSTMODELS_DIR / "clusters"
+"""The built-in presets."""
 
 
-class _Frozen(BaseModel):
+def user_dir() -> Path:
+    """Where files this machine writes live, outside the package: ``$FLEXSEARCH_HOME``,
+    else ``~/.flexsearch``: ``clusters/`` (presets measured here, e.g. by ``flexsearch
+    profile --comm``; they shadow the built-in ones of the same name),
+    ``calibration.json`` (``flexsearch calibrate``), ``measurements/``."""
+    home = os.environ.get("FLEXSEARCH_HOME")
+    return Path(home).expanduser() if home else Path.home() / ".flexsearch"
+
+
+class Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 Source = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)]
 
 
-class Positive(_Frozen):
+class Positive(Frozen):
     """A number > 0 with its source (a datasheet, a paper, a measurement command)."""
 
     value: Annotated[float, Field(gt=0, allow_inf_nan=False)]
     source: Source
 
 
-class NonNegative(_Frozen):
+class NonNegative(Frozen):
     """A number >= 0 with its source."""
 
     value: Annotated[float, Field(ge=0, allow_inf_nan=False)]
     source: Source
 
 
-class Count(_Frozen):
+class Count(Frozen):
     """An integer >= 1 with its source."""
 
     value: Annotated[int, Field(ge=1)]
     source: Source
 
 
-class Fraction(_Frozen):
+class Fraction(Frozen):
     """A factor in (0, 1] with its source or the reasoning behind it."""
 
     value: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
     source: Source
 
 
-class PeakFlops(_Frozen):
+class PeakFlops(Frozen):
     """Dense peak FLOP/s per dtype. ``tf32`` only where the hardware has it."""
 
     float32: Positive
@@ -102,7 +113,7 @@ class PeakFlops(_Frozen):
     float64: Positive | None = None
 
 
-class DeviceSpec(_Frozen):
+class DeviceSpec(Frozen):
     """One accelerator (or one CPU process): peak compute, memory bandwidth, capacity."""
 
     name: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)]
@@ -119,7 +130,7 @@ class DeviceSpec(_Frozen):
         return (entry or self.peak_flops.float32).value
 
 
-class IntraNodeLink(_Frozen):
+class IntraNodeLink(Frozen):
     """The links inside one node (see the module docstring for ``topology``)."""
 
     kind: Literal["nvlink", "pcie", "shared-memory"]
@@ -128,7 +139,7 @@ class IntraNodeLink(_Frozen):
     latency: NonNegative
 
 
-class InterNodeLink(_Frozen):
+class InterNodeLink(Frozen):
     """The network between nodes: per-NIC bandwidth and latency, NICs per node."""
 
     kind: Literal["infiniband", "ethernet"]
@@ -137,7 +148,7 @@ class InterNodeLink(_Frozen):
     nics_per_node: Count
 
 
-class ClusterSpec(_Frozen):
+class ClusterSpec(Frozen):
     """A cluster preset as stored: nodes of ``devices_per_node`` identical devices.
 
     ``max_nodes`` absent means unlimited; ``inter_node`` may be absent only when
@@ -191,7 +202,7 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return out or "(top level)"
 
 
-def _validation_message(where: str, err: ValidationError) -> str:
+def validation_message(where: str, err: ValidationError) -> str:
     """Translate pydantic's first error into one line naming the field and the fix."""
     errors = err.errors()
     e = errors[0]
@@ -238,7 +249,7 @@ def _parse_json(text: str, path: Path, what: str) -> Any:
         ) from None
 
 
-def _read_json(path: Path, what: str) -> Any:
+def read_json(path: Path, what: str) -> Any:
     return _parse_json(_read_text(path, what), path, what)
 
 
@@ -252,11 +263,11 @@ def _resolve_device(raw: Any, path: Path) -> Any:
     candidates = [path.parent / name, path.parent / "devices" / name, COSTMODELS_DIR / "devices" / name]
     for c in candidates:
         if c.is_file():
-            device = _read_json(c, "device file")
+            device = read_json(c, "device file")
             try:
                 DeviceSpec.model_validate(device)
             except ValidationError as e:
-                raise ClusterSpecError(_validation_message(f"device file {c}", e)) from None
+                raise ClusterSpecError(validation_message(f"device file {c}", e)) from None
             return {**raw, "device": device}
     raise ClusterSpecError(
         f"cluster file {path}: field 'device' names {ref!r} but no device file {name} was found "
@@ -268,11 +279,11 @@ def load_cluster_spec(path: str | os.PathLike[str]) -> ClusterSpec:
     """Read and validate one cluster file (read afresh every time: a profiler may
     rewrite it)."""
     p = Path(path).resolve()
-    raw = _resolve_device(_read_json(p, "cluster file"), p)
+    raw = _resolve_device(read_json(p, "cluster file"), p)
     try:
         return ClusterSpec.model_validate(raw)
     except ValidationError as e:
-        raise ClusterSpecError(_validation_message(f"cluster file {p}", e)) from None
+        raise ClusterSpecError(validation_message(f"cluster file {p}", e)) from None
 
 
 def save_cluster_spec(spec: ClusterSpec, path: str | os.PathLike[str]) -> None:
@@ -283,18 +294,22 @@ def save_cluster_spec(spec: ClusterSpec, path: str | os.PathLike[str]) -> None:
 
 
 def available_presets() -> tuple[str, ...]:
-    """Names of the built-in presets (the files in ``costmodels/clusters/``)."""
-    return tuple(sorted(p.stem for p in PRESETS_DIR.glob("*.json")))
+    """Names of the presets: the built-in ones (``costmodels/clusters/``) and this
+    machine's (:func:`user_dir` ``/clusters``)."""
+    dirs = (PRESETS_DIR, user_dir() / "clusters")
+    return tuple(sorted({p.stem for d in dirs for p in d.glob("*.json")}))
 
 
 def preset_path(name: str) -> Path:
-    """The file of a built-in preset; unknown names raise ClusterSpecError listing them."""
+    """The file of a preset: this machine's (:func:`user_dir`) if it has one of that
+    name, else the built-in one; unknown names raise ClusterSpecError listing them."""
     names = available_presets()
     if name not in names:
         raise ClusterSpecError(
             f"unknown cluster preset {name!r}; use one of: {', '.join(names)} (or a path to a cluster JSON file)"
         )
-    return PRESETS_DIR / f"{name}.json"
+    mine = user_dir() / "clusters" / f"{name}.json"
+    return mine if mine.is_file() else PRESETS_DIR / f"{name}.json"
 
 
 # --------------------------------------------------------------------------- cluster

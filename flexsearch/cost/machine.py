@@ -1,8 +1,9 @@
 """Measure this machine for the ``cpu`` preset (``flexsearch profile --comm``).
 
 The ``cpu`` preset models torch.distributed **gloo** processes on one host, one device
-per process. This module measures what such processes achieve and writes it into
-``costmodels/clusters/cpu.json``:
+per process. This module measures what such processes achieve and writes it into this
+machine's ``cpu`` preset (:func:`flexsearch.cost.hardware.user_dir` ``/clusters/cpu.json``,
+which shadows the built-in one; start from the built-in one when there is none):
 
 - :func:`measure_gloo`: spawns ``world_size`` gloo processes on 127.0.0.1 and times, per
   message size, a point-to-point ping-pong between ranks 0 and 1 (one-way time = round
@@ -16,7 +17,8 @@ per process. This module measures what such processes achieve and writes it into
 - :func:`write_cpu_preset`: replaces the preset's intra-node bandwidth and latency and
   the device's float32 (bfloat16) peak and memory bandwidth by the measured values, each
   with a source saying how and when it was measured, and stores the raw measurements
-  (a :class:`MeasurementFile`) in ``costmodels/measurements/cpu-gloo.json``;
+  (a :class:`MeasurementFile`) next to it, in ``measurements/cpu-gloo.json`` of the same
+  directory;
 - :func:`profile_machine`: all of the above, returning a small summary for the CLI.
 
 The "peak" numbers written are *achieved* rates (a large GEMM, a large copy), the best
@@ -41,19 +43,26 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from flexsearch.cost.hardware import (
-    COSTMODELS_DIR,
     PRESETS_DIR,
     ClusterSpec,
     load_cluster_spec,
     save_cluster_spec,
+    user_dir,
 )
 from flexsearch.errors import ProfileError
 
-MEASUREMENTS_DIR = COSTMODELS_DIR / "measurements"
-"""Where raw measurements are kept (``cpu-gloo.json``), for later fidelity checks."""
+BUILTIN_CPU_PRESET = PRESETS_DIR / "cpu.json"
+"""The built-in ``cpu`` preset (measured on the project's CI kind of host)."""
 
-CPU_PRESET_PATH = PRESETS_DIR / "cpu.json"
-DEFAULT_MEASUREMENTS_PATH = MEASUREMENTS_DIR / "cpu-gloo.json"
+
+def cpu_preset_path() -> Path:
+    """This machine's ``cpu`` preset, what ``profile --comm`` writes by default."""
+    return user_dir() / "clusters" / "cpu.json"
+
+
+def default_measurements_path() -> Path:
+    """Where ``profile --comm`` keeps its raw measurements by default."""
+    return user_dir() / "measurements" / "cpu-gloo.json"
 
 COMMAND = "flexsearch profile --comm"
 
@@ -172,7 +181,7 @@ class AlphaBetaFit(_Model):
 
 
 class MeasurementFile(_Model):
-    """``costmodels/measurements/cpu-gloo.json``: what ``profile --comm`` measured."""
+    """``measurements/cpu-gloo.json``: what ``profile --comm`` measured."""
 
     version: Literal[1] = 1
     command: str = COMMAND
@@ -182,9 +191,10 @@ class MeasurementFile(_Model):
     compute: ComputeMeasurement | None = None
 
 
-def load_measurements(path: str | os.PathLike[str] = DEFAULT_MEASUREMENTS_PATH) -> MeasurementFile:
-    """Read a measurement file; a missing or damaged file is a one-line ProfileError."""
-    p = Path(path)
+def load_measurements(path: str | os.PathLike[str] | None = None) -> MeasurementFile:
+    """Read a measurement file (default :func:`default_measurements_path`); a missing
+    or damaged file is a one-line ProfileError."""
+    p = Path(path) if path is not None else default_measurements_path()
     try:
         return MeasurementFile.model_validate_json(p.read_text())
     except FileNotFoundError:
@@ -512,18 +522,19 @@ def write_cpu_preset(
     (``bfloat16`` if measured) and ``device.memory_bandwidth``, each with a source saying
     when, on what and how it was measured. Every other field is kept as it was.
 
-    ``path`` defaults to the built-in ``costmodels/clusters/cpu.json``. The raw
-    measurements (a :class:`MeasurementFile`) go to ``measurements_path``, by default
-    ``costmodels/measurements/cpu-gloo.json`` for the built-in preset and
+    ``path`` defaults to this machine's preset (:func:`cpu_preset_path`; the built-in
+    one is the starting point when it does not exist yet). The raw measurements (a
+    :class:`MeasurementFile`) go to ``measurements_path``, by default
+    :func:`default_measurements_path` for the default preset and
     ``<stem>-gloo.measurements.json`` next to any other ``path``."""
-    preset = Path(path) if path is not None else CPU_PRESET_PATH
+    preset = Path(path) if path is not None else cpu_preset_path()
     if measurements_path is not None:
         mpath = Path(measurements_path)
     elif path is None:
-        mpath = DEFAULT_MEASUREMENTS_PATH
+        mpath = default_measurements_path()
     else:
         mpath = preset.with_name(f"{preset.stem}-gloo.measurements.json")
-    spec: ClusterSpec = load_cluster_spec(preset)
+    spec: ClusterSpec = load_cluster_spec(preset if preset.exists() or path is not None else BUILTIN_CPU_PRESET)
 
     alpha, bandwidth = gloo.fit_p2p()
     how = (
@@ -533,7 +544,7 @@ def write_cpu_preset(
     fit = (
         f"; fit t = alpha + n/B over {len(gloo.sizes)} sizes "
         f"({gloo.sizes[0]} B..{gloo.sizes[-1]} B) of p2p one-way times (ping-pong / 2); raw data in "
-        f"costmodels/measurements/{mpath.name}"
+        f"measurements/{mpath.name}"
     )
     bw_type = type(spec.intra_node.bandwidth)
     lat_type = type(spec.intra_node.latency)
@@ -588,6 +599,7 @@ def write_cpu_preset(
     )
     mpath.parent.mkdir(parents=True, exist_ok=True)
     mpath.write_text(record.model_dump_json(indent=2) + "\n")
+    preset.parent.mkdir(parents=True, exist_ok=True)
     save_cluster_spec(new, preset)
     return preset, mpath
 
@@ -603,7 +615,8 @@ def profile_machine(
     path: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
     """Measure gloo p2p/all-reduce and one process's compute, fit the link, and (with
-    ``write``) rewrite the ``cpu`` preset (``path``, default the built-in one).
+    ``write``) rewrite the ``cpu`` preset (``path``, default this machine's:
+    :func:`cpu_preset_path`).
 
     Returns ``{"latency_s", "bandwidth_Bps", "float32_flops", "bfloat16_flops",
     "memory_bandwidth_Bps", "sizes", "p2p_one_way_s", "all_reduce_s", "preset_path",

@@ -1,5 +1,6 @@
 """Data-parallel plans: ``DistributedDataParallel``, or FSDP2 ``fully_shard`` when the
-plan shards parameters (``Plan.shard_params``).
+plan shards parameters (``Plan.shard_params``), over the FSDP units the plan records
+(:mod:`flexsearch.strategy.fsdp`; the same rule for plans that record none).
 
 Calling convention: ``module(x)`` is the wrapped model on *this rank's* shard of the
 batch (as with DDP); :meth:`DataParallelModule.train_step` takes the global batch on
@@ -20,6 +21,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from flexsearch.emit.runtime import Runtime
 from flexsearch.errors import EmitError
+from flexsearch.graph.modules import module_facts
+from flexsearch.strategy.fsdp import fsdp_units
 
 
 def batch_shard(x: Any, index: int, parts: int) -> Any:
@@ -33,32 +36,22 @@ def batch_shard(x: Any, index: int, parts: int) -> Any:
     return x[index * n:(index + 1) * n]
 
 
-def _shard_units(model: nn.Module) -> list[nn.Module]:
-    """The top-level layers that hold parameters (containers are looked into)."""
-    out = []
-    for child in model.children():
-        if not any(True for _ in child.parameters()):
-            continue
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-            out.extend(_shard_units(child))
-        else:
-            out.append(child)
-    return out
-
-
-def _untied(units: list[nn.Module]) -> list[nn.Module]:
-    """The units sharing no parameter with another (tied weights stay in the root group)."""
-    seen: dict[int, int] = {}
-    for u in units:
-        for q in u.parameters():
-            seen[id(q)] = seen.get(id(q), 0) + 1
-    return [u for u in units if all(seen[id(q)] == 1 for q in u.parameters())]
+def shard_units(model: nn.Module, units: tuple[str, ...] | None = None) -> list[nn.Module]:
+    """The modules wrapped as FSDP units: ``units`` (module paths, as a plan records
+    them), else the rule of :func:`flexsearch.strategy.fsdp.fsdp_units` applied to the
+    model's facts (:func:`flexsearch.graph.modules.module_facts`)."""
+    if units is None:
+        units = fsdp_units(module_facts(model))
+    try:
+        return [model.get_submodule(u) for u in units]
+    except AttributeError as e:
+        raise EmitError(f"the plan's FSDP unit is not a module of this model ({e}); plan this model again") from None
 
 
 class DataParallelModule(nn.Module):
     """A data-parallel model: ``module`` is the DDP wrapper or the fully-sharded model."""
 
-    def __init__(self, model: nn.Module, rt: Runtime, shard_params: bool):
+    def __init__(self, model: nn.Module, rt: Runtime, shard_params: bool, units: tuple[str, ...] | None = None):
         super().__init__()
         self._rt = rt
         self.sharded = shard_params
@@ -66,7 +59,7 @@ class DataParallelModule(nn.Module):
             from torch.distributed.fsdp import fully_shard
 
             mesh = rt.mesh(list(range(len(rt.ranks))), ("dp",))
-            for unit in _untied(_shard_units(model)):  # one unit per top-level layer, then the root
+            for unit in shard_units(model, units):  # the plan's units, then the root
                 fully_shard(unit, mesh=mesh, reshard_after_forward=True)
             fully_shard(model, mesh=mesh, reshard_after_forward=True)
             self.module = model
@@ -94,6 +87,8 @@ class DataParallelModule(nn.Module):
         return total / n
 
 
-def data_parallel(model: nn.Module, rt: Runtime, shard_params: bool) -> DataParallelModule:
-    """A :class:`DataParallelModule` over a copy of ``model`` (the caller's model is kept)."""
-    return DataParallelModule(copy.deepcopy(model), rt, shard_params)
+def data_parallel(model: nn.Module, rt: Runtime, shard_params: bool,
+                  units: tuple[str, ...] | None = None) -> DataParallelModule:
+    """A :class:`DataParallelModule` over a copy of ``model`` (the caller's model is
+    kept); ``units``: the FSDP units of a sharded plan (module paths)."""
+    return DataParallelModule(copy.deepcopy(model), rt, shard_params, units)

@@ -1,6 +1,6 @@
 """Pipeline and hybrid plans on ``torch.distributed.pipelining``.
 
-The plan's layout (:mod:`flexsearch.search.pipeline`): ``p`` pipeline ranks x ``d``
+The plan's layout (:class:`flexsearch.strategy.kinds.Pipelined`): ``p`` pipeline ranks x ``d``
 data-parallel replicas x ``t`` tensor-parallel devices; pipeline rank ``r`` holds
 devices ``r*d*t .. (r+1)*d*t - 1``, replica ``j`` of it devices ``r*d*t + j*t ..
 + t - 1``; stage ``k`` runs on pipeline rank ``k mod p`` (``chunks = stages / p``

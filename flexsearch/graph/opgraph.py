@@ -155,6 +155,18 @@ class BlockGroup(_Frozen):
     instances: tuple[tuple[str, ...], ...]
 
 
+class ModuleFacts(_Frozen):
+    """One module of the model's tree, as sharding rules see it
+    (:func:`flexsearch.graph.modules.module_facts`): its path, whether it is a plain
+    container (``ModuleList``/``ModuleDict``: its items are looked into), and the
+    canonical names of every parameter under it (a tied weight has one name, the
+    first ``named_parameters`` gives)."""
+
+    path: str
+    container: bool
+    params: tuple[str, ...]
+
+
 class OpGraph(_Frozen):
     """The operator graph of one model's forward pass, nodes in topological order."""
 
@@ -163,6 +175,9 @@ class OpGraph(_Frozen):
     nodes: tuple[OpNode, ...]
     blocks: tuple[BlockGroup, ...] = ()
     unused_params: int = 0
+    modules: tuple[ModuleFacts, ...] = ()
+    """The model's top-level modules holding parameters, and the items of containers
+    among them, recursively (what FSDP's unit rule reads)."""
 
     @cached_property
     def by_name(self) -> dict[str, OpNode]:

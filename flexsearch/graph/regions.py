@@ -48,10 +48,6 @@ _SAME_SHAPE = frozenset(
 )
 
 
-def full_region(shape: Sequence[int]) -> Region:
-    return tuple((0, s) for s in shape)
-
-
 def volume(region: Region) -> int:
     return math.prod(hi - lo for lo, hi in region)
 

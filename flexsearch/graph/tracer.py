@@ -40,6 +40,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from flexsearch.errors import TraceError
 from flexsearch.graph import registry
 from flexsearch.graph.blocks import find_blocks
+from flexsearch.graph.modules import module_facts
 from flexsearch.graph.opgraph import OpGraph, OpNode, ParallelDims, TensorMeta
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
@@ -113,6 +114,7 @@ def trace_calls(
         nodes=tuple(n.model_copy(update={"block": refs[n.name]}) if n.name in refs else n for n in nodes),
         blocks=blocks,
         unused_params=unused,
+        modules=module_facts(model),
     )
     return graph, measure.calls
 

@@ -25,8 +25,10 @@ from __future__ import annotations
 from collections import defaultdict
 
 from flexsearch.search.ilp import AssignmentProblem, AssignmentResult, solve_assignment
-from flexsearch.sim.simulator import OPTIMIZER_STATE
-from flexsearch.sim.taskgraph import CostContext, Fragment, Task, edge_tasks, node_tasks
+from flexsearch.sim.accounting import param_copies
+from flexsearch.sim.context import CostContext
+from flexsearch.sim.taskgraph import Fragment, edge_tasks, node_tasks
+from flexsearch.sim.tasks import Task
 from flexsearch.strategy.config import Config, follow, is_source
 from flexsearch.strategy.space import Space
 
@@ -46,7 +48,7 @@ class AssignmentBuilder:
     def __init__(self, space: Space, ctx: CostContext, optimizer: str = "adam"):
         self.space = space
         self.ctx = ctx
-        self.state = 2 + OPTIMIZER_STATE[optimizer]
+        self.state = param_copies(optimizer)
         g = space.graph
         self.units = space.units
         per_node = ctx.cluster.devices_per_node

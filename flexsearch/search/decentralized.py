@@ -2,16 +2,16 @@
 
 Pure functions of (graph, cluster, options) that a planner calls in a few lines:
 
-- :func:`replica_cost`: one data-parallel replica's step on its ``B / n`` slice, costed
-  exactly as :func:`flexsearch.search.planner.flat_baselines` costs the ``"data"``
-  baseline's replica (the microbatch graph of ``B / n`` samples, every op whole on one
-  device of the cluster's type, summed into one stage). The op-level data-parallel
-  simulation gives the same per-device compute (a test checks it), but it all-reduces
-  every layer's gradients separately, each paying the collective's full latency, which
-  on a high-latency network costs seconds per iteration; the stage-level form does one
-  all-reduce after the backward (DDP with one bucket, what DDP does for a model under its
-  25 MB bucket size) and is the stronger all-reduce baseline, so D-PSGD is judged against
-  it.
+- the replica cost (:func:`flexsearch.sim.stages.replica_cost`): one data-parallel
+  replica's step on its ``B / n`` slice, costed exactly as the ``"data"`` baseline's
+  one-bucket replica (:func:`flexsearch.sim.predict.predict`: the microbatch graph of
+  ``B / n`` samples, every op whole on one device of the cluster's type, summed into one
+  stage). The op-level data-parallel simulation gives the same per-device compute (a
+  test checks it), but it all-reduces every layer's gradients separately, each paying
+  the collective's full latency, which on a high-latency network costs seconds per
+  iteration; the stage-level form does one all-reduce after the backward (DDP with one
+  bucket, what DDP does for a model under its 25 MB bucket size) and is the stronger
+  all-reduce baseline, so D-PSGD is judged against it.
 - :func:`decentralized_candidates`: D-PSGD on every applicable topology
   (:data:`DEFAULT_TOPOLOGIES`), each simulated by
   :func:`~flexsearch.sim.decentralized.simulate_gossip`, with its
@@ -44,21 +44,18 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from flexsearch.cost.compute import MeasuredCosts
-from flexsearch.cost.hardware import Cluster
 from flexsearch.errors import TopologyError
-from flexsearch.graph.microbatch import microbatch_graph
 from flexsearch.graph.opgraph import OpGraph
-from flexsearch.search.pipeline import cut_bytes, node_costs, stage_cost
+from flexsearch.sim.context import CostContext
 from flexsearch.sim.decentralized import (
     simulate_all_reduce,
     simulate_gossip,
     simulate_parameter_server,
 )
 from flexsearch.sim.pipeline import StageCost
-from flexsearch.sim.simulator import Simulation
-from flexsearch.sim.taskgraph import CostContext
-from flexsearch.strategy.recipes import stage_configs
+from flexsearch.sim.result import Simulation
+from flexsearch.sim.stages import replica_cost
+from flexsearch.strategy.kinds import Decentralized
 from flexsearch.strategy.topology import Topology, build, iterations_factor
 
 DEFAULT_TOPOLOGIES = ("ring", "torus", "exponential", "one_peer_exponential", "complete")
@@ -91,6 +88,10 @@ class DecentralizedResult:
     def iteration_time_s(self) -> float:
         return self.simulation.iteration_time_s
 
+    @property
+    def strategy(self) -> Decentralized:
+        return Decentralized(self.topology)
+
 
 def _order(r: DecentralizedResult) -> tuple[bool, float]:
     return (not r.simulation.feasible, r.effective_time_s)
@@ -111,21 +112,6 @@ def effective_time(iteration_time_s: float, factor: float, objective: str = "ite
     """``iteration_time_s`` for objective ``"iteration"``, times ``factor`` for
     ``"time_to_accuracy"``."""
     return iteration_time_s * (factor if _check_objective(objective) == "time_to_accuracy" else 1.0)
-
-
-def replica_cost(graph: OpGraph, cluster: Cluster, *, replicas: int | None = None,
-                 measured: MeasuredCosts | None = None) -> StageCost:
-    """One replica's step on ``B / replicas`` samples (default ``replicas`` = the
-    cluster's devices; pass ``replicas=1`` for a graph whose batch already is one
-    worker's), as one stage: forward, backward, parameter and activation bytes.
-    Raises ValueError when the batch does not split ``replicas`` ways."""
-    r = cluster.devices if replicas is None else replicas
-    mg = microbatch_graph(graph, r)
-    configs = stage_configs(mg, 1)
-    assert configs is not None  # whole ops on one device are always legal
-    got = node_costs(mg, configs, Cluster.from_spec(cluster.spec, 1), measured=measured)
-    costs = [got[n.name] for n in mg.nodes]
-    return stage_cost(costs, 0, len(costs), cut_bytes(mg))
 
 
 def candidate_topologies(n: int, names: Iterable[str | Topology] = DEFAULT_TOPOLOGIES
@@ -157,10 +143,9 @@ def candidate_topologies(n: int, names: Iterable[str | Topology] = DEFAULT_TOPOL
 
 def decentralized_candidates(
     graph: OpGraph,
-    cluster: Cluster,
+    ctx: CostContext,
     *,
     optimizer: str = "adam",
-    measured: MeasuredCosts | None = None,
     objective: str = "iteration",
     topologies: Iterable[str | Topology] = DEFAULT_TOPOLOGIES,
     cost: StageCost | None = None,
@@ -168,7 +153,7 @@ def decentralized_candidates(
     noise_ratio: float = 100.0,
     heterogeneity_ratio: float = 0.0,
 ) -> list[DecentralizedResult]:
-    """Every applicable topology's D-PSGD iteration on ``cluster`` (module docstring),
+    """Every applicable topology's D-PSGD iteration on ``ctx``'s cluster (module docstring),
     sorted feasible first, then by ``effective_time_s``. ``cost`` (default
     :func:`replica_cost` of ``graph``; ``graph`` is not read when it is given) lets a
     caller cost the replica once for several calls;
@@ -176,12 +161,11 @@ def decentralized_candidates(
     :func:`~flexsearch.strategy.topology.iterations_factor`. Raises ValueError when the
     batch does not split over the devices."""
     _check_objective(objective)
-    tops, _ = candidate_topologies(cluster.devices, topologies)
+    tops, _ = candidate_topologies(ctx.cluster.devices, topologies)
     if not tops:
         return []
     if cost is None:
-        cost = replica_cost(graph, cluster, measured=measured)
-    ctx = CostContext(cluster, measured)
+        cost = replica_cost(graph, ctx)
     out = []
     for top in tops:
         sim = simulate_gossip(ctx, cost, top, optimizer=optimizer, timeline=timeline)
@@ -194,10 +178,9 @@ def decentralized_candidates(
 
 def centralized_baselines(
     graph: OpGraph,
-    cluster: Cluster,
+    ctx: CostContext,
     *,
     optimizer: str = "adam",
-    measured: MeasuredCosts | None = None,
     cost: StageCost | None = None,
     all_reduce: bool = False,
     timeline: bool = False,
@@ -205,12 +188,11 @@ def centralized_baselines(
     """``{"ps": one server (device 0), "ps-sharded": a shard on every device}``, plus
     ``"all-reduce"`` (the ``"data"`` baseline's simulation) with ``all_reduce=True``, on
     the same replica cost as :func:`decentralized_candidates` (empty on one device)."""
-    n = cluster.devices
+    n = ctx.cluster.devices
     if n < 2:
         return {}
     if cost is None:
-        cost = replica_cost(graph, cluster, measured=measured)
-    ctx = CostContext(cluster, measured)
+        cost = replica_cost(graph, ctx)
     out = {
         "ps": simulate_parameter_server(ctx, cost, servers=(0,), optimizer=optimizer, timeline=timeline),
         "ps-sharded": simulate_parameter_server(ctx, cost, servers=range(n), optimizer=optimizer,

@@ -2,14 +2,19 @@
 
 State: a configuration per decision unit (:class:`~flexsearch.strategy.space.Space`).
 Cost: the simulated iteration time; a plan that does not fit in memory costs
-``time * (1 + 10 * overflow)`` with ``overflow = peak / capacity - 1``, so the chain can
-cross infeasible states but the best kept is always the best *feasible* one.
+``time * (1 + OVERFLOW_PENALTY * overflow)`` with ``overflow = peak / capacity - 1``, so
+the chain can cross infeasible states but the best kept is always the best *feasible*
+one (``exclude``: states never kept as the best, e.g. plain data parallelism when the
+caller wants the best other plan).
 
-One step: pick a unit uniformly at random, give it a random other candidate
-configuration (with probability ``span_p`` the next 1-3 units in program order also
-move, each to a random candidate on the same device mesh (same ``s``, ``t`` and first
-device; e.g. a column-parallel layer and the row-parallel one after it): one-op moves
-cannot cross the resharding valley between two layouts), simulate (delta simulation: only the changed fragments are rebuilt),
+One step: pick a unit uniformly at random and draw one of its candidate configurations
+uniformly; if the draw is the unit's current configuration, the next candidate in the
+unit's (sorted) list is taken instead, so every step moves. With probability ``span_p``
+the next 1 to :data:`MAX_SPAN` units in program order also move, each to a random
+candidate on the same device mesh (same ``s``, ``t`` and first device; e.g. a
+column-parallel layer and the row-parallel one after it): one-op moves cannot cross the
+resharding valley between two layouts. Then simulate (delta simulation: only the
+changed fragments are rebuilt),
 accept with probability ``min(1, exp(-beta * (cost* - cost) / cost))`` (FlexFlow's
 ``exp(beta (cost(S) - cost(S*)))`` with the difference taken relative to the current
 cost, so ``beta`` does not depend on the model's time scale; an improvement is always
@@ -39,9 +44,19 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from flexsearch.sim.simulator import Simulation, Simulator
+from flexsearch.sim.result import Simulation
+from flexsearch.sim.simulator import Simulator
 from flexsearch.strategy.config import Config
 from flexsearch.strategy.space import Space
+
+OVERFLOW_PENALTY = 10.0
+"""Cost factor per unit of memory overflow: a plan 10% over capacity costs twice its
+time, steep enough that the chain leaves infeasible regions within a few steps, mild
+enough that it can cross a narrow one to a feasible plan beyond."""
+MAX_SPAN = 3
+"""Most units a spanning move carries along: a Megatron-style block alternates two or
+three layouts (column-, row-parallel, replicated), so three neighbours suffice to move
+a whole block's pattern at once."""
 
 
 @contextlib.contextmanager
@@ -60,7 +75,7 @@ def cost_of(sim: Simulation) -> float:
     overflow = sim.peak_memory_bytes / sim.capacity_bytes - 1
     if overflow <= 0:
         return sim.iteration_time_s
-    return sim.iteration_time_s * (1 + 10 * overflow)
+    return sim.iteration_time_s * (1 + OVERFLOW_PENALTY * overflow)
 
 
 @dataclass(frozen=True)
@@ -92,8 +107,11 @@ def mcmc(
     early_stop: bool = True,
     span_p: float = 0.3,
     progress: Callable[[int, float], None] | None = None,
+    exclude: Sequence[Mapping[str, Config]] = (),
 ) -> SearchResult:
-    """Run the chain from the best of ``seeds`` (module docstring)."""
+    """Run the chain from the best of ``seeds`` (module docstring). ``beta`` (the
+    acceptance's sharpness: a move 2% slower is accepted with probability e^-1),
+    ``restart``, ``min_iters`` and ``span_p`` are FlexFlow-style tuning knobs."""
     if max_iters is None and budget_s is None:
         raise ValueError("give max_iters or budget_s")
     rng = random.Random(seed)
@@ -108,6 +126,12 @@ def mcmc(
     def run(dec: Mapping[str, Config]) -> Simulation:
         return simulator.simulate(space.expand(dec), timeline=False)
 
+    excluded = [dict(e) for e in exclude]
+
+    def keepable(dec: Mapping[str, Config], sim: Simulation) -> bool:
+        return sim.feasible and (best_sim is None or sim.iteration_time_s < best_sim.iteration_time_s) \
+            and not any(_same(dec, e) for e in excluded)
+
     best_dec: dict[str, Config] | None = None
     best_sim: Simulation | None = None
     cur_dec: dict[str, Config] = {}
@@ -118,7 +142,7 @@ def mcmc(
         c = cost_of(sim)
         if c < cur_cost:
             cur_dec, cur_cost = dict(s), c
-        if sim.feasible and (best_sim is None or sim.iteration_time_s < best_sim.iteration_time_s):
+        if keepable(s, sim):
             best_dec, best_sim = dict(s), sim
     if best_sim is not None:
         improvements.append((0, time.perf_counter() - t0, best_sim.iteration_time_s))
@@ -145,7 +169,7 @@ def mcmc(
             prop = dict(cur_dec)
             prop[u.name] = new
             if rng.random() < span_p:
-                for v in units[ui + 1: ui + 1 + rng.randint(1, 3)]:
+                for v in units[ui + 1: ui + 1 + rng.randint(1, MAX_SPAN)]:
                     same_mesh = by_mesh[v.name].get((new.s, new.t, new.first))
                     if same_mesh:
                         prop[v.name] = same_mesh[rng.randrange(len(same_mesh))]
@@ -154,7 +178,7 @@ def mcmc(
             if c <= cur_cost or rng.random() < math.exp(-beta * (c - cur_cost) / cur_cost):
                 cur_dec, cur_cost = prop, c
                 accepted += 1
-            if sim.feasible and (best_sim is None or sim.iteration_time_s < best_sim.iteration_time_s):
+            if keepable(prop, sim):
                 best_dec, best_sim = prop, sim
                 last_best = it
                 improvements.append((it, time.perf_counter() - t0, sim.iteration_time_s))
@@ -170,3 +194,8 @@ def mcmc(
         best_sim = simulator.simulate(space.expand(best_dec))  # with the timeline
     return SearchResult(best_dec, best_sim, it, accepted, tuple(improvements),
                         time.perf_counter() - t0, interrupted)
+
+
+def _same(a: Mapping[str, Config], b: Mapping[str, Config]) -> bool:
+    """Equal decisions, a missing unit meaning ``Config()`` (as :meth:`Space.expand` reads it)."""
+    return all(a.get(k, Config()) == b.get(k, Config()) for k in {*a, *b})

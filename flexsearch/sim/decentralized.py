@@ -5,7 +5,7 @@ Every rank ``i`` of ``n`` (device ``i``) holds a whole model replica and trains 
 slice of the global batch. The caller gives one :class:`~flexsearch.sim.pipeline.StageCost`
 for that replica: forward and backward time of the ``B / n`` slice, the parameter bytes
 ``P`` and the activation bytes kept for the backward (``stash_bytes``); the search
-(:func:`flexsearch.search.decentralized.replica_cost`) costs it exactly as the
+(:func:`flexsearch.sim.stages.replica_cost`) costs it exactly as the
 data-parallel baseline costs its replica, so all of these plans compare on one scale.
 Tasks go to :func:`~flexsearch.sim.simulator.run_tasks`: a task starts when its
 dependencies have ended and its resources (its device; every link it loads) are free,
@@ -48,81 +48,60 @@ its time); a worker that is also a server keeps its own shard local.
 
 **All-reduce**: the data-parallel baseline itself, one pipeline stage on every device
 (:func:`~flexsearch.sim.pipeline.simulate_pipeline`, the code path of
-:func:`flexsearch.search.planner.flat_baselines`): forward, backward, one all-reduce of
+:func:`flexsearch.sim.predict.predict` of an uncalibrated ``data`` plan): forward, backward, one all-reduce of
 the gradients, the update.
 
-**Memory** per device (``k`` optimizer copies: Adam 2, momentum 1, SGD 0; ``A`` the
-activations kept for the backward):
+**Memory** per device (:mod:`flexsearch.sim.accounting`):
 
-- D-PSGD: ``(3 + k) P + A + d_in P``, with ``d_in`` the rank's largest in-degree over
-  the period: the snapshot of its own model it sends while the backward runs, and a
-  receive buffer per in-neighbour's model (as :mod:`flexsearch.emit.decentralized`
-  allocates them); calibrated, as the simulator's other plans: ``(2 + k + d_in) P +
-  max(A, P + temporaries) + runtime`` (gradients are allocated as the activations are
-  freed; the update's temporaries are a multiple of the largest parameter tensor);
-- parameter server: ``2 P + A`` on a worker (parameters, gradients; no optimizer state),
-  plus ``(k + 1) P / s`` on a server (the shard's optimizer state and one buffer into
-  which it accumulates the pushed gradients as they arrive);
-- all-reduce: ``(2 + k) P + A``.
+- D-PSGD: a replica (parameters, gradients, optimizer state, activations) with buffers
+  of ``(1 + d_in) P``, ``d_in`` the rank's largest in-degree over the period: the
+  snapshot of its own model it sends while the backward runs, and a receive buffer per
+  in-neighbour's model (as :mod:`flexsearch.emit.decentralized` allocates them);
+- parameter server: parameters, gradients and activations on a worker (no optimizer
+  state), plus the shard's optimizer state and one ``P / s`` buffer into which it
+  accumulates the pushed gradients on a server; the emitter does not run parameter
+  servers, so no calibration applies to them (update and memory are the uncalibrated
+  rules);
+- all-reduce: a replica.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
 from flexsearch.cost import comm
-from flexsearch.cost.compute import Work, roofline_time
-from flexsearch.sim.pipeline import PipelineLayout, StageCost, simulate_pipeline
-from flexsearch.sim.simulator import (
-    _UPDATE_TRAFFIC,
+from flexsearch.sim.accounting import (
     OPTIMIZER_STATE,
-    Simulation,
-    busy_compute,
-    run_tasks,
+    DeviceMemory,
+    check_optimizer,
+    elementwise_s,
+    peak_bytes,
+    roofline_update_s,
+    stage_largest,
+    update_s,
 )
-from flexsearch.sim.taskgraph import CostContext, Task
-
-if TYPE_CHECKING:
-    from flexsearch.strategy.topology import Topology
+from flexsearch.sim.context import CostContext
+from flexsearch.sim.pipeline import PipelineLayout, StageCost, simulate_pipeline
+from flexsearch.sim.result import Simulation
+from flexsearch.sim.tasks import Task, busy_compute, run_tasks
+from flexsearch.strategy.topology import Topology
 
 
 def _check(ctx: CostContext, optimizer: str) -> int:
-    if optimizer not in OPTIMIZER_STATE:
-        raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATE)}")
+    check_optimizer(optimizer)
     return ctx.cluster.devices
-
-
-def elementwise_time(ctx: CostContext, nbytes: float) -> float:
-    """Seconds of a memory-bound fp32 pass moving ``nbytes`` on one device."""
-    return roofline_time(Work(0.0, nbytes), ctx.cluster.device, "float32", "elementwise", ctx.efficiency)
-
-
-def update_time(ctx: CostContext, param_bytes: float, optimizer: str) -> float:
-    """Seconds of one optimizer update over ``param_bytes`` (the simulator's rule)."""
-    return elementwise_time(ctx, _UPDATE_TRAFFIC[optimizer] * param_bytes)
 
 
 def snapshot_time(ctx: CostContext, param_bytes: float) -> float:
     """Seconds of flattening the model into the buffer the exchange sends."""
-    return elementwise_time(ctx, 2 * param_bytes)
+    return elementwise_s(ctx, 2 * param_bytes)
 
 
 def average_time(ctx: CostContext, param_bytes: float, in_degree: int) -> float:
     """Seconds of the gossip average as the emitter runs it: scale the snapshot in place
     (read, write), add each in-neighbour's model (read two, write one), copy the result
     back into the parameters (read, write)."""
-    return elementwise_time(ctx, (4 + 3 * in_degree) * param_bytes)
-
-
-def gossip_update_time(ctx: CostContext, cost: StageCost, optimizer: str) -> float:
-    """Seconds of a D-PSGD rank's optimizer update: the calibrated update and the
-    ``decentralized`` mode's fixed cost per step where the device has a calibration,
-    else the simulator's roofline rule."""
-    cal = ctx.calibration
-    if cal is None:
-        return update_time(ctx, cost.param_bytes, optimizer)
-    return cal.update_s(optimizer, cost.tensors, cost.param_bytes) + cal.step("decentralized")
+    return elementwise_s(ctx, (4 + 3 * in_degree) * param_bytes)
 
 
 def exchange_task(ctx: CostContext, name: str, transfers: Sequence[tuple[int, int, float]],
@@ -171,7 +150,7 @@ def simulate_gossip(ctx: CostContext, cost: StageCost, topology: Topology, *, op
         raise ValueError(f"topology {topology.name!r} has {topology.n} ranks, the cluster {n} devices")
     p = cost.param_bytes
     period = max(1, int(topology.period))
-    upd = gossip_update_time(ctx, cost, optimizer)
+    upd = update_s(ctx, optimizer, cost.param_bytes, cost.tensors, "decentralized")
     snap = snapshot_time(ctx, p)
     ordered: list[Task] = []
     in_max = [0] * n
@@ -191,16 +170,10 @@ def simulate_gossip(ctx: CostContext, cost: StageCost, topology: Topology, *, op
             ordered.append(Task("update", "average", average_time(ctx, p, d_in), (i,), (("x", t), ("b", t, i)),
                                 (("a", t, i),), detail=f"{1 + d_in} models"))
             ordered.append(Task("update", "optimizer", upd, (i,), (("a", t, i),), (("u", t, i),)))
-    k = OPTIMIZER_STATE[optimizer]
     acts = cost.stash_bytes + cost.working_bytes
-    cal = ctx.calibration
-    if cal is None:
-        base = (3 + k) * p + acts  # parameters, gradients, the sent snapshot, optimizer state
-    else:
-        largest = cost.largest_param_bytes or p / 2
-        base = (2 + k) * p + max(acts, p + cal.optimizer_working_tensors.value * largest) \
-            + cal.runtime("decentralized")
-    memory = [base + in_max[i] * p for i in range(n)]
+    largest = stage_largest(cost.largest_param_bytes, p)
+    memory = [peak_bytes(DeviceMemory.replicated(p, acts, optimizer, largest=largest, buffers=(1 + in_max[i]) * p),
+                         ctx.calibration, "decentralized") for i in range(n)]
     return _finish(ctx, ordered, memory, period, timeline)
 
 
@@ -221,7 +194,7 @@ def simulate_parameter_server(ctx: CostContext, cost: StageCost, *, servers: Seq
     push = [(w, s, shard) for w in range(n) for s in srv if w != s]
     ordered.append(exchange_task(ctx, "push gradients", push, tuple(("b", i) for i in range(n)), (("push",),),
                                  f"{len(srv)} server(s), {len(push)} shards of {shard:.0f} bytes"))
-    upd = update_time(ctx, shard, optimizer)
+    upd = roofline_update_s(ctx, optimizer, shard)  # not run by the emitter: uncalibrated
     for s in srv:
         ordered.append(Task("update", "optimizer", upd, (s,), (("push",), ("b", s)), (("u", s),),
                             detail=f"server shard of {shard:.0f} bytes"))
@@ -229,16 +202,18 @@ def simulate_parameter_server(ctx: CostContext, cost: StageCost, *, servers: Seq
     ordered.append(exchange_task(ctx, "pull parameters", pull, tuple(("u", s) for s in srv), (("pull",),),
                                  f"{len(srv)} server(s), {len(pull)} shards of {shard:.0f} bytes"))
     k = OPTIMIZER_STATE[optimizer]
-    base = 2 * p + cost.stash_bytes + cost.working_bytes
-    memory = [base + ((k + 1) * shard if i in srv else 0.0) for i in range(n)]
+    acts = cost.stash_bytes + cost.working_bytes
+    memory = [peak_bytes(DeviceMemory(p, p, k * shard if i in srv else 0.0, acts,
+                                      buffers=shard if i in srv else 0.0), None, "decentralized")
+              for i in range(n)]
     return _finish(ctx, ordered, memory, 1, timeline)
 
 
 def simulate_all_reduce(ctx: CostContext, cost: StageCost, *, optimizer: str = "adam",
                         timeline: bool = True) -> Simulation:
     """The data-parallel baseline: one stage replicated on every device, gradients
-    all-reduced after the backward (exactly :func:`flexsearch.search.planner.flat_baselines`'
-    ``"data"`` entry for the same replica cost)."""
+    all-reduced after the backward (exactly the one-bucket ``data`` prediction of
+    :func:`flexsearch.sim.predict.predict` for the same replica cost)."""
     n = _check(ctx, optimizer)
     layout = PipelineLayout("1f1b", 1, (tuple((d,) for d in range(n)),))
     return simulate_pipeline(ctx, [cost], layout, optimizer=optimizer, timeline=timeline)

@@ -8,20 +8,32 @@ replicated: a tuple of replicas, each a group of devices running the stage in lo
 parameter and stashed-activation bytes per device, and the activation bytes one replica
 sends to the next stage per microbatch.
 
-**Tasks.** For every action of the schedule (:mod:`flexsearch.strategy.schedules`) a
-forward or backward task on the replica's devices; after a forward, the activations go
-to the next stage's replica, after a backward the gradient comes back: one transfer
-over the real links of the path per tensor-parallel rank (run in parallel: one task
-holding all their links for the longest). Tasks are handed to
-:func:`~flexsearch.sim.simulator.run_tasks` in an order that respects every rank's
-schedule and every dependency, so devices run their actions in schedule order and
-transfers queue on shared links.
+The simulation has three parts, each a function over the same inputs:
 
-**Synchronous schedules** (``gpipe``, ``1f1b``, ``interleaved``): every replica runs the
-whole schedule on its share of the batch; after a stage's last backward its weight
-gradients are all-reduced over its replicas (one all-reduce per tensor-parallel rank),
-weights shared by two stages (tied embeddings) are all-reduced between them, then each
-device runs one optimizer update. The iteration time is the makespan.
+- **compute and transfers** (:func:`action_tasks`): for every action of the schedule
+  (:mod:`flexsearch.strategy.schedules`) a forward or backward task on the replica's
+  devices; after a forward, the activations go to the next stage's replica, after a
+  backward the gradient comes back: one transfer over the real links of the path per
+  tensor-parallel rank (run in parallel: one task holding all their links for the
+  longest). Tasks are emitted lane by lane in an order that respects every rank's
+  schedule and every dependency, so devices run their actions in schedule order and
+  transfers queue on shared links;
+- **synchronisation and update** (:func:`sync_tasks`): after a stage's last backward
+  its weight gradients are all-reduced over its replicas (one all-reduce per
+  tensor-parallel rank), weights shared by two stages (tied embeddings) are
+  all-reduced between them, then each device runs one optimizer update
+  (:func:`flexsearch.sim.accounting.update_s`);
+- **memory** (:func:`pipeline_memory`), per device: for each stage it hosts, ``P``
+  its parameter bytes, ``A q + R`` activations (``A`` stashed per microbatch, ``q`` the
+  peak number of microbatches in flight on it under the schedule, ``R`` the working
+  bytes: activation recomputation keeps only each microbatch's stage input, ``A``, and
+  rebuilds one microbatch's activations, ``R``, during its backward), summed into
+  :func:`flexsearch.sim.accounting.peak_bytes`; PipeDream adds one weight version per
+  extra minibatch in flight, ``P (q - 1)``, as a buffer.
+
+The iteration time of a **synchronous schedule** (``gpipe``, ``1f1b``,
+``interleaved``: every replica runs the whole schedule on its share of the batch) is
+the makespan.
 
 **PipeDream** (``pipedream``): asynchronous 1F1B with weight stashing over a window of
 minibatches (no flush); replica ``j mod r`` of a stage with ``r`` replicas takes
@@ -30,12 +42,8 @@ warm-up forwards, then alternates; after every round of ``r`` minibatches the st
 replicas all-reduce their gradients and update (each replica waits for it). The time
 per minibatch is measured in steady state, over the window's second half.
 
-**Memory** per device: ``P (2 + optimizer state) + A q + R`` for each stage it hosts,
-with ``P`` its parameter bytes, ``A`` the activations stashed per microbatch, ``q`` the
-peak number of microbatches in flight on it under the schedule and ``R`` the working
-bytes (activation recomputation keeps only each microbatch's stage input, ``A``, and
-rebuilds one microbatch's activations, ``R``, during its backward); PipeDream adds one
-weight version per extra minibatch in flight, ``P (q - 1)``.
+Dependencies are typed keys (:class:`Step`, :class:`Synced`, :class:`TiedSynced`,
+:class:`Updated`).
 """
 
 from __future__ import annotations
@@ -43,16 +51,18 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
-from flexsearch.cost.compute import Work, roofline_time
-from flexsearch.sim.simulator import (
-    _UPDATE_TRAFFIC,
-    OPTIMIZER_STATE,
-    Simulation,
-    busy_compute,
-    run_tasks,
+from flexsearch.sim.accounting import (
+    DeviceMemory,
+    check_optimizer,
+    peak_bytes,
+    stage_largest,
+    update_s,
 )
-from flexsearch.sim.taskgraph import CostContext, Task
+from flexsearch.sim.context import CostContext
+from flexsearch.sim.result import Simulation
+from flexsearch.sim.tasks import Task, busy_compute, run_tasks
 from flexsearch.strategy.schedules import Action, in_flight, rank_actions, warmup_then_alternate
 
 
@@ -93,15 +103,69 @@ class PipelineLayout:
     def stages(self) -> int:
         return len(self.ranks) * self.chunks
 
+    @property
+    def asynchronous(self) -> bool:
+        return self.schedule == "pipedream"
+
     def rank_of(self, stage: int) -> int:
         return stage % len(self.ranks)
 
+    def replicas(self, stage: int) -> tuple[tuple[int, ...], ...]:
+        """The device groups of ``stage``'s replicas."""
+        return self.ranks[self.rank_of(stage)]
 
-def _lanes(layout: PipelineLayout) -> dict[tuple[int, int], tuple[Action, ...]]:
+
+# ----------------------------------------------------------------------------- keys
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """A microbatch's progress through a stage: ``what`` is ``input`` (its activations
+    arrived), ``forward`` (ran), ``grad`` (its output's gradient arrived) or
+    ``backward`` (ran). ``chain`` is the replica lane of a synchronous schedule (0 for
+    PipeDream, whose minibatches move between replicas)."""
+
+    what: Literal["input", "forward", "grad", "backward"]
+    stage: int
+    microbatch: int
+    chain: int
+
+
+@dataclass(frozen=True, slots=True)
+class Synced:
+    """A stage's gradients all-reduced over its replicas (``round``: PipeDream's
+    round of minibatches; None for a synchronous schedule's one sync)."""
+
+    stage: int
+    round: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TiedSynced:
+    """The gradients of weights stages ``a`` and ``b`` share, all-reduced."""
+
+    a: int
+    b: int
+
+
+@dataclass(frozen=True, slots=True)
+class Updated:
+    """An optimizer update: of ``device`` (synchronous), or of the replica that ran
+    PipeDream minibatch ``microbatch`` of ``stage``."""
+
+    device: int = -1
+    stage: int = -1
+    microbatch: int = -1
+
+
+# ----------------------------------------------------------------------------- lanes
+
+
+def lanes(layout: PipelineLayout) -> dict[tuple[int, int], tuple[Action, ...]]:
     """(rank, replica) -> the actions that replica runs."""
     p, m = len(layout.ranks), layout.microbatches
     out: dict[tuple[int, int], tuple[Action, ...]] = {}
-    if layout.schedule != "pipedream":
+    if not layout.asynchronous:
         per_rank = rank_actions(layout.schedule, p, m, chunks=layout.chunks)
         for r, reps in enumerate(layout.ranks):
             for i in range(len(reps)):
@@ -120,83 +184,83 @@ def _lanes(layout: PipelineLayout) -> dict[tuple[int, int], tuple[Action, ...]]:
     return out
 
 
-def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLayout, *,
-                      optimizer: str = "adam", timeline: bool = True) -> Simulation:
-    """Simulate one iteration of a pipeline plan (module docstring)."""
-    if len(costs) != layout.stages:
-        raise ValueError(f"{len(costs)} stage costs for {layout.stages} stages")
-    devices = ctx.cluster.devices
-    asynchronous = layout.schedule == "pipedream"
-    lanes = _lanes(layout)
+# ----------------------------------------------------------------------------- tasks
+
+
+def _move(ctx: CostContext, name: str, src: tuple[int, ...], dst: tuple[int, ...], nbytes: float, dep,
+          key) -> Task:
+    """Activations or gradients from one replica's devices to another's, one transfer
+    per tensor-parallel rank in parallel; posted asynchronously: they hold the links,
+    not the devices."""
+    dur, links = 0.0, set()
+    if src != dst and nbytes > 0:
+        for a, b in zip(src, dst, strict=True):
+            t, ls = ctx.transfer(a, b, nbytes)
+            dur = max(dur, t)
+            links.update(ls)
+    return Task("xfer", name, dur, tuple(sorted(links)), (dep,), (key,), nbytes * len(src))
+
+
+def _stage_sync(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLayout, name: str, stage: int,
+                deps: tuple, key) -> list[Task]:
+    """The all-reduce of ``stage``'s gradients over its replicas (one per tensor-parallel
+    rank); a no-op task when there is nothing to reduce."""
+    reps = layout.replicas(stage)
+    nbytes = costs[stage].param_bytes
+    if len(reps) < 2 or nbytes <= 0:
+        return [Task("coll", name, 0.0, (), deps, (key,))]
+    out = []
+    for q in range(len(reps[0])):
+        group = tuple(sorted(r[q] for r in reps))
+        cost = ctx.collective("all_reduce", group, nbytes)
+        res = tuple(sorted({ctx.links[link.id] for link, _ in cost.loads} | set(ctx.device_resources(group))))
+        out.append(Task("coll", name, cost.time_s, res, deps, (key,), nbytes, f"grad sync stage {stage}"))
+    return out
+
+
+def _updates(ctx: CostContext, layout: PipelineLayout, optimizer: str, devs: tuple[int, ...], nbytes: float,
+             tensors: float, deps: tuple, key) -> list[Task]:
+    """One optimizer update on each of ``devs`` (stages on DTensors when tensor parallel)."""
+    sharded = len(layout.ranks[0][0]) > 1
+    dur = update_s(ctx, optimizer, nbytes, tensors, "pipeline", sharded=sharded)
+    return [Task("update", "optimizer", dur, (d,), deps, (key,)) for d in devs]
+
+
+def action_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLayout, optimizer: str,
+                 by_lane: dict[tuple[int, int], tuple[Action, ...]]) -> list[Task]:
+    """The compute and transfer tasks of every lane's actions (module docstring), in an
+    order the scheduler can take; PipeDream's per-round syncs and updates included."""
+    asynchronous = layout.asynchronous
     last = layout.stages - 1
-
-    def replica(stage: int, j: int, lane_rep: int) -> int:
-        n = len(layout.ranks[layout.rank_of(stage)])
-        return j % n if asynchronous else lane_rep
-
-    def chain(j: int, lane_rep: int) -> int:
-        return 0 if asynchronous else lane_rep
-
-    def group(stage: int, rep: int) -> tuple[int, ...]:
-        return layout.ranks[layout.rank_of(stage)][rep]
-
     cal = ctx.calibration
     action_s = cal.pipeline_action_s.value if cal is not None else 0.0
-    tensor_parallel = len(layout.ranks[0][0]) > 1  # stages on DTensors
 
-    def move(name: str, src: tuple[int, ...], dst: tuple[int, ...], nbytes: float, dep, key) -> Task:
-        dur, links = 0.0, set()
-        if src != dst and nbytes > 0:
-            for a, b in zip(src, dst, strict=True):
-                t, ls = ctx.transfer(a, b, nbytes)
-                dur = max(dur, t)
-                links.update(ls)
-            # sends and receives are posted asynchronously: they hold the links, not the devices
-        return Task("xfer", name, dur, tuple(sorted(links)), (dep,), (key,), nbytes * len(src))
+    def replica(stage: int, j: int, lane_rep: int) -> int:
+        return j % len(layout.replicas(stage)) if asynchronous else lane_rep
 
-    def sync(name: str, stage: int, deps: tuple, key) -> list[Task]:
-        reps = layout.ranks[layout.rank_of(stage)]
-        nbytes = costs[stage].param_bytes
-        if len(reps) < 2 or nbytes <= 0:
-            return [Task("coll", name, 0.0, (), deps, (key,))]
-        out = []
-        for q in range(len(reps[0])):
-            group = tuple(sorted(r[q] for r in reps))
-            cost = ctx.collective("all_reduce", group, nbytes)
-            res = tuple(sorted({ctx.links[link.id] for link, _ in cost.loads} | set(ctx.device_resources(group))))
-            out.append(Task("coll", name, cost.time_s, res, deps, (key,), nbytes, f"grad sync stage {stage}"))
-        return out
+    def group(stage: int, rep: int) -> tuple[int, ...]:
+        return layout.replicas(stage)[rep]
 
-    def update(devs: tuple[int, ...], nbytes: float, deps: tuple, key, tensors: float = 0) -> list[Task]:
-        if cal is not None:
-            dur = cal.update_s(optimizer, tensors, nbytes, sharded=tensor_parallel)
-            dur += cal.step("pipeline")
-        else:
-            dur = roofline_time(Work(0.0, _UPDATE_TRAFFIC[optimizer] * nbytes), ctx.cluster.device,
-                                "float32", "elementwise", ctx.efficiency)
-        return [Task("update", "optimizer", dur, (d,), deps, (key,)) for d in devs]
-
-    # Emit tasks lane by lane, each action once its inputs are emitted.
     ordered: list[Task] = []
-    done: set[tuple] = set()
-    pos = dict.fromkeys(lanes, 0)
-    waits: dict[tuple[int, int], tuple] = {}  # lane -> sync key its next action waits for
+    done: set = set()
+    pos = dict.fromkeys(by_lane, 0)
+    waits: dict[tuple[int, int], Synced] = {}  # lane -> the sync its next action waits for
     rounds: dict[tuple[int, int], int] = {}  # PipeDream: (stage, round) -> backwards emitted
     while True:
         progressed = False
-        for lane, acts in lanes.items():
+        for lane, acts in by_lane.items():
             r, i = lane
             while pos[lane] < len(acts):
                 a = acts[pos[lane]]
                 s, j = a.stage, a.microbatch
-                c = chain(j, i)
-                need = []
+                c = 0 if asynchronous else i
+                need: list = []
                 if a.kind == "F" and s > 0:
-                    need.append(("pa", s, j, c))
+                    need.append(Step("input", s, j, c))
                 if a.kind == "B":
-                    need.append(("pf", s, j, c))
+                    need.append(Step("forward", s, j, c))
                     if s < last:
-                        need.append(("pg", s, j, c))
+                        need.append(Step("grad", s, j, c))
                 if lane in waits:
                     need.append(waits[lane])
                 if not all(k in done for k in need):
@@ -204,113 +268,137 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
                 devs = group(s, i)
                 c_s = costs[s]
                 if a.kind == "F":
-                    key = ("pf", s, j, c)
+                    key = Step("forward", s, j, c)
                     ordered.append(Task("fwd", a.text, c_s.forward_s + action_s, devs, tuple(need), (key,)))
                     done.add(key)
                     if s < last:
-                        nxt = ("pa", s + 1, j, c)
-                        ordered.append(move(f"act {a.text}", devs, group(s + 1, replica(s + 1, j, i)),
-                                            c_s.send_bytes, key, nxt))
+                        nxt = Step("input", s + 1, j, c)
+                        ordered.append(_move(ctx, f"act {a.text}", devs, group(s + 1, replica(s + 1, j, i)),
+                                             c_s.send_bytes, key, nxt))
                         done.add(nxt)
                 else:
-                    key = ("pb", s, j, c)
+                    key = Step("backward", s, j, c)
                     ordered.append(Task("bwd", a.text, c_s.backward_s + action_s, devs, tuple(need), (key,)))
                     done.add(key)
                     waits.pop(lane, None)
                     if s > 0:
-                        prev = ("pg", s - 1, j, c)
-                        ordered.append(move(f"grad {a.text}", devs, group(s - 1, replica(s - 1, j, i)),
-                                            costs[s - 1].send_bytes, key, prev))
+                        prev = Step("grad", s - 1, j, c)
+                        ordered.append(_move(ctx, f"grad {a.text}", devs, group(s - 1, replica(s - 1, j, i)),
+                                             costs[s - 1].send_bytes, key, prev))
                         done.add(prev)
                     if asynchronous:
                         n = len(layout.ranks[r])
                         q = j // n
                         rounds[(s, q)] = rounds.get((s, q), 0) + 1
                         members = range(q * n, min((q + 1) * n, layout.microbatches))
-                        skey = ("ps", s, q)
+                        skey = Synced(s, q)
                         if rounds[(s, q)] == len(members):
-                            deps = tuple(("pb", s, jj, 0) for jj in members)
-                            ordered.extend(sync(f"sync {s}/{q}", s, deps, skey))
+                            deps = tuple(Step("backward", s, jj, 0) for jj in members)
+                            ordered.extend(_stage_sync(ctx, costs, layout, f"sync {s}/{q}", s, deps, skey))
                             reps = layout.ranks[r]
                             for jj in members:
-                                ordered.extend(update(reps[jj % n], c_s.param_bytes, (skey,), ("pu", s, jj),
-                                                      c_s.tensors))
+                                ordered.extend(_updates(ctx, layout, optimizer, reps[jj % n], c_s.param_bytes,
+                                                        c_s.tensors, (skey,), Updated(stage=s, microbatch=jj)))
                             done.add(skey)
                         waits[lane] = skey
                 pos[lane] += 1
                 progressed = True
-        if all(pos[lane] == len(acts) for lane, acts in lanes.items()):
-            break
+        if all(pos[lane] == len(acts) for lane, acts in by_lane.items()):
+            return ordered
         if not progressed:
             raise ValueError(f"schedule {layout.schedule!r} deadlocks on this layout")
 
-    # Synchronous schedules: gradient all-reduce per stage, tied weights, one update per device.
+
+def held_params(costs: Sequence[StageCost], layout: PipelineLayout, devices: int) -> tuple[list[float], list[int]]:
+    """Per device, the parameter bytes and tensors of the stages it hosts."""
     held = [0.0] * devices
     tensors = [0] * devices
     for s in range(layout.stages):
-        for rep in layout.ranks[layout.rank_of(s)]:
+        for rep in layout.replicas(s):
             for d in rep:
                 held[d] += costs[s].param_bytes
                 tensors[d] += costs[s].tensors
-    if not asynchronous:
-        after: dict[int, list] = {}
-        for s in range(layout.stages):
-            r = layout.rank_of(s)
-            deps = tuple(("pb", s, max(a.microbatch for a in lanes[(r, i)] if a.stage == s), i)
-                         for i in range(len(layout.ranks[r])))
-            ordered.extend(sync(f"sync stage {s}", s, deps, ("ps", s)))
-            for rep in layout.ranks[r]:
-                for d in rep:
-                    after.setdefault(d, []).append(("ps", s))
-        for a_st, b_st, nbytes in layout.tied:
-            ga, gb = layout.ranks[layout.rank_of(a_st)], layout.ranks[layout.rank_of(b_st)]
-            members = tuple(sorted({d for reps in (ga, gb) for rep in reps for d in rep}))
-            cost = ctx.collective("all_reduce", members, nbytes)
-            res = tuple(sorted({ctx.links[link.id] for link, _ in cost.loads}))
-            key = ("pt", a_st, b_st)
-            ordered.append(Task("coll", "tied weights", cost.time_s, res, (("ps", a_st), ("ps", b_st)),
-                                (key,), nbytes, f"tied weights of stages {a_st} and {b_st}"))
-            for d in members:
-                after.setdefault(d, []).append(key)
-        for d, deps in sorted(after.items()):
-            if held[d]:
-                ordered.extend(update((d,), held[d], tuple(deps), ("u", d), tensors[d]))
+    return held, tensors
 
+
+def sync_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLayout, optimizer: str,
+               by_lane: dict[tuple[int, int], tuple[Action, ...]]) -> list[Task]:
+    """A synchronous schedule's end of iteration (module docstring): each stage's
+    gradient all-reduce over its replicas after its last backward, the tied weights'
+    all-reduces, one optimizer update per device after every sync it takes part in."""
+    ordered: list[Task] = []
+    held, tensors = held_params(costs, layout, ctx.cluster.devices)
+    after: dict[int, list] = {}
+    for s in range(layout.stages):
+        r = layout.rank_of(s)
+        deps = tuple(Step("backward", s, max(a.microbatch for a in by_lane[(r, i)] if a.stage == s), i)
+                     for i in range(len(layout.ranks[r])))
+        ordered.extend(_stage_sync(ctx, costs, layout, f"sync stage {s}", s, deps, Synced(s)))
+        for rep in layout.ranks[r]:
+            for d in rep:
+                after.setdefault(d, []).append(Synced(s))
+    for a_st, b_st, nbytes in layout.tied:
+        members = tuple(sorted({d for st in (a_st, b_st) for rep in layout.replicas(st) for d in rep}))
+        cost = ctx.collective("all_reduce", members, nbytes)
+        res = tuple(sorted({ctx.links[link.id] for link, _ in cost.loads}))
+        key = TiedSynced(a_st, b_st)
+        ordered.append(Task("coll", "tied weights", cost.time_s, res, (Synced(a_st), Synced(b_st)),
+                            (key,), nbytes, f"tied weights of stages {a_st} and {b_st}"))
+        for d in members:
+            after.setdefault(d, []).append(key)
+    for d, deps in sorted(after.items()):
+        if held[d]:
+            ordered.extend(_updates(ctx, layout, optimizer, (d,), held[d], tensors[d], tuple(deps), Updated(d)))
+    return ordered
+
+
+def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLayout, optimizer: str,
+                    by_lane: dict[tuple[int, int], tuple[Action, ...]]) -> list[float]:
+    """Peak memory per device (module docstring)."""
+    devices = ctx.cluster.devices
+    params = [0.0] * devices
+    acts = [0.0] * devices
+    largest = [0.0] * devices
+    versions = [0.0] * devices
+    for (r, i), lane_actions in by_lane.items():
+        for s, q in in_flight(lane_actions).items():
+            c_s = costs[s]
+            for d in layout.ranks[r][i]:
+                params[d] += c_s.param_bytes
+                acts[d] += c_s.stash_bytes * q + c_s.working_bytes
+                largest[d] = max(largest[d], stage_largest(c_s.largest_param_bytes, c_s.param_bytes))
+                if layout.asynchronous:
+                    versions[d] += c_s.param_bytes * (q - 1)
+    return [peak_bytes(DeviceMemory.replicated(params[d], acts[d], optimizer, largest=largest[d],
+                                               buffers=versions[d]), ctx.calibration, "pipeline")
+            for d in range(devices)]
+
+
+def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLayout, *,
+                      optimizer: str = "adam", timeline: bool = True) -> Simulation:
+    """Simulate one iteration of a pipeline plan (module docstring)."""
+    check_optimizer(optimizer)
+    if len(costs) != layout.stages:
+        raise ValueError(f"{len(costs)} stage costs for {layout.stages} stages")
+    devices = ctx.cluster.devices
+    by_lane = lanes(layout)
+    ordered = action_tasks(ctx, costs, layout, optimizer, by_lane)
+    if not layout.asynchronous:
+        ordered += sync_tasks(ctx, costs, layout, optimizer, by_lane)
     run = run_tasks(ordered, devices, len(ctx.cluster.links), timeline)
-    compute = busy_compute(ordered, devices)
-    if asynchronous:
+    if layout.asynchronous:
         m = layout.microbatches
-        ends = [run.end[("pb", 0, j, 0)] for j in range(m)]
+        ends = [run.end[Step("backward", 0, j, 0)] for j in range(m)]
         h = m // 2
         per_unit = (ends[-1] - ends[h - 1]) / (m - h) if m >= 2 else ends[-1]
         time_s = per_unit * (layout.units or 1)
     else:
         time_s = max(run.free, default=0.0)
-
-    state = 2 + OPTIMIZER_STATE[optimizer]
-    memory = [0.0] * devices
-    largest = [0.0] * devices
-    stashed = [0.0] * devices
-    for (r, i), acts in lanes.items():
-        peaks = in_flight(acts)
-        for s, q in peaks.items():
-            c_s = costs[s]
-            extra = c_s.param_bytes * (q - 1) if asynchronous else 0.0
-            for d in layout.ranks[r][i]:
-                memory[d] += c_s.param_bytes * state + c_s.stash_bytes * q + extra + c_s.working_bytes
-                # without the stage's largest tensor: half its parameters (a stage of two or more layers)
-                largest[d] = max(largest[d], c_s.largest_param_bytes or c_s.param_bytes / 2)
-                stashed[d] += c_s.stash_bytes * q + c_s.working_bytes
-    if cal is not None:  # gradients allocated as the activations go; the update's temporaries; the runtime's
-        for d in range(devices):
-            grads = held[d]
-            memory[d] += (max(stashed[d], grads + cal.optimizer_working_tensors.value * largest[d]) - stashed[d] - grads
-                          + cal.runtime("pipeline"))
     return Simulation(
         iteration_time_s=time_s,
-        memory_bytes=tuple(memory),
+        memory_bytes=tuple(pipeline_memory(ctx, costs, layout, optimizer, by_lane)),
         capacity_bytes=ctx.cluster.device.memory_capacity.value,
-        compute_s=tuple(compute),
+        compute_s=tuple(busy_compute(ordered, devices)),
         timeline=tuple(run.timeline) if timeline else (),
         link_names=tuple(link.id for link in ctx.cluster.links),
         critical_path_s=max(run.chain.values(), default=0.0) if timeline else float("nan"),

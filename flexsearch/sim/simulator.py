@@ -1,20 +1,24 @@
-"""The execution simulator: list scheduling of one iteration's task graph.
+"""The op-level simulator: list scheduling of one iteration's task graph (SOAP and data plans).
 
-**Schedule.** Tasks are taken in program order: the forward fragments in topological
-order, the backward fragments in reverse, then one optimizer update per device. Each
-task starts at ``max(end of its dependencies, free time of each of its resources)``
-and holds all its resources (its device; every link a transfer or collective loads)
-until it ends, so transfers queue on busy links and overlap with compute on the
-devices. The iteration time is the end of the last task.
+**Schedule.** Tasks are taken in program order: the forward fragments
+(:mod:`flexsearch.sim.taskgraph`) in topological order, the backward fragments in
+reverse, then one optimizer update per device (:func:`flexsearch.sim.accounting.update_s`)
+after its gradient synchronisations. Each task starts at ``max(end of its
+dependencies, free time of each of its resources)`` and holds all its resources (its
+device; every link a transfer or collective loads) until it ends
+(:func:`flexsearch.sim.tasks.run_tasks`), so transfers queue on busy links and overlap
+with compute on the devices. The iteration time is the end of the last task.
 
-**Memory** (per device, bytes): parameters ``P`` (the shard each device holds),
-gradients ``P``, optimizer state ``k P`` (Adam 2, momentum 1, SGD 0), activations kept
-for the backward pass (outputs of non-view ops and the inputs received from other
-devices). A plan whose peak on some device exceeds its memory is **infeasible**.
-Calibrated (:mod:`flexsearch.cost.calibration`), the peak follows the measured
-runtime: ``(1 + k) P + max(activations, P + the update's temporaries)`` (gradients,
-freed by ``zero_grad``, are allocated as the backward frees the activations) plus
-DDP's gradient buckets ``P`` and the runtime's own buffers.
+**Execution modes.** A plan the emitter runs on DTensors (SOAP) synchronises each
+layer's gradients on its own; one it runs with DDP (``ddp``, calibrated: the ``data``
+plan) all-reduces them in DDP's buckets (:meth:`Simulator._buckets`); one it runs with
+FSDP2 (``shard_params``) gathers and reduce-scatters each FSDP unit
+(:meth:`Simulator._fsdp`).
+
+**Memory** per device: :mod:`flexsearch.sim.accounting`, with the device's parameter
+shard, the activations its fragments keep (plus, calibrated, the loss's gradient of the
+output) and, sharded, FSDP's gathered units. A plan whose peak on some device exceeds
+its memory is **infeasible**.
 
 **Delta simulation.** A :class:`Simulator` keeps each node's fragment keyed by the
 node's configuration and its producers'; after a change only the fragments of changed
@@ -24,159 +28,41 @@ and the cheap assembly and scheduling pass reruns.
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
-from typing import Literal
+from dataclasses import replace
 
-from flexsearch.cost.calibration import DeviceCalibration
-from flexsearch.cost.compute import MeasuredCosts, Work, roofline_time
-from flexsearch.cost.efficiency import EfficiencyTable
 from flexsearch.cost.hardware import Cluster
 from flexsearch.graph.opgraph import OpGraph
-from flexsearch.sim.taskgraph import CostContext, Fragment, Task, _collective, build_fragment
+from flexsearch.sim.accounting import DeviceMemory, check_optimizer, peak_bytes, update_s
+from flexsearch.sim.context import CostContext, collective_task
+from flexsearch.sim.result import Simulation
+from flexsearch.sim.taskgraph import Fragment, build_fragment
+from flexsearch.sim.tasks import Scheduled, Task, run_tasks
 from flexsearch.strategy.config import Config
-
-Optimizer = Literal["adam", "momentum", "sgd"]
-OPTIMIZER_STATE = {"adam": 2, "momentum": 1, "sgd": 0}
-_UPDATE_TRAFFIC = {"adam": 7, "momentum": 5, "sgd": 3}  # bytes moved per parameter byte
-
-
-@dataclass(frozen=True)
-class Scheduled:
-    """A task with its start and end times (seconds)."""
-
-    task: Task
-    start: float
-    end: float
-
-
-@dataclass(frozen=True)
-class Simulation:
-    """Predicted iteration: time, per-device memory and busy time, the timeline."""
-
-    iteration_time_s: float
-    memory_bytes: tuple[float, ...]
-    capacity_bytes: float
-    compute_s: tuple[float, ...]
-    timeline: tuple[Scheduled, ...]
-    link_names: tuple[str, ...]
-    critical_path_s: float
-    """Longest chain of dependent tasks (durations only, no waiting for resources)."""
-    serial_s: float
-    """Sum of all task durations."""
-
-    @property
-    def peak_memory_bytes(self) -> float:
-        return max(self.memory_bytes, default=0.0)
-
-    @property
-    def feasible(self) -> bool:
-        return self.peak_memory_bytes <= self.capacity_bytes
-
-    def to_chrome_trace(self, path: str | os.PathLike[str] | None = None) -> dict:
-        """The timeline as Chrome trace JSON (Perfetto, chrome://tracing): returned, and
-        written to ``path`` when given.
-
-        One track per device (process "devices") and per link (process "links"); times
-        in microseconds. A slice per task and resource, its category the task's kind:
-        compute (``fwd``, ``bwd``, ``update``) on the device tracks, communication
-        (``xfer``, ``coll``) on the tracks of every link it loads; and ``bubble`` slices:
-        each idle gap on a device between the start of its first task and the end of its
-        last one (pipeline bubbles, waits for communication). ``otherData`` holds the
-        iteration's summary."""
-        devices = len(self.memory_bytes)
-        group = {"fwd": "compute", "bwd": "compute", "update": "compute",
-                 "xfer": "communication", "coll": "communication"}
-        colour = {"compute": "thread_state_running", "communication": "thread_state_iowait",
-                  "bubble": "grey"}
-        events: list[dict] = []
-        for pid, name in enumerate(("devices", "links")):
-            events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
-            events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}})
-        tracks = [(0, d, f"device {d}") for d in range(devices)]
-        tracks += [(1, i, f"link {name}") for i, name in enumerate(self.link_names)]
-        for pid, tid, name in tracks:
-            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
-            events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid,
-                           "args": {"sort_index": tid}})
-        slices: dict[tuple[int, int], list[tuple[float, float, dict]]] = {}
-        for s in self.timeline:
-            t = s.task
-            kind = group.get(t.kind, "compute")
-            start, end = s.start * 1e6, s.end * 1e6
-            for r in t.resources:
-                pid, tid = (0, r) if r < devices else (1, r - devices)
-                slices.setdefault((pid, tid), []).append((start, end, {
-                    "name": f"{t.kind} {t.name}", "cat": t.kind, "ph": "X", "pid": pid, "tid": tid,
-                    "ts": start, "dur": end - start, "cname": colour[kind],
-                    "args": {"kind": kind, "detail": t.detail, "bytes": t.nbytes},
-                }))
-        for (pid, tid), track in sorted(slices.items()):
-            track.sort(key=lambda x: (x[0], x[1]))
-            busy_until = None
-            for start, end, e in track:
-                if pid == 0 and busy_until is not None and start > busy_until:
-                    events.append({"name": "bubble", "cat": "bubble", "ph": "X", "pid": 0, "tid": tid,
-                                   "ts": busy_until, "dur": start - busy_until, "cname": colour["bubble"],
-                                   "args": {"kind": "idle"}})
-                events.append(e)
-                busy_until = end if busy_until is None else max(busy_until, end)
-        trace = {
-            "traceEvents": events,
-            "displayTimeUnit": "ms",
-            "otherData": {
-                "iteration_time_s": self.iteration_time_s,
-                "memory_bytes": list(self.memory_bytes),
-                "capacity_bytes": self.capacity_bytes,
-            },
-        }
-        if path is not None:
-            with open(path, "w") as f:
-                json.dump(trace, f)
-        return trace
+from flexsearch.strategy.fsdp import ROOT, fsdp_units, node_units
 
 
 class Simulator:
-    """Simulates configurations of one graph on one cluster, keeping fragments between
-    calls (delta simulation). ``simulate(configs)`` takes a configuration for every
-    node (:meth:`flexsearch.strategy.space.Space.expand`)."""
+    """Simulates configurations of one graph under one cost context, keeping fragments
+    between calls (delta simulation). ``simulate(configs)`` takes a configuration for
+    every node (:meth:`flexsearch.strategy.space.Space.expand`). ``context`` is a
+    :class:`~flexsearch.sim.context.CostContext`, or a cluster with the context's
+    keyword arguments (``measured``, ``efficiency``, ``dtype``, ``calibration``)."""
 
-    def __init__(
-        self,
-        graph: OpGraph,
-        cluster: Cluster,
-        *,
-        optimizer: Optimizer = "adam",
-        measured: MeasuredCosts | None = None,
-        efficiency: EfficiencyTable | None = None,
-        dtype: str | None = None,
-        calibration: DeviceCalibration | None | bool = None,
-    ):
-        if optimizer not in OPTIMIZER_STATE:
-            raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATE)}")
+    def __init__(self, graph: OpGraph, context: CostContext | Cluster, *, optimizer: str = "adam", **ctx_kw):
         self.graph = graph
-        self.cluster = cluster
-        self.optimizer = optimizer
-        self.ctx = CostContext(cluster, measured, efficiency, dtype, calibration)
-        efficiency = self.ctx.efficiency
-        self._ddp_ctx: CostContext | None = None
+        self.optimizer = check_optimizer(optimizer)
+        self.ctx = context if isinstance(context, CostContext) else CostContext(context, **ctx_kw)
+        self.cluster = self.ctx.cluster
         self._cache: dict[str, tuple[tuple, Fragment]] = {}
         self._ddp_cache: dict[str, tuple[tuple, Fragment]] = {}
         self.rebuilt = 0  # fragments built so far (delta simulation statistics)
-        self._links = tuple(link.id for link in cluster.links)
+        self._links = tuple(link.id for link in self.cluster.links)
 
     def fragment(self, name: str, configs: Mapping[str, Config], *, ddp: bool = False) -> Fragment:
         node = self.graph.node(name)
         sig = (configs[name], tuple(configs[i] for i in node.inputs))
-        cache, ctx = self._cache, self.ctx
-        if ddp:
-            if self._ddp_ctx is None:
-                c = self.ctx
-                self._ddp_ctx = CostContext(self.cluster, c.measured, c.efficiency, c.dtype,
-                                            c.calibration or False, ddp=True)
-            cache, ctx = self._ddp_cache, self._ddp_ctx
+        cache, ctx = (self._ddp_cache, self.ctx.as_ddp()) if ddp else (self._cache, self.ctx)
         hit = cache.get(name)
         if hit is not None and hit[0] == sig:
             return hit[1]
@@ -196,12 +82,13 @@ class Simulator:
 
     def simulate(self, configs: Mapping[str, Config], *, timeline: bool = True,
                  ddp: bool | None = None, shard_params: bool = False,
-                 fsdp_units: Mapping[str, str] | None = None) -> Simulation:
+                 fsdp_units: tuple[str, ...] | None = None) -> Simulation:
         """Simulate one iteration; ``timeline=False`` skips the per-task record and the
         critical path (what a search needs: time and memory). ``ddp``: the plan runs
         with DDP (default: :meth:`is_ddp`; a plan's kind says it: ``data``).
-        ``shard_params``: a data-parallel plan run fully sharded (FSDP, :meth:`_fsdp`;
-        ``fsdp_units``: node name -> its FSDP unit, default :meth:`fsdp_units`)."""
+        ``shard_params``: a data-parallel plan run fully sharded (FSDP, :meth:`_fsdp`),
+        ``fsdp_units`` the paths of its units (default: the rule of
+        :func:`flexsearch.strategy.fsdp.fsdp_units` on the graph's modules)."""
         if shard_params:
             return self._fsdp(configs, timeline, fsdp_units)
         ddp = self.is_ddp(configs) if ddp is None else ddp and self.ctx.calibration is not None
@@ -216,47 +103,30 @@ class Simulator:
                 ordered.append(buckets[i])
         return self._schedule(frags, ordered, timeline, ddp, list(buckets.values()), configs=configs)
 
-    def fsdp_units(self, given: Mapping[str, str] | None = None) -> dict[str, list[int]]:
-        """FSDP's wrapping (the emitter's): one unit per top-level layer holding
-        parameters (a layer list's items separately: guessed from a numeric second
-        component of the module path, which a ``Sequential`` has too; pass ``given``,
-        node name -> unit, to be exact); parameters shared by two layers stay with the
-        root. Unit name -> indexes of its nodes that own parameters."""
-        nodes = self.graph.nodes
-        if given is not None:
-            out: dict[str, list[int]] = {}
-            for i, n in enumerate(nodes):
-                if n.param_bytes:
-                    out.setdefault(given.get(n.name, ""), []).append(i)
-            return out
-        users: dict[str, int] = {}
-        for n in nodes:
-            for q in n.params:
-                users[q] = users.get(q, 0) + 1
-        out = {}
-        for i, n in enumerate(nodes):
-            if not n.param_bytes:
-                continue
-            parts = n.module.split(".") if n.module else [n.name]
-            unit = ".".join(parts[:2]) if len(parts) > 1 and parts[1].isdigit() else parts[0]
-            if any(users.get(q, 0) > 1 for q in n.params):
-                unit = ""
-            out.setdefault(unit, []).append(i)
+    def unit_nodes(self, units: tuple[str, ...] | None = None) -> dict[str, list[int]]:
+        """FSDP unit -> indexes of its nodes that own parameters (``units``: the unit
+        paths, default :func:`~flexsearch.strategy.fsdp.fsdp_units` of the graph)."""
+        units = fsdp_units(self.graph.modules) if units is None else units
+        of = node_units(self.graph, units)
+        out: dict[str, list[int]] = {}
+        for i, n in enumerate(self.graph.nodes):
+            if n.param_bytes:
+                out.setdefault(of[n.name], []).append(i)
         return out
 
     def _fsdp(self, configs: Mapping[str, Config], keep_timeline: bool,
-              given: Mapping[str, str] | None = None) -> Simulation:
+              given: tuple[str, ...] | None = None) -> Simulation:
         """A data-parallel plan with parameters, gradients and optimizer state sharded
         over the ``n`` devices (FSDP2, ``reshard_after_forward``). Per unit of
-        :meth:`fsdp_units` (``P_u`` bytes): an all-gather of ``P_u`` before its first
+        :meth:`unit_nodes` (``P_u`` bytes): an all-gather of ``P_u`` before its first
         forward, another before its backward, a reduce-scatter of its gradients after it
         (each with a copy in and out of the flat buffer, ``2 P_u`` bytes at memory
         bandwidth, when calibrated). Memory: ``(2 + k) P / n`` + activations + the
         unsharded parameters of two units (one prefetched) and the gradients of one."""
         devices = list(range(self.cluster.devices))
         frags = [self.fragment(n.name, configs, ddp=True) for n in self.graph.nodes]
-        ctx = self._ddp_ctx or self.ctx
-        units = self.fsdp_units(given)
+        ctx = self.ctx.as_ddp()
+        units = self.unit_nodes(given)
         unit_of = {i: u for u, idx in units.items() for i in idx}
         size = {u: sum(frags[i].params.get(0, 0.0) for i in idx) for u, idx in units.items()}
         cal = ctx.calibration
@@ -264,7 +134,8 @@ class Simulator:
         fixed = cal.fsdp_collective_s.value if cal is not None else 0.0
 
         def coll(op: str, u: str, key: tuple, deps: tuple = ()) -> Task:
-            t = _collective(ctx, op, devices, size[u], f"fsdp {u or 'root'}", deps, (key,), f"FSDP unit {u or 'root'}")
+            label = u if u != ROOT else "root"
+            t = collective_task(ctx, op, devices, size[u], f"fsdp {label}", deps, (key,), f"FSDP unit {label}")
             return replace(t, duration=t.duration + copy_s * size[u] + fixed)
 
         def waiting(tasks: list[Task], key: tuple) -> list[Task]:
@@ -307,7 +178,7 @@ class Simulator:
         holds its cap (the first one smaller); one all-reduce over every device per
         bucket, after the backward of its last node. Key: the index of that node."""
         cal = self.ctx.calibration
-        assert cal is not None and self._ddp_ctx is not None
+        assert cal is not None
         devices = list(range(self.cluster.devices))
         bandwidth = self.cluster.device.memory_bandwidth.value
         out: dict[int, Task] = {}
@@ -324,7 +195,7 @@ class Simulator:
             if size >= cap or not any(frags[j].params.get(0) for j in range(i)):
                 k = len(out)
                 deps = tuple(("b", m, d) for m in members for d in devices)
-                task = _collective(self._ddp_ctx, "all_reduce", devices, size, f"bucket {k}", deps,
+                task = collective_task(self.ctx.as_ddp(), "all_reduce", devices, size, f"bucket {k}", deps,
                                    (("s", "bucket", k),), f"DDP bucket {k} ({len(members)} ops)")
                 extra = cal.ddp_per_tensor_s.value * tensors + 4 * size / bandwidth  # hooks, copies in and out
                 out[i] = replace(task, duration=task.duration + extra)
@@ -390,12 +261,7 @@ class Simulator:
         for d in range(devices):
             if not params[d]:
                 continue
-            if cal is not None:
-                dur = cal.update_s(self.optimizer, tensors[d], params[d], sharded)
-                dur += cal.step(mode)
-            else:
-                dur = roofline_time(Work(0.0, _UPDATE_TRAFFIC[self.optimizer] * params[d]), dev,
-                                    "float32", "elementwise", self.ctx.efficiency)
+            dur = update_s(self.ctx, self.optimizer, params[d], tensors[d], mode, sharded=sharded)
             start = max([free[d]] + [end.get(k, 0.0) for k in after[d]])
             cstart = max([chain.get(k, 0.0) for k in after[d]], default=0.0)
             t = Task("update", "optimizer", dur, (d,), tuple(after[d]), (("u", d),))
@@ -406,16 +272,13 @@ class Simulator:
             if keep_timeline:
                 timeline.append(Scheduled(t, start, start + dur))
         makespan = max(free[:devices] + free[devices:], default=0.0)
-        state = 2 + OPTIMIZER_STATE[self.optimizer]
-        if cal is None:
-            memory = [state * params[d] + acts[d] + unsharded for d in range(devices)]
-        else:  # calibrated: gradients live from the backward to the next zero_grad, not during the forward
-            for d, b in self._output_grad(configs).items():  # the loss's gradient of the output
-                acts[d] += b
-            memory = [(state - 1) * params[d] + unsharded + cal.runtime(mode)
-                      + max(acts[d], params[d] + cal.optimizer_working_tensors.value * largest[d])
-                      + (params[d] if ddp and shards == 1 else 0.0)  # DDP's buckets: a flat copy of the gradients
-                      for d in range(devices)]
+        loss_grad = self._output_grad(configs)
+        buckets_held = ddp and shards == 1  # DDP keeps a flat copy of the gradients
+        memory = [peak_bytes(DeviceMemory.replicated(params[d], acts[d], self.optimizer, largest=largest[d],
+                                                     buffers=unsharded,
+                                                     grad_buckets=params[d] if buckets_held else 0.0,
+                                                     loss_grad=loss_grad.get(d, 0.0)), cal, mode)
+                  for d in range(devices)]
         return Simulation(
             iteration_time_s=makespan,
             memory_bytes=tuple(memory),
@@ -428,67 +291,7 @@ class Simulator:
         )
 
 
-@dataclass
-class TaskRun:
-    """The state list scheduling leaves: per resource its free time, per key its end
-    time, per device its busy compute time, the timeline and the critical-path ends."""
-
-    free: list[float]
-    end: dict
-    timeline: list[Scheduled]
-    compute: list[float]
-    chain: dict
-    serial: float
-
-
-def busy_compute(ordered: list[Task], devices: int) -> list[float]:
-    """Per device, the summed duration of the compute tasks it runs (forward, backward,
-    update): a stage-level simulation's ``compute_s``."""
-    compute = [0.0] * devices
-    for t in ordered:
-        if t.kind in ("fwd", "bwd", "update"):
-            for d in t.resources:
-                compute[d] += t.duration
-    return compute
-
-
-def run_tasks(ordered: list[Task], devices: int, links: int, keep_timeline: bool = True) -> TaskRun:
-    """List-schedule ``ordered`` (module docstring): each task starts at the latest end of
-    its dependencies and of its resources' previous tasks and holds its resources until
-    it ends. Every plan kind's simulator schedules its tasks through this function."""
-    free = [0.0] * (devices + links)
-    end: dict = {}
-    timeline: list[Scheduled] = []
-    compute = [0.0] * devices
-    chain: dict = {}  # critical path: end times without resource waits
-    serial = 0.0
-    for t in ordered:
-        start = 0.0
-        for k in t.deps:
-            v = end.get(k)
-            if v is not None and v > start:
-                start = v
-        for r in t.resources:
-            if free[r] > start:
-                start = free[r]
-        stop = start + t.duration
-        for r in t.resources:
-            free[r] = stop
-        for k in t.defines:
-            if k[0] != "G" or stop > end.get(k, 0.0):
-                end[k] = stop
-        if t.kind == "fwd" or t.kind == "bwd":
-            compute[t.resources[0]] += t.duration
-        serial += t.duration
-        if keep_timeline:
-            timeline.append(Scheduled(t, start, stop))
-            cstop = max([chain.get(k, 0.0) for k in t.deps], default=0.0) + t.duration
-            for k in t.defines:
-                if k[0] != "G" or cstop > chain.get(k, 0.0):
-                    chain[k] = cstop
-    return TaskRun(free, end, timeline, compute, chain, serial)
-
-
-def simulate_configs(graph: OpGraph, configs: Mapping[str, Config], cluster: Cluster, **kw) -> Simulation:
+def simulate_configs(graph: OpGraph, configs: Mapping[str, Config], context: CostContext | Cluster,
+                     **kw) -> Simulation:
     """One full simulation (no cache kept)."""
-    return Simulator(graph, cluster, **kw).simulate(configs)
+    return Simulator(graph, context, **kw).simulate(configs)

@@ -37,34 +37,14 @@ simulator can keep fragments across changes (:mod:`flexsearch.sim.simulator`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from flexsearch.cost import comm
-from flexsearch.cost.calibration import DeviceCalibration, calibration_for
-from flexsearch.cost.compute import FREE_KINDS, MeasuredCosts, Partition, op_cost
-from flexsearch.cost.efficiency import EfficiencyTable, load_efficiency
-from flexsearch.cost.hardware import Cluster
 from flexsearch.graph.opgraph import OpNode, dtype_size
 from flexsearch.graph.regions import Region, input_region, intersect, split_interval, volume
+from flexsearch.sim.accounting import largest_tensor
+from flexsearch.sim.context import CostContext, collective_task, link_resources, transfer_task
+from flexsearch.sim.tasks import Key, Task
 from flexsearch.strategy.config import Config, is_source, sample_dim
-
-Key = tuple
-
-
-@dataclass(frozen=True, slots=True)
-class Task:
-    """One task: ``kind`` in fwd/bwd/xfer/coll/update; ``resources`` are device ids
-    (``< devices``) and link indexes (``devices + i``); ``deps`` symbolic keys;
-    ``defines`` the keys this task satisfies (``G`` keys accumulate)."""
-
-    kind: str
-    name: str
-    duration: float
-    resources: tuple[int, ...]
-    deps: tuple[Key, ...]
-    defines: tuple[Key, ...] = ()
-    nbytes: float = 0.0
-    detail: str = ""
 
 
 @dataclass
@@ -79,116 +59,6 @@ class Fragment:
     largest: dict[int, float] = field(default_factory=dict)  # device -> bytes of its largest parameter tensor
     activations: dict[int, float] = field(default_factory=dict)  # device -> bytes kept
     sync: list[tuple[int, Key]] = field(default_factory=list)  # (device, task key) before update
-
-
-class CostContext:
-    """What costing needs besides the graph: the cluster, measured op times (optional),
-    efficiency table (default: :func:`~flexsearch.cost.efficiency.load_efficiency`), a
-    dtype override (``"tf32"`` for TF32 matmuls) and the device's calibration (default:
-    :func:`~flexsearch.cost.calibration.calibration_for` its name; ``False``: none).
-    Memoises op and collective costs.
-
-    With a calibration, an op whose configuration spans several devices runs on
-    DTensors (the SOAP emitter) and pays the ``sharded`` per-op overhead, one on a single
-    device the ``plain`` one; ``ddp=True`` marks a plan the emitter runs with DDP
-    (every op data parallel: plain ops, bucketed gradient all-reduces)."""
-
-    def __init__(
-        self,
-        cluster: Cluster,
-        measured: MeasuredCosts | None = None,
-        efficiency: EfficiencyTable | None = None,
-        dtype: str | None = None,
-        calibration: DeviceCalibration | None | bool = None,
-        ddp: bool = False,
-    ):
-        self.cluster = cluster
-        self.measured = measured
-        self.efficiency = efficiency if efficiency is not None else load_efficiency()
-        self.dtype = dtype
-        if calibration is None or calibration is True:
-            calibration = calibration_for(cluster.device.name)
-        self.calibration: DeviceCalibration | None = calibration or None
-        self.ddp = ddp
-        self.blocking = bool(self.calibration and self.calibration.communication_blocks_compute.value)
-        self.links = {link.id: cluster.devices + i for i, link in enumerate(cluster.links)}
-        self._ops: dict[tuple[str, Config], tuple[float, float]] = {}
-        self._colls: dict[tuple, comm.CommCost] = {}
-        self._xfers: dict[tuple[int, int, float], tuple[float, tuple[int, ...]]] = {}
-        self.node_of = [cluster.node_of(d) for d in range(cluster.devices)]
-        self._geometry: dict[tuple, EdgeGeometry] = {}
-
-    def geometry(self, node: OpNode, c: Config, k: int, p: OpNode, pc: Config) -> EdgeGeometry:
-        """Memoised :func:`edge_geometry` (keyed by shapes, kinds and configurations)."""
-        key = (node.kind, node.target, node.outputs[0].shape, sample_dim(node), k, c,
-               p.outputs[0].shape, sample_dim(p), pc)
-        hit = self._geometry.get(key)
-        if hit is None:
-            hit = self._geometry[key] = edge_geometry(node, c, k, p, pc, self.node_of)
-        return hit
-
-    def transfer(self, src: int, dst: int, nbytes: float) -> tuple[float, tuple[int, ...]]:
-        """(seconds, link resources) of one point-to-point transfer."""
-        key = (src, dst, nbytes)
-        hit = self._xfers.get(key)
-        if hit is None:
-            path = self.cluster.path(src, dst)
-            hit = (comm.p2p_time(self.cluster, src, dst, nbytes), _link_resources(self, path))
-            self._xfers[key] = hit
-        return hit
-
-    def sharded(self, c: Config) -> bool:
-        """Does an op under ``c`` run on DTensors (calibration: the sharded overhead)?"""
-        return not self.ddp and c.n > 1
-
-    def op_cost(self, node: OpNode, c: Config, first: bool = False) -> tuple[float, float]:
-        """(forward, backward) seconds of one task of ``node`` under ``c`` (with the
-        calibrated per-op overhead of its execution mode). ``first``: its inputs are the
-        model's (no input gradient): measured as such when the profile has it."""
-        key = (node.name, c.s, c.kind, c.t, first)
-        hit = self._ops.get(key)
-        if hit is None:
-            if node.kind in FREE_KINDS:
-                hit = (0.0, 0.0)
-            else:
-                cost = None
-                if first and self.measured is not None:
-                    from flexsearch.cost.profiler import leaf_node
-
-                    cost = op_cost(leaf_node(node), self.cluster.device, partition_of(c), dtype=self.dtype,
-                                   efficiency=self.efficiency, measured=self.measured)
-                if cost is None or cost.source != "measured":
-                    cost = op_cost(node, self.cluster.device, partition_of(c), dtype=self.dtype,
-                                   efficiency=self.efficiency, measured=self.measured)
-                hit = (cost.forward_s, cost.backward_s)
-                if self.calibration is not None:
-                    cal = self.calibration
-                    if cost.source == "measured":
-                        pf, pb = cal.profiled_call.forward_s.value, cal.profiled_call.backward_s.value
-                        hit = (max(0.0, hit[0] - pf), max(0.0, hit[1] - pb))
-                    hit = (hit[0] * cal.concurrency["forward"].value, hit[1] * cal.concurrency["backward"].value)
-                    fo, bo = cal.op_s("sharded" if self.sharded(c) else "plain")
-                    hit = (hit[0] + fo, hit[1] + bo)
-            self._ops[key] = hit
-        return hit
-
-    def device_resources(self, devices) -> tuple[int, ...]:
-        """The devices a communication among ``devices`` occupies: all of them when the
-        calibration says communication blocks compute, else none (links only)."""
-        return tuple(sorted(set(devices))) if self.blocking else ()
-
-    def collective(self, op: str, group: tuple[int, ...], nbytes: float) -> comm.CommCost:
-        """The collective's cost: the alpha-beta model's, its time replaced by the
-        calibration's measured fit for ``op`` where there is one (same links loaded)."""
-        key = (op, group, nbytes)
-        hit = self._colls.get(key)
-        if hit is None:
-            hit = comm.collective(op, self.cluster, group, nbytes)
-            fit = self.calibration.collectives.get(op) if self.calibration is not None else None
-            if fit is not None and hit.time_s > 0:
-                hit = replace(hit, time_s=fit.time_s(len(group), nbytes), algorithm=f"{hit.algorithm}+measured")
-            self._colls[key] = hit
-        return hit
 
 
 _COPYING_VIEWS = frozenset({"Tensor.repeat", "Tensor.contiguous", "torch.repeat_interleave",
@@ -215,16 +85,6 @@ def kept_bytes(node: OpNode) -> float:
 def aliases(node: OpNode) -> bool:
     """Does the node's output share its input's storage (a view: no new memory kept)?"""
     return node.kind == "view" and node.target not in _COPYING_VIEWS
-
-
-def partition_of(c: Config) -> Partition:
-    """The cost model's degrees for one task of configuration ``c``."""
-    return Partition(
-        sample=c.s,
-        attribute=c.t if c.kind == "a" else 1,
-        parameter=c.t if c.kind == "p" else 1,
-        reduce=c.t if c.kind == "r" else 1,
-    )
 
 
 def out_region(node: OpNode, c: Config, i_s: int, i_t: int) -> Region:
@@ -254,29 +114,6 @@ def tiles(node: OpNode, c: Config) -> dict[Region, list[int]]:
     return out
 
 
-def _link_resources(ctx: CostContext, links) -> tuple[int, ...]:
-    return tuple(sorted({ctx.links[link.id] for link in links}))
-
-
-def _collective(ctx: CostContext, op: str, group: list[int], nbytes: float, name: str,
-                deps: tuple[Key, ...], defines: tuple[Key, ...], detail: str, calls: int = 1) -> Task:
-    """One collective (``calls`` collectives of ``nbytes`` in all: one latency each)."""
-    g = tuple(sorted(set(group)))
-    cost = ctx.collective(op, g, nbytes)
-    seconds = cost.time_s
-    if calls > 1 and seconds > 0:
-        seconds += (calls - 1) * ctx.collective(op, g, 1.0).time_s
-    res = ctx.device_resources(g) + _link_resources(ctx, [link for link, _ in cost.loads])
-    return Task("coll", name, seconds, res, deps, defines, nbytes, f"{detail} {op}/{cost.algorithm}")
-
-
-def _transfer(ctx: CostContext, src: int, dst: int, nbytes: float, name: str,
-              deps: tuple[Key, ...], defines: tuple[Key, ...], detail: str) -> Task:
-    seconds, links = ctx.transfer(src, dst, nbytes)
-    res = ctx.device_resources((src, dst)) + links
-    return Task("xfer", name, seconds, res, deps, defines, nbytes, f"{detail} d{src}->d{dst}")
-
-
 @dataclass(frozen=True)
 class EdgeGeometry:
     """Which data an edge moves, independent of node names (shared by every copy of a
@@ -289,6 +126,17 @@ class EdgeGeometry:
     grad_transfers: tuple[tuple[int, int, int], ...]  # (reader, holder, elements)
     grad_collectives: tuple[tuple[str, tuple[int, ...], int, tuple[int, ...], tuple[int, ...]], ...]
     # (op, group, elements, reader devices, holder devices)
+
+
+def geometry(ctx: CostContext, node: OpNode, c: Config, k: int, p: OpNode, pc: Config) -> EdgeGeometry:
+    """Memoised :func:`edge_geometry` (keyed by shapes, kinds and configurations, so
+    every copy of a repeated block shares one)."""
+    key = (node.kind, node.target, node.outputs[0].shape, sample_dim(node), k, c,
+           p.outputs[0].shape, sample_dim(p), pc)
+    hit = ctx.geometry_cache.get(key)
+    if hit is None:
+        hit = ctx.geometry_cache[key] = edge_geometry(node, c, k, p, pc, ctx.node_of)
+    return hit  # type: ignore[return-value]
 
 
 def edge_geometry(node: OpNode, c: Config, k: int, p: OpNode, pc: Config, node_of: list[int]) -> EdgeGeometry:
@@ -359,7 +207,7 @@ def _mesh_move(
         bcast = ctx.collective("broadcast", tuple(members), nbytes)
         seconds = bcast.time_s + (gather.time_s if gather is not None else 0.0)
         links = [link for cost in (gather, bcast) if cost is not None for link, _ in cost.loads]
-        res = ctx.device_resources(members) + _link_resources(ctx, links)
+        res = ctx.device_resources(members) + link_resources(ctx, links)
         return Task("coll", n, seconds, res, deps, defines, nbytes, f"{what} d{src}->d{dst} all_gather+broadcast")
 
     key = ("x", n, k, "move")
@@ -384,7 +232,7 @@ def edge_tasks(
         return forward, backward, needs
     if ctx.calibration is not None and not ctx.ddp and (pc.first, pc.s, pc.t) != (c.first, c.s, c.t):
         return _mesh_move(node, c, k, p, pc, ctx, frag)
-    geo = ctx.geometry(node, c, k, p, pc)
+    geo = geometry(ctx, node, c, k, p, pc)
     n = node.name
     esize = dtype_size(p.outputs[0].dtype)
     ready = "F" if pc.kind == "r" else "f"  # output ready: after the partial-sum all-reduce
@@ -393,17 +241,17 @@ def edge_tasks(
     for h, d, vol in geo.transfers:
         key = ("x", n, k, h, d)
         nbytes = vol * esize
-        forward.append(_transfer(ctx, h, d, nbytes, n, ((ready, p.name, h),), (key,),
+        forward.append(transfer_task(ctx, h, d, nbytes, n, ((ready, p.name, h),), (key,),
                                  f"{p.name}->{n}"))
         needs.setdefault(d, []).append(key)
         frag.activations[d] = frag.activations.get(d, 0.0) + nbytes
     for d, h in geo.grad_local:
         frag.grad_local.append((d, ("G", p.name, h)))
     for d, h, vol in geo.grad_transfers:
-        backward.append(_transfer(ctx, d, h, vol * esize, n, (("b", n, d),),
+        backward.append(transfer_task(ctx, d, h, vol * esize, n, (("b", n, d),),
                                   (("G", p.name, h),), f"grad {n}->{p.name}"))
     for op, group, vol, rdev, holders in geo.grad_collectives:
-        backward.append(_collective(
+        backward.append(collective_task(
             ctx, op, list(group), vol * esize, n, tuple(("b", n, d) for d in rdev),
             tuple(("G", p.name, h) for h in holders), f"grad {n}->{p.name}"))
     return forward, backward, needs
@@ -461,7 +309,7 @@ def node_tasks(
     if c.kind == "r":
         for i in range(c.s):
             group = [c.device(i, j) for j in range(c.t)]
-            frag.forward.append(_collective(
+            frag.forward.append(collective_task(
                 ctx, "all_reduce", group, node.output_bytes / c.s, n,
                 tuple(("f", n, d) for d in group), tuple(("F", n, d) for d in group),
                 "partial sums"))
@@ -483,8 +331,7 @@ def node_tasks(
         for _, _, d in parts:
             frag.params[d] = frag.params.get(d, 0.0) + shard
             frag.tensors[d] = frag.tensors.get(d, 0) + count
-            # the largest tensor: the weight of a weight and a bias, one of two weights of four
-            frag.largest[d] = max(frag.largest.get(d, 0.0), shard if count <= 2 else 2 * shard / count)
+            frag.largest[d] = max(frag.largest.get(d, 0.0), largest_tensor(shard, count))
         groups = (
             [[c.device(i, j) for i in range(c.s)] for j in range(c.t)] if sharded else [list(c.devices)]
         )
@@ -495,7 +342,7 @@ def node_tasks(
             key = ("s", n, g_i)
             # the DTensor emitter all-reduces each parameter's gradient on its own
             calls = count if ctx.calibration is not None else 1
-            frag.backward.append(_collective(
+            frag.backward.append(collective_task(
                 ctx, "all_reduce", group, shard, n, tuple(("b", n, d) for d in group), (key,),
                 "gradients", calls))
             frag.sync.extend((d, key) for d in group)

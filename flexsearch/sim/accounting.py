@@ -1,0 +1,128 @@
+"""Per-device memory and the optimizer update: written once, for every simulator.
+
+The op-level (:mod:`.simulator`), pipeline (:mod:`.pipeline`) and gossip
+(:mod:`.decentralized`) simulators each collect a device's terms into a
+:class:`DeviceMemory` and call :func:`peak_bytes`; each costs a device's optimizer
+update with :func:`update_s`. Training precision, sharding and recomputation change
+these terms here, in one place.
+
+**Memory** of one device, bytes. Terms: ``P`` parameters it holds (its shard), ``G``
+their gradients, ``O`` optimizer state (``k P`` for Adam ``k = 2``, momentum 1, SGD 0),
+``A`` activations kept for the backward pass (outputs of non-view ops, stashed
+microbatches, inputs received from other devices, the loss's gradient of the output),
+``B`` buffers (FSDP's gathered parameters, a gossip snapshot and receive buffers,
+PipeDream's extra weight versions, a parameter server's accumulation buffer), ``L`` the
+largest parameter tensor it holds::
+
+    uncalibrated:  P + G + O + A + B
+    calibrated:    P + O + B + max(A, G + w L) + R_mode + D
+
+Calibrated (:mod:`flexsearch.cost.calibration`), the peak follows the measured runtime:
+gradients are allocated as the backward frees the activations (``zero_grad`` frees
+them), so they share the peak with the activations rather than adding to it, together
+with the update's temporaries, ``w`` (``optimizer_working_tensors``) times the largest
+tensor; ``R_mode`` is the runtime's own allocation for the execution mode and ``D`` DDP's
+gradient buckets (a flat copy of the gradients, ``P``).
+
+**Update** of one device holding ``P`` bytes in ``n`` tensors: uncalibrated, a
+memory-bound pass moving ``UPDATE_TRAFFIC[optimizer] x P`` bytes at the device's
+elementwise efficiency (Adam reads parameter, gradient and two moments and writes
+parameter and moments: 7 bytes per parameter byte; momentum 5; SGD 3); calibrated,
+``per_tensor x n + per_byte x P`` (more per tensor when the parameters are DTensors)
+plus the execution mode's fixed cost per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from flexsearch.cost.calibration import DeviceCalibration, Mode
+from flexsearch.cost.compute import Work, roofline_time
+
+if TYPE_CHECKING:
+    from flexsearch.sim.context import CostContext
+
+OPTIMIZER_STATE = {"adam": 2, "momentum": 1, "sgd": 0}
+"""Optimizer state per parameter, in parameter copies."""
+UPDATE_TRAFFIC = {"adam": 7, "momentum": 5, "sgd": 3}
+"""Bytes an update moves per parameter byte (module docstring)."""
+
+
+def param_copies(optimizer: str) -> float:
+    """Bytes a replicated device holds per parameter byte, uncalibrated: the parameter,
+    its gradient and the optimizer state (``P + G + O`` over ``P``), for partitioners
+    that budget memory per layer before simulating."""
+    return float(2 + OPTIMIZER_STATE[optimizer])
+
+
+def check_optimizer(name: str) -> str:
+    """``name`` when it is an optimizer the accounting knows, else ValueError."""
+    if name not in OPTIMIZER_STATE:
+        raise ValueError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZER_STATE)}")
+    return name
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """One device's memory terms (module docstring), in bytes."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    largest: float = 0.0
+    buffers: float = 0.0
+    grad_buckets: float = 0.0
+    loss_grad: float = 0.0
+    """The loss's gradient of the model's output held by the device (counted with the
+    activations when calibrated; the uncalibrated model leaves it out)."""
+
+    @classmethod
+    def replicated(cls, params: float, activations: float, optimizer: str, *, largest: float = 0.0,
+                   buffers: float = 0.0, grad_buckets: float = 0.0, loss_grad: float = 0.0) -> DeviceMemory:
+        """A device that holds ``params`` with their gradients and optimizer state."""
+        return cls(params, params, OPTIMIZER_STATE[optimizer] * params, activations, largest, buffers, grad_buckets,
+                   loss_grad)
+
+
+def peak_bytes(m: DeviceMemory, calibration: DeviceCalibration | None, mode: Mode) -> float:
+    """The device's peak memory (module docstring)."""
+    if calibration is None:
+        return m.params + m.grads + m.optimizer + m.activations + m.buffers
+    working = m.grads + calibration.optimizer_working_tensors.value * m.largest
+    return (m.params + m.optimizer + m.buffers + calibration.runtime(mode)
+            + max(m.activations + m.loss_grad, working) + m.grad_buckets)
+
+
+def largest_tensor(shard_bytes: float, tensors: int) -> float:
+    """The largest parameter tensor of a layer holding ``shard_bytes`` in ``tensors``
+    tensors: the weight of a weight and a bias, one of two weights of four (an LSTM's)."""
+    return shard_bytes if tensors <= 2 else 2 * shard_bytes / tensors
+
+
+def stage_largest(largest: float, param_bytes: float) -> float:
+    """A stage's largest tensor, ``param_bytes / 2`` when unknown (a stage of two or more
+    layers)."""
+    return largest or param_bytes / 2
+
+
+def update_s(ctx: CostContext, optimizer: str, param_bytes: float, tensors: float, mode: Mode, *,
+             sharded: bool = False) -> float:
+    """Seconds of one device's optimizer update (module docstring) under ``ctx``'s
+    device and calibration."""
+    cal = ctx.calibration
+    if cal is None:
+        return roofline_update_s(ctx, optimizer, param_bytes)
+    return cal.update_s(optimizer, tensors, param_bytes, sharded) + cal.step(mode)
+
+
+def roofline_update_s(ctx: CostContext, optimizer: str, param_bytes: float) -> float:
+    """The uncalibrated update (module docstring); also what a plan the emitter does not
+    run (a parameter server) costs, calibration or not."""
+    return elementwise_s(ctx, UPDATE_TRAFFIC[optimizer] * param_bytes)
+
+
+def elementwise_s(ctx: CostContext, nbytes: float) -> float:
+    """Seconds of a memory-bound fp32 pass moving ``nbytes`` on one device."""
+    return roofline_time(Work(0.0, nbytes), ctx.cluster.device, "float32", "elementwise", ctx.efficiency)

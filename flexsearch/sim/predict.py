@@ -1,0 +1,76 @@
+"""One way to predict any plan: :func:`predict` (graph, strategy, cost context) -> Simulation.
+
+Every prediction goes through here (the planner's candidates and baselines,
+:func:`flexsearch.api.simulate`, ``flexsearch bench``, the fidelity benchmark), so all
+plan kinds are costed by one cost model under one explicit context
+(:class:`~flexsearch.sim.context.CostContext`: cluster, measured op costs, calibration):
+
+- :class:`~flexsearch.strategy.kinds.Soap`: the op-level simulator
+  (:mod:`flexsearch.sim.simulator`), each op on DTensors;
+- :class:`~flexsearch.strategy.kinds.DataParallel`: as the emitter runs it: with FSDP2
+  over its units when sharded; with DDP otherwise, which is the op-level simulation
+  with DDP's buckets when calibrated, and else the faster of the op-level simulation
+  (every layer's gradients all-reduced as the backward produces them, each collective
+  paying its latency) and the stage-level one (one replica's step, then all gradients
+  in one collective: DDP's single bucket for a model under its 25 MB bucket size).
+  DDP's bucketing is closest to the first for large models and to the second for small
+  ones;
+- :class:`~flexsearch.strategy.kinds.Pipelined`: stage costs summed from the op-level
+  model (:mod:`flexsearch.sim.stages`), scheduled by :mod:`flexsearch.sim.pipeline`;
+- :class:`~flexsearch.strategy.kinds.Decentralized`: one replica's stage cost and the
+  topology's gossip (:mod:`flexsearch.sim.decentralized`).
+"""
+
+from __future__ import annotations
+
+from flexsearch.graph.opgraph import OpGraph
+from flexsearch.sim.context import CostContext
+from flexsearch.sim.decentralized import simulate_gossip
+from flexsearch.sim.result import Simulation
+from flexsearch.sim.simulator import Simulator
+from flexsearch.sim.stages import replica_cost, simulate_stages
+from flexsearch.strategy.kinds import DataParallel, Decentralized, Pipelined, Soap, Strategy
+
+
+def predict(graph: OpGraph, strategy: Strategy, ctx: CostContext, *, optimizer: str = "adam",
+            timeline: bool = True, simulator: Simulator | None = None) -> Simulation:
+    """Predict one training iteration of ``strategy`` for ``graph`` under ``ctx``
+    (module docstring). ``simulator``: an op-level simulator of ``graph`` under ``ctx``
+    whose fragment cache to reuse (a search's). Raises ValueError for a strategy that
+    does not fit the cluster or the model (a pipeline layout that does not make the
+    devices, a batch that does not split)."""
+    if simulator is not None and (simulator.graph is not graph or simulator.ctx is not ctx):
+        raise ValueError("the simulator given to predict() was made for another graph or cost context")
+    if isinstance(strategy, Pipelined):
+        return simulate_stages(graph, ctx, bounds=strategy.bounds, tensor=strategy.tensor,
+                               replicas=strategy.replicas, schedule=strategy.schedule,
+                               microbatches=strategy.microbatches, chunks=strategy.chunks,
+                               recompute=strategy.recompute, optimizer=optimizer, timeline=timeline)
+    if isinstance(strategy, Decentralized):
+        return simulate_gossip(ctx, replica_cost(graph, ctx), strategy.topology, optimizer=optimizer,
+                               timeline=timeline)
+    sim = simulator if simulator is not None else Simulator(graph, ctx, optimizer=optimizer)
+    if sim.optimizer != optimizer:
+        raise ValueError(f"the simulator given to predict() costs {sim.optimizer!r}, not {optimizer!r}")
+    if isinstance(strategy, Soap):
+        return sim.simulate(strategy.configs, timeline=timeline, ddp=False)
+    if not isinstance(strategy, DataParallel):
+        raise TypeError(f"not a strategy: {type(strategy).__name__}")
+    if strategy.shard:
+        return sim.simulate(strategy.configs, timeline=timeline, shard_params=True,
+                            fsdp_units=strategy.fsdp_units)
+    oplevel = sim.simulate(strategy.configs, timeline=timeline, ddp=True)
+    if ctx.calibration is not None:
+        return oplevel
+    one_bucket = Pipelined(((0, len(graph.nodes)),), tensor=1, replicas=ctx.cluster.devices, schedule="1f1b",
+                           microbatches=1)
+    try:
+        flat = predict(graph, one_bucket, ctx, optimizer=optimizer, timeline=timeline)
+    except ValueError:  # the batch does not split over the devices
+        return oplevel
+    return flat if better(flat, oplevel) else oplevel
+
+
+def better(a: Simulation, b: Simulation) -> bool:
+    """Is ``a`` the better prediction: feasible first, then faster?"""
+    return (a.feasible, -a.iteration_time_s) > (b.feasible, -b.iteration_time_s)

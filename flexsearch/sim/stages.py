@@ -1,0 +1,208 @@
+"""Stage-level costs: a graph's nodes summed into pipeline stages and replicas.
+
+**Node costs** come from the op-level cost model: the microbatch graph
+(:mod:`flexsearch.graph.microbatch`) under a stage's own configuration on its
+tensor-parallel group (whole ops on one device, or Megatron's layout:
+:func:`flexsearch.strategy.recipes.stage_configs`), one
+:class:`~flexsearch.sim.taskgraph.Fragment` per node; a node's forward (backward) time
+is the longest chain of its fragment's forward (backward) tasks, weight-gradient
+all-reduces excluded (a pipeline synchronises once per stage). Identical layers are
+costed once.
+
+**Cut points.** The graph's nodes in topological (program) order; a cut at position
+``x`` sends every tensor produced before ``x`` and read at or after it (so branchy
+graphs cut between blocks naturally, and a cut inside a residual block pays for both
+tensors). A weight used on both sides (a tied embedding) is held by both stages and its
+gradients are all-reduced between them (:func:`tied_weights`).
+
+**Stages** (:func:`stage_cost`) sum their nodes; with activation recomputation the
+backward reruns the forward and only the stage's input stays stashed per microbatch.
+:func:`simulate_stages` lays a uniform pipeline out on the cluster and simulates it
+(:func:`flexsearch.sim.pipeline.simulate_pipeline`); :func:`replica_cost` is one
+data-parallel replica's step as one stage (decentralized plans and their baselines).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from flexsearch.cost.hardware import Cluster
+from flexsearch.graph.microbatch import microbatch_graph
+from flexsearch.graph.opgraph import OpGraph
+from flexsearch.sim.context import CostContext
+from flexsearch.sim.pipeline import PipelineLayout, StageCost, simulate_pipeline
+from flexsearch.sim.result import Simulation
+from flexsearch.sim.simulator import Simulator
+from flexsearch.strategy.config import Config
+from flexsearch.strategy.recipes import stage_configs
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """Per microbatch on one device of a stage replica: times (s) and bytes."""
+
+    forward_s: float
+    backward_s: float
+    param_bytes: float
+    stash_bytes: float
+    tensors: int = 0
+    """Parameter tensors (whole or a shard each) the node places on the device."""
+    largest_param_bytes: float = 0.0
+    """The largest of them."""
+
+
+def _span(tasks) -> float:
+    """Longest chain of one node's tasks (its dependencies on other nodes count as met)."""
+    end: dict = {}
+    for t in tasks:
+        stop = max([end.get(k, 0.0) for k in t.deps], default=0.0) + t.duration
+        for k in t.defines:
+            end[k] = max(end.get(k, 0.0), stop)
+    return max(end.values(), default=0.0)
+
+
+def node_costs(graph: OpGraph, configs: Mapping[str, Config], ctx: CostContext) -> dict[str, NodeCost]:
+    """Each node's :class:`NodeCost` under ``configs`` on ``ctx``'s cluster (device 0's
+    share). Identical layers (same signature, configuration and producers) are costed
+    once."""
+    sim = Simulator(graph, ctx)
+    memo: dict[tuple, NodeCost] = {}
+    out: dict[str, NodeCost] = {}
+    for node in graph.nodes:
+        key = (node.signature or node.name, node.kind, node.outputs, configs[node.name],
+               tuple((graph.node(i).signature or i, graph.node(i).outputs, configs[i]) for i in node.inputs))
+        hit = memo.get(key)
+        if hit is None:
+            frag = sim.fragment(node.name, configs)
+            fw = frag.forward
+            bw = [t for t in frag.backward if not any(k[0] == "s" for k in t.defines)]
+            hit = memo[key] = NodeCost(_span(fw), _span(bw), frag.params.get(0, 0.0), frag.activations.get(0, 0.0),
+                                       frag.tensors.get(0, 0), frag.largest.get(0, 0.0))
+        out[node.name] = hit
+    return out
+
+
+def crossing_bytes(sizes: Sequence[float], edges: Iterable[tuple[int, int]]) -> tuple[float, ...]:
+    """Bytes crossing each position of an order of ``L`` layers (``L + 1`` entries; the
+    ends are 0): layer ``i``'s ``sizes[i]`` bytes cross every position after ``i`` up to
+    its last consumer (``edges`` are (producer, consumer) positions)."""
+    last = list(range(len(sizes)))
+    for a, b in edges:
+        last[a] = max(last[a], b)
+    diff = [0.0] * (len(sizes) + 2)
+    for i, u in enumerate(last):
+        if u > i:
+            diff[i + 1] += sizes[i]
+            diff[u + 1] -= sizes[i]
+    out = list(itertools.accumulate(diff[: len(sizes) + 1]))
+    out[0] = out[-1] = 0.0
+    return tuple(out)
+
+
+def cut_bytes(graph: OpGraph) -> tuple[float, ...]:
+    """Bytes crossing each position of the node order (``L + 1`` entries)."""
+    index = {n.name: i for i, n in enumerate(graph.nodes)}
+    edges = ((index[i], k) for k, n in enumerate(graph.nodes) for i in n.inputs)
+    return crossing_bytes([n.output_bytes for n in graph.nodes], edges)
+
+
+def shared_params(graph: OpGraph) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> positions of the nodes that use it, for weights used twice."""
+    uses: dict[str, list[int]] = {}
+    for i, n in enumerate(graph.nodes):
+        for p in n.params:
+            uses.setdefault(p, []).append(i)
+    return {p: tuple(v) for p, v in uses.items() if len(v) > 1}
+
+
+def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float], extra_params: float = 0.0,
+               recompute: bool = False) -> StageCost:
+    """A stage's cost; with ``recompute`` the backward reruns the forward first, and only
+    the stage's input (its share, per tensor-parallel device) stays stashed per microbatch."""
+    seg = costs[a:b]
+    fwd = sum(c.forward_s for c in seg)
+    stash = sum(c.stash_bytes for c in seg)
+    return StageCost(
+        forward_s=fwd,
+        backward_s=sum(c.backward_s for c in seg) + (fwd if recompute else 0.0),
+        param_bytes=sum(c.param_bytes for c in seg) + extra_params,
+        stash_bytes=cuts[a] if recompute else stash,
+        send_bytes=cuts[b] if b < len(costs) else 0.0,
+        working_bytes=stash if recompute else 0.0,
+        tensors=sum(c.tensors for c in seg),
+        largest_param_bytes=max((c.largest_param_bytes for c in seg), default=0.0),
+    )
+
+
+def tied_weights(graph: OpGraph, costs: Sequence[NodeCost], bounds: Sequence[tuple[int, int]]):
+    """Extra parameter bytes per stage for weights owned by another stage, and the
+    (stage a, stage b, bytes) all-reduces of their gradients."""
+    extra = [0.0] * len(bounds)
+    tied = []
+    stage_of = {}
+    for k, (a, b) in enumerate(bounds):
+        for i in range(a, b):
+            stage_of[i] = k
+    for _p, users in shared_params(graph).items():
+        owner = next((i for i in users if graph.nodes[i].param_bytes), users[0])
+        nbytes = costs[owner].param_bytes / max(1, len(graph.nodes[owner].params))
+        stages = sorted({stage_of[i] for i in users})
+        for k in stages:
+            if k != stage_of[owner]:
+                extra[k] += nbytes
+                tied.append((min(k, stage_of[owner]), max(k, stage_of[owner]), nbytes))
+    return extra, tuple(tied)
+
+
+def simulate_stages(graph: OpGraph, ctx: CostContext, *, bounds: Sequence[tuple[int, int]], tensor: int,
+                    replicas: int, schedule: str, microbatches: int, chunks: int = 1,
+                    recompute: bool = False, optimizer: str = "adam", timeline: bool = True,
+                    costs: Sequence[NodeCost] | None = None) -> Simulation:
+    """Simulate a uniform pipeline on ``ctx``'s cluster: stage ``k`` = nodes
+    ``bounds[k]`` (positions), on ``replicas`` x ``tensor`` devices of pipeline rank
+    ``k mod (len(bounds) / chunks)``. ``costs``: the node costs of the microbatch graph
+    (default: :func:`stage_node_costs`). Raises ValueError for a layout that does not
+    fit the cluster or a model without that tensor-parallel degree."""
+    cluster = ctx.cluster
+    p = len(bounds) // chunks
+    g = replicas * tensor
+    if p * chunks != len(bounds) or p * g != cluster.devices:
+        raise ValueError(f"{len(bounds)} stages x {g} devices do not make {cluster.devices} devices")
+    mg = microbatch_graph(graph, replicas * microbatches)
+    if costs is None:
+        costs = stage_node_costs(mg, ctx, tensor)
+        if costs is None:
+            raise ValueError(f"no tensor-parallel configuration of degree {tensor} for this model")
+    cuts = cut_bytes(mg)
+    extra, tied = tied_weights(graph, costs, bounds)
+    stage_costs = [stage_cost(costs, a, b, cuts, extra[k], recompute)
+                   for k, (a, b) in enumerate(bounds)]
+    ranks = tuple(tuple(tuple(range(r * g + i * tensor, r * g + (i + 1) * tensor)) for i in range(replicas))
+                  for r in range(p))
+    layout = PipelineLayout(schedule, microbatches, ranks, chunks=chunks, tied=tied)
+    return simulate_pipeline(ctx, stage_costs, layout, optimizer=optimizer, timeline=timeline)
+
+
+def stage_node_costs(mg: OpGraph, ctx: CostContext, tensor: int) -> list[NodeCost] | None:
+    """The node costs of microbatch graph ``mg`` under a stage's layout on ``tensor``
+    devices of ``ctx``'s kind (None: no tensor-parallel layout of that degree)."""
+    configs = stage_configs(mg, tensor)
+    if configs is None:
+        return None
+    got = node_costs(mg, configs, ctx.on(Cluster.from_spec(ctx.cluster.spec, tensor)))
+    return [got[n.name] for n in mg.nodes]
+
+
+def replica_cost(graph: OpGraph, ctx: CostContext, *, replicas: int | None = None) -> StageCost:
+    """One data-parallel replica's step on ``B / replicas`` samples (default
+    ``replicas`` = the cluster's devices; ``replicas=1`` for a graph whose batch already
+    is one worker's), as one stage: forward, backward, parameter and activation bytes,
+    every op whole on one device. Raises ValueError when the batch does not split
+    ``replicas`` ways."""
+    r = ctx.cluster.devices if replicas is None else replicas
+    mg = microbatch_graph(graph, r)
+    costs = stage_node_costs(mg, ctx, 1)
+    assert costs is not None  # whole ops on one device are always legal
+    return stage_cost(costs, 0, len(costs), cut_bytes(mg))

@@ -323,6 +323,10 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.quick:
         args.cases, args.steps, args.warmup, args.max_wait, args.retries = args.cases or QUICK, 3, 2, 0.0, 1
+        if args.profile == PROFILE:  # measure afresh, and leave the repository's profile alone
+            import tempfile
+
+            args.profile = Path(tempfile.mkdtemp(prefix="fidelity-quick-")) / "profile.json"
     torch.set_num_threads(args.threads)
     if args.reprofile and args.profile.exists():
         args.profile.unlink()

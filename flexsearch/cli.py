@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flexsearch.errors import FlexsearchError
+from flexsearch.tables import ms, plan_summary, plan_table, si
 
 try:  # typer >= 0.20 vendors click
     from typer._click.exceptions import ClickException, UsageError
@@ -35,13 +36,6 @@ err = Console(stderr=True, highlight=False)
 
 ModelArg = Annotated[str, typer.Argument(help="Model file: path/to/file.py or path/to/file.py:NAME.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout and nothing else.")]
-
-
-def _si(x: float, unit: str = "") -> str:
-    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= scale:
-            return f"{x / scale:.2f} {prefix}{unit}"
-    return f"{x:.0f} {unit}".rstrip()
 
 
 @app.callback()
@@ -74,8 +68,8 @@ def trace(model: ModelArg, as_json: JsonOpt = False, top: Annotated[int, typer.O
         return
     stdout.print(
         f"[bold]{model}[/] traced via {graph.via}: {len(graph.nodes)} nodes, "
-        f"{_si(graph.num_params)} parameters, {_si(graph.flops, 'FLOP')} forward, "
-        f"{_si(graph.backward_flops, 'FLOP')} backward per iteration"
+        f"{si(graph.num_params)} parameters, {si(graph.flops, 'FLOP')} forward, "
+        f"{si(graph.backward_flops, 'FLOP')} backward per iteration"
     )
     for b in graph.blocks:
         stdout.print(f"repeated block: {len(b.instances)} x {b.module_type} ({len(b.instances[0])} ops each)")
@@ -90,7 +84,7 @@ def trace(model: ModelArg, as_json: JsonOpt = False, top: Annotated[int, typer.O
         dims = " ".join(f"{d.kind[0]}{d.dim}" for d in n.dims.output)
         dims += "".join(f" r:{r.name}" for r in n.dims.reduced)
         shape = "x".join(map(str, n.outputs[0].shape)) if n.outputs else ""
-        table.add_row(n.name, n.kind, n.target.rsplit(".", 1)[-1], shape, _si(n.flops), _si(n.num_params), dims or "-")
+        table.add_row(n.name, n.kind, n.target.rsplit(".", 1)[-1], shape, si(n.flops), si(n.num_params), dims or "-")
     stdout.print(table)
 
 
@@ -113,7 +107,7 @@ def profile(
     if model is None and not comm:
         raise typer.BadParameter("give a MODEL to profile, or --comm to measure the links", param_hint="MODEL")
     if comm:
-        from flexsearch.cost.machine import profile_machine
+        from flexsearch.cost.cpu_preset import profile_machine
 
         summary = profile_machine(world_size=ranks, threads_per_rank=threads, write=True, progress=lambda m: err.print(m, markup=False))
         stdout.print(" ".join(f"{k}={v}" for k, v in summary.items()))
@@ -159,17 +153,17 @@ def cluster(
         table.add_column(col)
     rows = [
         ("device", spec.device.name, ""),
-        ("peak float32", _si(spec.device.peak_flops.float32.value, "FLOP/s"), spec.device.peak_flops.float32.source),
-        ("peak bfloat16", _si(spec.device.peak_flops.bfloat16.value, "FLOP/s"), spec.device.peak_flops.bfloat16.source),
-        ("memory bandwidth", _si(spec.device.memory_bandwidth.value, "B/s"), spec.device.memory_bandwidth.source),
-        ("memory", _si(spec.device.memory_capacity.value, "B"), spec.device.memory_capacity.source),
-        (f"intra-node {spec.intra_node.kind} ({spec.intra_node.topology})", _si(spec.intra_node.bandwidth.value, "B/s"), spec.intra_node.bandwidth.source),
+        ("peak float32", si(spec.device.peak_flops.float32.value, "FLOP/s"), spec.device.peak_flops.float32.source),
+        ("peak bfloat16", si(spec.device.peak_flops.bfloat16.value, "FLOP/s"), spec.device.peak_flops.bfloat16.source),
+        ("memory bandwidth", si(spec.device.memory_bandwidth.value, "B/s"), spec.device.memory_bandwidth.source),
+        ("memory", si(spec.device.memory_capacity.value, "B"), spec.device.memory_capacity.source),
+        (f"intra-node {spec.intra_node.kind} ({spec.intra_node.topology})", si(spec.intra_node.bandwidth.value, "B/s"), spec.intra_node.bandwidth.source),
         ("intra-node latency", f"{spec.intra_node.latency.value * 1e6:.1f} us", spec.intra_node.latency.source),
     ]
     if spec.inter_node is not None:
         inter = spec.inter_node
         rows += [
-            (f"inter-node {inter.kind} per NIC", _si(inter.bandwidth.value, "B/s"), inter.bandwidth.source),
+            (f"inter-node {inter.kind} per NIC", si(inter.bandwidth.value, "B/s"), inter.bandwidth.source),
             ("inter-node latency", f"{inter.latency.value * 1e6:.1f} us", inter.latency.source),
             ("NICs per node", str(inter.nics_per_node.value), inter.nics_per_node.source),
         ]
@@ -228,75 +222,6 @@ def _refuse_overwrite(path: str | None, force: bool, flag: str) -> None:
         raise FlexsearchError(f"{flag} {path}: directory {Path(path).parent} does not exist; create it first")
 
 
-def _plan_summary(p, search_time_s: float | None) -> dict:
-    return {
-        "model": p.model,
-        "kind": p.kind,
-        "devices": p.devices,
-        "cluster": p.cluster.name,
-        "iteration_time_s": p.predicted.iteration_time_s,
-        "peak_memory_bytes": p.predicted.peak_memory_bytes,
-        "lower_bound_s": p.lower_bound_s,
-        "baselines": p.baselines,
-        "infeasible_baselines": list(p.infeasible_baselines),
-        "speedup_over_data": p.speedup_over_data,
-        "search_time_s": search_time_s,
-        "interrupted": p.interrupted,
-        "objective": p.objective,
-        "topology": p.topology,
-        "spectral_gap": p.spectral_gap,
-        "iterations_factor": p.iterations_factor,
-        "notes": list(p.notes),
-    }
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f} ms"
-
-
-def _print_plan(p, search_time_s: float | None, *, default_cluster: bool = False) -> None:
-    table = Table(title=f"{p.model}: {p.devices} x {p.cluster.device.name} ({p.cluster.name})")
-    table.add_column("what")
-    table.add_column("value", justify="right")
-    dp = p.baselines.get("data")
-    cluster_note = " (the default; choose with --cluster)" if default_cluster else ""
-    rows = [
-        ("cluster", f"{p.cluster.name}, {p.devices} x {p.cluster.device.name}{cluster_note}"),
-        ("plan kind", p.kind),
-        ("predicted iteration", _ms(p.predicted.iteration_time_s)),
-        ("speedup over data parallel", f"{dp / p.predicted.iteration_time_s:.2f}x" if dp else "data parallel does not fit"),
-        ("lower bound (1 device / N)", _ms(p.lower_bound_s)),
-        ("peak memory per device", _si(p.predicted.peak_memory_bytes, "B")),
-    ]
-    if p.stages:
-        chunks = f", {p.chunks} chunks per rank" if (p.chunks or 1) > 1 else ""
-        recompute = ", activations recomputed" if p.recompute else ""
-        rows.append(("schedule", f"{p.schedule}, {p.microbatches} microbatches{chunks}{recompute}"))
-        shape = f"{len(p.stages) // (p.chunks or 1)} x {p.stages[0].replicas} x {p.tensor_degree}"
-        rows.append(("stages x replicas x tensor", shape))
-        for i, st in enumerate(p.stages):
-            rows.append((f"stage {i}", f"{st.nodes[0]} .. {st.nodes[-1]} ({len(st.nodes)} ops) on devices "
-                         f"{st.devices[0]}-{st.devices[-1]}"))
-    if p.kind == "decentralized":
-        gap = "" if p.spectral_gap is None else f", spectral gap {p.spectral_gap:.4f}"
-        rows.append(("topology", f"{p.topology}{gap}"))
-        if p.iterations_factor is not None:
-            rows.append(("iterations to same accuracy", f"{p.iterations_factor:.2f}x synchronous SGD's "
-                                                        f"(objective: {p.objective})"))
-    for name, t in sorted(p.baselines.items()):
-        rows.append((f"baseline {name}", _ms(t)))
-    for name in p.infeasible_baselines:
-        rows.append((f"baseline {name}", "does not fit"))
-    if search_time_s is not None:
-        stopped = ", interrupted" if p.interrupted else ""
-        rows.append(("search time", f"{search_time_s:.1f} s ({p.search.iterations} MCMC steps{stopped}, "
-                                    f"ILP {p.search.ilp})"))
-    rows += [("why", note) for note in p.notes]
-    for row in rows:
-        table.add_row(*row)
-    stdout.print(table)
-
-
 @app.command()
 def plan(
     model: ModelArg,
@@ -352,7 +277,7 @@ def plan(
         bar.update(task, description="searching: baselines and ILP seed", total=total, completed=0)
 
         def progress(it: int, best: float) -> None:
-            found = f"best {_ms(best)}" if best < float("inf") else "nothing fits yet"
+            found = f"best {ms(best)}" if best < float("inf") else "nothing fits yet"
             bar.update(task, completed=it, description=f"searching: step {it}{of}, {found}")
 
         calibration = resolve_calibration("auto", cl)
@@ -366,9 +291,9 @@ def plan(
     if trace_out is not None:
         simulate(graph, p, calibration=calibration).to_chrome_trace(trace_out)
     if as_json:
-        sys.stdout.write(json.dumps(_plan_summary(p, p.search_time_s)) + "\n")
+        sys.stdout.write(json.dumps(plan_summary(p, p.search_time_s)) + "\n")
         return
-    _print_plan(p, p.search_time_s, default_cluster=cluster is None)
+    stdout.print(plan_table(p, p.search_time_s, default_cluster=cluster is None))
     if out is not None:
         stdout.print(f"plan written to {out}")
     if trace_out is not None:
@@ -405,8 +330,8 @@ def _plan_profile(path: str, cl, as_json: bool) -> None:
                       f"{s['devices'][0]}-{s['devices'][-1]}" if len(s["devices"]) > 1 else str(s["devices"][0]))
     stdout.print(table)
     stdout.print(f"configuration {config}, asynchronous 1F1B with weight stashing")
-    stdout.print(f"predicted time per minibatch {_ms(t)}; data parallel {_ms(dp)} ({dp / t:.2f}x); "
-                 f"peak memory per device {_si(best.simulation.peak_memory_bytes, 'B')}")
+    stdout.print(f"predicted time per minibatch {ms(t)}; data parallel {ms(dp)} ({dp / t:.2f}x); "
+                 f"peak memory per device {si(best.simulation.peak_memory_bytes, 'B')}")
 
 
 def _plan_graph_for(p, plan_path: str):
@@ -457,9 +382,9 @@ def simulate(
         return
     stdout.print(
         f"{p.model}: {p.kind} plan on {p.devices} x {p.cluster.device.name}: iteration "
-        f"{_ms(sim.iteration_time_s)} (planned {_ms(p.predicted.iteration_time_s)}), critical path "
-        f"{_ms(sim.critical_path_s)}, peak memory {_si(sim.peak_memory_bytes, 'B')} "
-        f"of {_si(sim.capacity_bytes, 'B')}{'' if sim.feasible else ' (DOES NOT FIT)'}"
+        f"{ms(sim.iteration_time_s)} (planned {ms(p.predicted.iteration_time_s)}), critical path "
+        f"{ms(sim.critical_path_s)}, peak memory {si(sim.peak_memory_bytes, 'B')} "
+        f"of {si(sim.capacity_bytes, 'B')}{'' if sim.feasible else ' (DOES NOT FIT)'}"
     )
     if trace_out is not None:
         stdout.print(f"timeline written to {trace_out}")
@@ -471,7 +396,7 @@ def show(plan_file: Annotated[str, typer.Argument(metavar="PLAN.json", help="A p
     from flexsearch.plan import Plan
 
     p = Plan.load(plan_file)
-    _print_plan(p, None)
+    stdout.print(plan_table(p, None))
     if not p.decisions:
         return
     table = Table(title="decisions (s: sample split, p/a/r: parameter/attribute/reduce split of degree t on dim, x: replicated, @: first device)")

@@ -188,6 +188,7 @@ def bad_files(tmp_path_factory):
     d = tmp_path_factory.mktemp("bad")
     (d / "syntax.py").write_text("def broken(:\n    pass\n")
     (d / "empty.py").write_text("x = 1\n")
+    (d / "exits.py").write_text("import sys\nsys.exit(3)\n")
     (d / "damaged.json").write_text('{"version": 1, "model": "m.py", "kind"')
     (d / "foreign.json").write_text('{"name": "not a plan", "items": [1, 2]}')
     (d / "list.json").write_text("[1, 2, 3]")
@@ -222,12 +223,18 @@ BAD = [
     (["plan", MLP, "--budget", "0"], "--budget"),
     (["plan", MLP, "--max-iters", "-1"], "--max-iters"),
     (["plan", MLP, "--frobnicate"], "No such option"),
+    (["plan", MLP, "--kind", "fast"], "unknown plan kind 'fast'"),
+    (["plan", MLP, "--devices", "100000"], "100000 devices"),
+    # a kind the model has no plan of: why, in one line
+    (["plan", MLP, "--devices", "2", "--cluster", "cpu", "--kind", "hybrid"], "no hybrid plan"),
+    (["plan", MLP, "--devices", "1", "--kind", "decentralized"], "no decentralized plan on one device"),
     (["plan", MLP, "--cluster", "{d}/cluster.json"], "cluster.json"),
     (["plan", MLP, "--cluster", "{d}/absent.json"], "absent.json"),
     # model file problems
     (["plan", "{d}/absent.py"], "does not exist"),
     (["plan", "{d}/syntax.py"], "SyntaxError"),
     (["plan", "{d}/empty.py"], "no model found"),
+    (["plan", "{d}/exits.py"], "exits (sys.exit(3)) when imported"),
     (["plan", MLP.replace("mlp_tiny", "no_such")], "has no 'no_such'"),
     # nothing fits even on every device the cluster has
     (["plan", "{d}/huge.py", "--cluster", "flexflow-p100", "--devices", "16", "--max-iters", "5"], "needs"),

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from flexsearch.cost.comm import all_reduce
+from flexsearch.cost.cpu_preset import write_cpu_preset
 from flexsearch.cost.hardware import PRESETS_DIR, Cluster, load_cluster_spec
 from flexsearch.cost.machine import (
     ComputeMeasurement,
@@ -20,7 +21,6 @@ from flexsearch.cost.machine import (
     load_measurements,
     measure_compute,
     measure_gloo,
-    write_cpu_preset,
 )
 from flexsearch.errors import ProfileError
 

@@ -141,3 +141,24 @@ def test_model_path_with_colon_in_directory(tmp_path):
     model, _ = load_model(str(d / "m.py"))
     assert isinstance(model, nn.Linear)
     assert torch.is_tensor(_[0])
+
+
+@pytest.mark.parametrize(("source", "needle"), [
+    ("import sys\nsys.exit(3)\n", "exits (sys.exit(3)) when imported"),
+    ("raise SystemExit\n", "exits (sys.exit(None)) when imported"),
+    ("raise KeyboardInterrupt\n", "raises KeyboardInterrupt when imported"),
+])
+def test_a_file_that_ends_the_process_at_import(model_file, source, needle):
+    """Script code at module level (an exit, a Ctrl-C) is a load error naming the file,
+    not the end of the process."""
+    path = model_file(source)
+    with pytest.raises(ModelLoadError) as e:
+        load_model(str(path))
+    msg = str(e.value)
+    assert needle in msg and str(path) in msg and "\n" not in msg and "__main__" in msg
+
+
+def test_a_builder_that_exits(model_file):
+    path = model_file("import sys\n\ndef build_model():\n    sys.exit(0)\n")
+    with pytest.raises(ModelLoadError, match="exits"):
+        load_model(str(path))

@@ -41,7 +41,12 @@ from typing import Any
 import torch
 
 from flexsearch.calibrate import fit, probes
-from flexsearch.cost.calibration import CalibrationFile, DeviceCalibration, HostRecord, user_calibration_path
+from flexsearch.cost.calibration import (
+    CalibrationFile,
+    DeviceCalibration,
+    HostRecord,
+    user_calibration_path,
+)
 from flexsearch.cost.hardware import Cluster, user_dir
 from flexsearch.errors import CalibrationError
 from flexsearch.graph.opgraph import OpGraph
@@ -97,7 +102,8 @@ def _probe(name: str):
 
 def probe_strategy(graph: OpGraph, cl: Cluster, mode: str, microbatches: int = 2) -> Strategy:
     """The probe plan of an execution mode: every op data parallel with DDP, FSDP2 or on
-    DTensors; GPipe over two even stages; D-PSGD on a ring."""
+    DTensors (``sharded``; ``plain`` on one device: the model alone in one process);
+    GPipe over two even stages; D-PSGD on a ring."""
     from flexsearch.strategy import recipes
     from flexsearch.strategy.fsdp import fsdp_units
     from flexsearch.strategy.kinds import DataParallel, Decentralized, Pipelined, Soap
@@ -111,7 +117,7 @@ def probe_strategy(graph: OpGraph, cl: Cluster, mode: str, microbatches: int = 2
         return DataParallel(configs, dp)
     if mode == "fsdp":
         return DataParallel(configs, dp, shard=True, fsdp_units=fsdp_units(graph.modules))
-    if mode == "sharded":
+    if mode in ("sharded", "plain"):  # plain: one process, the model as it is
         return Soap(configs, dp)
     if mode == "pipeline":
         n = len(graph.nodes)
@@ -297,7 +303,7 @@ def assemble(raw: dict[str, Any], s: Settings, where: str, profile_path: Path) -
     # plain ops: one process alone, against the simulator on one device
     c = current()
     l8, l32 = raw["plain"]["deep8"], raw["plain"]["deep32"]
-    p8, p32 = predict("deep8", "ddp", c, one=True), predict("deep32", "ddp", c, one=True)
+    p8, p32 = predict("deep8", "plain", c, one=True), predict("deep32", "plain", c, one=True)
     dops = ops32 - ops8
     fwd = ((l32["forward"] - l8["forward"]) - (p32["forward"] - p8["forward"])) / dops
     bwd = ((l32["step"] - l8["step"]) - (p32["step"] - p8["step"])) / dops - fwd

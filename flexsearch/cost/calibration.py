@@ -74,7 +74,9 @@ from flexsearch.errors import ClusterSpecError
 
 CALIBRATION_FILE = COSTMODELS_DIR / "calibration.json"
 
-Mode = Literal["ddp", "fsdp", "sharded", "pipeline", "decentralized"]
+Mode = Literal["plain", "ddp", "fsdp", "sharded", "pipeline", "decentralized"]
+"""How the emitter runs a plan; ``plain``: one process running the model as it is (no
+per-step or runtime terms)."""
 
 
 class Flag(Frozen):

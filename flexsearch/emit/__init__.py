@@ -59,7 +59,7 @@ def graph_of(model: nn.Module, plan: Plan) -> OpGraph:
 
 def lift(model: nn.Module) -> fx.GraphModule:
     """``model``'s FX graph module, as the tracer lifts it (same node names)."""
-    from flexsearch.graph.tracer import fx_graph_module
+    from flexsearch.graph.lift import fx_graph_module
 
     try:
         return fx_graph_module(model)

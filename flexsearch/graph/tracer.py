@@ -1,9 +1,8 @@
 """The tracer: ``trace(model, example_inputs) -> OpGraph``.
 
-1. Lift: ``torch.fx`` symbolic tracing, standard ``torch.nn`` layers kept as single
-   nodes; if that fails (Python control flow, Hugging Face-style code), ``torch.export``
-   (non-strict, ATen-level graph); if both fail, a one-line :class:`TraceError` naming
-   the offending source line.
+1. Lift (:mod:`flexsearch.graph.lift`): ``torch.fx`` symbolic tracing, standard
+   ``torch.nn`` layers kept as single nodes; if that fails, ``torch.export``; if both
+   fail, a one-line :class:`TraceError` naming the offending source line.
 2. Measure (:class:`_Measure`, an ``fx.Interpreter``): every node runs on fake tensors
    (``FakeTensorMode``; parameters and buffers are swapped for fakes with
    ``torch.func.functional_call``), so no real memory is used. Each op runs on fresh
@@ -20,13 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
-import logging
 import re
-import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,11 +35,18 @@ from torch.utils.flop_counter import FlopCounterMode
 from flexsearch.errors import TraceError
 from flexsearch.graph import registry
 from flexsearch.graph.blocks import find_blocks
+from flexsearch.graph.lift import (
+    OWN_DIR,
+    TORCH_DIR,
+    StateRef,
+    canonical_names,
+    clean_path,
+    lift,
+    short_reason,
+)
 from flexsearch.graph.modules import module_facts
 from flexsearch.graph.opgraph import OpGraph, OpNode, ParallelDims, TensorMeta
 
-_TORCH_DIR = str(Path(torch.__file__).parent)
-_OWN_DIR = str(Path(__file__).parent.parent)
 _VIEW_TARGETS = {"getitem", "size", "dim"}
 
 
@@ -96,7 +98,7 @@ def trace_calls(
     was_training = model.training
     model.train()
     try:
-        gm, via, inputs = _lift(model, args, kwargs)
+        gm, via, inputs = lift(model, args, kwargs)
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         measure = _Measure(gm, model, fake_mode)
         with fake_mode:
@@ -117,132 +119,6 @@ def trace_calls(
         modules=module_facts(model),
     )
     return graph, measure.calls
-
-
-# ----------------------------------------------------------------------------- lifting
-
-
-class _Tracer(fx.Tracer):
-    """Symbolic tracer keeping every ``torch.nn`` layer whole and recording source lines."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.record_stack_traces = True
-
-
-def fx_graph_module(model: nn.Module) -> fx.GraphModule:
-    """``model`` symbolically traced with every ``torch.nn`` layer kept whole (the node
-    names of the op graph; the emitter re-lifts models with it)."""
-    tracer = _Tracer()
-    graph = tracer.trace(model)
-    return fx.GraphModule(tracer.root, graph, type(model).__name__)
-
-
-def _lift(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, str, list]:
-    """The graph module, how it was made, and the flat list of its placeholder values."""
-    try:
-        gm = fx_graph_module(model)
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        values = list(args)
-        for ph in placeholders[len(args) :]:
-            if ph.target in kwargs:
-                values.append(kwargs[ph.target])
-            elif ph.args:
-                values.append(ph.args[0])  # the default value
-            else:
-                raise TypeError(f"forward() argument {ph.target!r} has no example input")
-        return gm, "fx", values
-    except Exception as fx_error:
-        try:
-            with _quiet_torch_logs():
-                ep = torch.export.export(model, args, kwargs or None, strict=False)
-        except Exception as export_error:
-            raise TraceError(_failure_line(fx_error, export_error)) from export_error
-        return ep.graph_module, "export", _export_inputs(ep, model, args, kwargs)
-
-
-def _canonical_names(model: nn.Module) -> dict[int, str]:
-    """id(parameter or buffer) -> its first qualified name (tied weights share one)."""
-    canon: dict[int, str] = {}
-    for n, t in list(model.named_parameters()) + list(model.named_buffers()):
-        canon.setdefault(id(t), n)
-    return canon
-
-
-def _clean_path(path: str) -> str:
-    """A module path without the ``L['self'].`` prefix some torch.export versions add."""
-    return re.sub(r"^L\['self'\]\.?", "", str(path))
-
-
-@contextlib.contextmanager
-def _quiet_torch_logs() -> Iterator[None]:
-    """torch.export logs warnings and prints partial graphs to stderr on failure; the
-    user gets our one line instead."""
-    previous = logging.root.manager.disable
-    logging.disable(logging.CRITICAL)
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            yield
-    finally:
-        logging.disable(previous)
-
-
-@dataclass(frozen=True)
-class _State:
-    """Placeholder value standing for the model's parameter or buffer ``name``."""
-
-    name: str
-
-
-def _export_inputs(ep, model: nn.Module, args: tuple, kwargs: dict) -> list:
-    """Values for the exported graph's placeholders in the order of its signature: the
-    user inputs, and :class:`_State` references for parameters and buffers."""
-    from torch.export.graph_signature import InputKind
-
-    state = dict(model.named_parameters(remove_duplicate=False))
-    state.update(model.named_buffers(remove_duplicate=False))
-    canon = _canonical_names(model)
-    user = iter(tree_flatten((args, kwargs))[0])
-    values: list = []
-    for spec in ep.graph_signature.input_specs:
-        if spec.kind == InputKind.USER_INPUT:
-            values.append(next(user))
-        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER) and spec.target in state:
-            values.append(_State(canon[id(state[spec.target])]))
-        else:
-            values.append(ep.constants[spec.target])
-    return values
-
-
-def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
-    """The deepest frame of a traceback that is the user's code, not torch's or ours."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    mine = [
-        f
-        for f in frames
-        if not f.filename.startswith((_TORCH_DIR, _OWN_DIR)) and not f.filename.startswith("<")
-    ]
-    return mine[-1] if mine else None
-
-
-def _failure_line(fx_error: Exception, export_error: Exception) -> str:
-    frame = _user_frame(fx_error) or _user_frame(export_error)
-    where = f"{frame.filename}:{frame.lineno} `{(frame.line or '').strip()}`" if frame else "the model's forward"
-    reason = _short(export_error) or _short(fx_error)
-    return (
-        f"cannot trace the model at {where}: {reason}; neither torch.fx nor torch.export can "
-        "follow control flow that depends on tensor values — compute both branches and "
-        "select with torch.where, or move the decision out of forward()"
-    )
-
-
-def _short(exc: Exception) -> str:
-    """The exception's first sentence, on one line."""
-    text = " ".join(str(exc).split())
-    text = re.split(r"(?<=[.:])\s+(?=[A-Z(])", text)[0].rstrip(".:")
-    if text.count("(") > text.count(")"):
-        text = text[: text.rfind("(")].rstrip()
-    return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -281,7 +157,7 @@ def _target_name(node: fx.Node, module: nn.Module | None) -> str:
 def _source(node: fx.Node) -> str:
     st = node.meta.get("stack_trace") or ""
     found = re.findall(r'File "([^"]+)", line (\d+)', st)
-    user = [f for f in found if not f[0].startswith((_TORCH_DIR, _OWN_DIR)) and not f[0].startswith("<")]
+    user = [f for f in found if not f[0].startswith((TORCH_DIR, OWN_DIR)) and not f[0].startswith("<")]
     if not user:
         return ""
     file, line = user[-1]
@@ -294,7 +170,7 @@ def _module_path(node: fx.Node) -> str:
         return str(node.target)
     if not stack:
         return ""
-    return _clean_path(list(stack.values())[-1][0])
+    return clean_path(list(stack.values())[-1][0])
 
 
 @contextlib.contextmanager
@@ -324,7 +200,7 @@ class _Measure(fx.Interpreter):
         self._backward_flops: dict[tuple, int] = {}  # op signature -> backward FLOPs
         self.module_types: dict[str, str] = {}  # module path -> class name
         self.calls: dict[str, OpCall] = {}
-        self.canon = _canonical_names(model)
+        self.canon = canonical_names(model)
         self.fakes: dict[str, torch.Tensor] = {}
         self.is_param: dict[str, bool] = {}
         with fake_mode:
@@ -355,7 +231,7 @@ class _Measure(fx.Interpreter):
 
     def run_node(self, n: fx.Node) -> Any:
         for path, cls in (n.meta.get("nn_module_stack") or {}).values():
-            self.module_types.setdefault(_clean_path(path), getattr(cls, "__qualname__", str(cls)))
+            self.module_types.setdefault(clean_path(path), getattr(cls, "__qualname__", str(cls)))
         with self._rethrow(n):
             count = len(self.nodes)
             if n.op == "placeholder":
@@ -385,13 +261,13 @@ class _Measure(fx.Interpreter):
             where = f" ({src})" if src else ""
             raise TraceError(
                 f"cannot run op {n.name} ({n.op} {_target_name(n, None) if n.op != 'call_module' else n.target})"
-                f"{where} on fake tensors: {_short(exc)}; make it shape-only "
+                f"{where} on fake tensors: {short_reason(exc)}; make it shape-only "
                 "(no .item(), .tolist(), data-dependent shapes) or report the op"
             ) from exc
 
     def _placeholder(self, n: fx.Node) -> Any:
         value = super().run_node(n)
-        if isinstance(value, _State):  # export: a parameter or buffer comes in as input
+        if isinstance(value, StateRef):  # export: a parameter or buffer comes in as input
             return self.fakes[value.name]
         if isinstance(value, torch.Tensor):
             with self.fake_mode:

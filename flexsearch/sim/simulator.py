@@ -256,7 +256,7 @@ class Simulator:
             for d in range(devices):
                 after[d].extend(b.defines)
         sharded = (not ddp and devices > 1) or shards > 1  # DTensor parameters
-        mode = "fsdp" if shards > 1 else "sharded" if sharded else "ddp"
+        mode = "fsdp" if shards > 1 else "sharded" if sharded else "ddp" if ddp else "plain"
         dev = self.cluster.device
         for d in range(devices):
             if not params[d]:

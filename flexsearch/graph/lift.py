@@ -1,0 +1,152 @@
+"""Lifting a model into an FX graph: ``torch.fx`` first, ``torch.export`` when fx cannot.
+
+``torch.fx`` symbolic tracing keeps every standard ``torch.nn`` layer as one node
+(:class:`LayerTracer`, the node names the emitter re-lifts with: :func:`fx_graph_module`);
+when it fails (Python control flow, Hugging Face-style code), ``torch.export`` (non-strict,
+an ATen-level graph) is tried; when both fail, a one-line :class:`TraceError` names the
+offending source line of the user's code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import re
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from flexsearch.errors import TraceError
+
+TORCH_DIR = str(Path(torch.__file__).parent)
+OWN_DIR = str(Path(__file__).parent.parent)
+
+
+class LayerTracer(fx.Tracer):
+    """Symbolic tracer keeping every ``torch.nn`` layer whole and recording source lines."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.record_stack_traces = True
+
+
+def fx_graph_module(model: nn.Module) -> fx.GraphModule:
+    """``model`` symbolically traced with every ``torch.nn`` layer kept whole (the node
+    names of the op graph; the emitter re-lifts models with it)."""
+    tracer = LayerTracer()
+    graph = tracer.trace(model)
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def lift(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, str, list]:
+    """The graph module, how it was made, and the flat list of its placeholder values."""
+    try:
+        gm = fx_graph_module(model)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        values = list(args)
+        for ph in placeholders[len(args) :]:
+            if ph.target in kwargs:
+                values.append(kwargs[ph.target])
+            elif ph.args:
+                values.append(ph.args[0])  # the default value
+            else:
+                raise TypeError(f"forward() argument {ph.target!r} has no example input")
+        return gm, "fx", values
+    except Exception as fx_error:
+        try:
+            with quiet_torch_logs():
+                ep = torch.export.export(model, args, kwargs or None, strict=False)
+        except Exception as export_error:
+            raise TraceError(failure_line(fx_error, export_error)) from export_error
+        return ep.graph_module, "export", export_inputs(ep, model, args, kwargs)
+
+
+def canonical_names(model: nn.Module) -> dict[int, str]:
+    """id(parameter or buffer) -> its first qualified name (tied weights share one)."""
+    canon: dict[int, str] = {}
+    for n, t in list(model.named_parameters()) + list(model.named_buffers()):
+        canon.setdefault(id(t), n)
+    return canon
+
+
+def clean_path(path: str) -> str:
+    """A module path without the ``L['self'].`` prefix some torch.export versions add."""
+    return re.sub(r"^L\['self'\]\.?", "", str(path))
+
+
+@contextlib.contextmanager
+def quiet_torch_logs() -> Iterator[None]:
+    """torch.export logs warnings and prints partial graphs to stderr on failure; the
+    user gets our one line instead."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        logging.disable(previous)
+
+
+@dataclass(frozen=True)
+class StateRef:
+    """Placeholder value standing for the model's parameter or buffer ``name``."""
+
+    name: str
+
+
+def export_inputs(ep, model: nn.Module, args: tuple, kwargs: dict) -> list:
+    """Values for the exported graph's placeholders in the order of its signature: the
+    user inputs, and :class:`StateRef` references for parameters and buffers."""
+    from torch.export.graph_signature import InputKind
+
+    state = dict(model.named_parameters(remove_duplicate=False))
+    state.update(model.named_buffers(remove_duplicate=False))
+    canon = canonical_names(model)
+    user = iter(tree_flatten((args, kwargs))[0])
+    values: list = []
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind == InputKind.USER_INPUT:
+            values.append(next(user))
+        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER) and spec.target in state:
+            values.append(StateRef(canon[id(state[spec.target])]))
+        else:
+            values.append(ep.constants[spec.target])
+    return values
+
+
+def user_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """The deepest frame of a traceback that is the user's code, not torch's or ours."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    mine = [
+        f
+        for f in frames
+        if not f.filename.startswith((TORCH_DIR, OWN_DIR)) and not f.filename.startswith("<")
+    ]
+    return mine[-1] if mine else None
+
+
+def failure_line(fx_error: Exception, export_error: Exception) -> str:
+    frame = user_frame(fx_error) or user_frame(export_error)
+    where = f"{frame.filename}:{frame.lineno} `{(frame.line or '').strip()}`" if frame else "the model's forward"
+    reason = short_reason(export_error) or short_reason(fx_error)
+    return (
+        f"cannot trace the model at {where}: {reason}; neither torch.fx nor torch.export can "
+        "follow control flow that depends on tensor values — compute both branches and "
+        "select with torch.where, or move the decision out of forward()"
+    )
+
+
+def short_reason(exc: Exception) -> str:
+    """The exception's first sentence, on one line."""
+    text = " ".join(str(exc).split())
+    text = re.split(r"(?<=[.:])\s+(?=[A-Z(])", text)[0].rstrip(".:")
+    if text.count("(") > text.count(")"):
+        text = text[: text.rfind("(")].rstrip()
+    return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__

@@ -29,7 +29,7 @@
    recorded by wrapping the simulator.
 
     python benchmarks/search_speed.py                # full: budgets 60 s and 150 s
-    python benchmarks/search_speed.py --quick        # budgets 4 s and 6 s, fewer rounds (a smoke run)
+    python benchmarks/search_speed.py --quick        # budgets 2 s and 3 s, one round (a smoke run)
 
 Last line: ``full_sims_per_s=... delta_sims_per_s=... delta_speedup=... converge_xl8_s=...
 converge_xl64_s=...`` (plus tracing, seeding and speedup-over-data figures).
@@ -177,15 +177,15 @@ def converge(graph, cluster: Cluster, budget_s: float, seed: int = 0) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="short budgets and fewer rounds (a smoke run)")
-    ap.add_argument("--rounds", type=int, help="interleaved full/delta rounds (default 5, quick 2)")
+    ap.add_argument("--rounds", type=int, help="interleaved full/delta rounds (default 5, quick 1)")
     ap.add_argument(
         "--round-s", type=float, help="seconds per full or delta round (default 2, quick 0.5)"
     )
     ap.add_argument(
-        "--budget-8", type=float, help="search budget on 8 devices, s (default 60, quick 4)"
+        "--budget-8", type=float, help="search budget on 8 devices, s (default 60, quick 2)"
     )
     ap.add_argument(
-        "--budget-64", type=float, help="search budget on 64 devices, s (default 150, quick 6)"
+        "--budget-64", type=float, help="search budget on 64 devices, s (default 150, quick 3)"
     )
     ap.add_argument(
         "--per-device-batch", type=int, default=4, help="GPT-2 XL samples per device; 0: zoo batch"
@@ -193,11 +193,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     q = args.quick
-    rounds = args.rounds or (2 if q else 5)
+    rounds = args.rounds or (1 if q else 5)
     round_s = args.round_s or (0.5 if q else 2.0)
     budgets = {
-        8: args.budget_8 or (4.0 if q else 60.0),
-        64: args.budget_64 or (6.0 if q else 150.0),
+        8: args.budget_8 or (2.0 if q else 60.0),
+        64: args.budget_64 or (3.0 if q else 150.0),
     }
 
     graph = trace("gpt2_small")
@@ -214,7 +214,7 @@ def main() -> None:
         f"delta_speedup={d / f:.2f}",
     ]
 
-    for n, target in ((8, 30), (64, 120)):
+    for n, target in ((8, 30),) if q else ((8, 30), (64, 120)):  # quick: a smoke run, 8 devices only
         batch = args.per_device_batch * n or get("gpt2_xl").batch
         t = time.perf_counter()
         g = trace("gpt2_xl", batch_size=batch)

@@ -149,6 +149,11 @@ class Plan(_Frozen):
         self._search_time_s = seconds
         return self
 
+    def with_interrupted(self) -> Plan:
+        """Mark the plan as the best found before the search was stopped (not saved)."""
+        self._interrupted = True
+        return self
+
     @property
     def speedup_over_data(self) -> float | None:
         dp = self.baselines.get("data")

@@ -5,8 +5,9 @@ for real jobs): ``run_ranks(fn, world, *args)`` spawns the processes, gives each
 process group with a timeout (a failing rank fails the job instead of hanging it),
 and returns every rank's result, or raises :class:`RanksFailed` with the first rank's
 error. A job that runs past its timeout reports where each rank that was still running
-stood (Python stacks written by :mod:`faulthandler` shortly before the deadline), so a
-hang in CI names its cause.
+stood (at the deadline the parent asks each running rank for its Python stacks, which
+:mod:`faulthandler` writes on ``SIGUSR1``, then kills it), so a hang in CI names its
+cause.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import os
+import signal
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -29,10 +32,10 @@ class RanksFailed(RuntimeError):
 
 
 def _entry(fn: Callable, rank: int, world: int, store_path: str, out: str, threads: int,
-           pg_timeout_s: float, stack_after_s: float, args: tuple) -> None:
+           pg_timeout_s: float, args: tuple) -> None:
     torch.set_num_threads(threads)
     stacks = open(os.path.join(out, f"{rank}.stack"), "w")  # noqa: SIM115 - open until the process ends
-    faulthandler.dump_traceback_later(stack_after_s, file=stacks)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
         store = dist.FileStore(store_path, world)
@@ -55,15 +58,21 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 300, thre
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="flexsearch-ranks-") as d:
         store = os.path.join(d, "store")
-        stack_after_s = max(1.0, timeout_s - min(10.0, timeout_s / 10))
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, store, d, threads, pg_timeout_s, stack_after_s,
-                                                  args), daemon=True) for r in range(world)]
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, store, d, threads, pg_timeout_s, args), daemon=True)
+                 for r in range(world)]
         for p in procs:
             p.start()
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
         for p in procs:
             p.join(max(0.0, (deadline - datetime.datetime.now()).total_seconds()))
         alive = [r for r, p in enumerate(procs) if p.is_alive()]
+        for r in alive:  # where do they stand? (faulthandler writes the stacks on SIGUSR1)
+            os.kill(procs[r].pid, signal.SIGUSR1)
+        written = time.monotonic() + 5.0
+        while alive and time.monotonic() < written and not all(
+                os.path.getsize(os.path.join(d, f"{r}.stack")) for r in alive if os.path.exists(
+                    os.path.join(d, f"{r}.stack"))):
+            time.sleep(0.05)
         for p in procs:
             if p.is_alive():
                 p.kill()

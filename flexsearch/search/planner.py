@@ -372,7 +372,7 @@ def plan_synchronous(
         plan = plan.model_copy(update={"notes": (*plan.notes, (
             f"search interrupted (Ctrl-C) after {result.iterations} MCMC steps: the best plan found so far, "
             "pipelines and decentralized plans not searched"),)})
-        plan._interrupted = True  # a runtime flag like the search time (not saved)
+        plan = plan.with_interrupted()
     return plan.with_search_time(time.perf_counter() - t0)
 
 

@@ -25,6 +25,8 @@ from flexsearch.errors import ClusterSpecError, FlexsearchError, PlanFileError
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.graph.tracer import trace
 from flexsearch.plan import Plan
+from flexsearch.precision import Precision, resolve
+from flexsearch.precision import precision as precision_of
 from flexsearch.sim.context import CostContext
 from flexsearch.sim.predict import predict
 from flexsearch.sim.result import Simulation
@@ -68,6 +70,7 @@ def plan(
     objective: Literal["iteration", "time_to_accuracy"] = "iteration",
     optimizer: Literal["adam", "momentum", "sgd"] = "adam",
     kinds: Iterable[str] | None = None,
+    precision: str = "auto",
     progress: Callable[[int, float], None] | None = None,
     decentralized: bool = True,
     measured: MeasuredCosts | None = None,
@@ -82,7 +85,9 @@ def plan(
     for the decentralized plans; for synchronous plans (data, SOAP) iterations to
     accuracy equal plain SGD's, so both objectives rank them by iteration time.
     ``decentralized=False`` keeps synchronous training: D-PSGD plans are simulated for
-    the notes but never returned. ``measured``: op costs measured by the profiler."""
+    the notes but never returned. ``measured``: op costs measured by the profiler.
+    ``precision`` (:mod:`flexsearch.precision`): ``auto`` is ``bf16-mixed`` on devices
+    with bf16 tensor cores, else ``fp32``; the plan's notes say which and why."""
     from flexsearch.search.planner import check_kinds, plan_graph
 
     if objective not in ("iteration", "time_to_accuracy"):
@@ -96,10 +101,27 @@ def plan(
     except ValueError as e:
         raise FlexsearchError(str(e)) from None
     cl = resolve_cluster(cluster, devices)
-    graph = trace(model, example_inputs)
-    return plan_graph(graph, cl, kinds=kinds, budget_s=budget_s, max_iters=max_iters, seed=seed,
-                      optimizer=optimizer, objective=objective, progress=progress, decentralized=decentralized,
-                      measured=measured, calibration=resolve_calibration(calibration, cl))
+    prec, why = resolve_precision(precision, cl)
+    graph = trace(model, example_inputs, precision=prec)
+    p = plan_graph(graph, cl, kinds=kinds, budget_s=budget_s, max_iters=max_iters, seed=seed,
+                   optimizer=optimizer, objective=objective, progress=progress, decentralized=decentralized,
+                   measured=measured, calibration=resolve_calibration(calibration, cl))
+    return with_precision_note(p, why)
+
+
+def resolve_precision(name: str, cluster: Cluster) -> tuple[Precision, str]:
+    """``(precision, why)`` for ``name`` (``auto`` or a precision's name) on ``cluster``'s
+    device (:func:`flexsearch.precision.resolve`); an unknown name is a FlexsearchError."""
+    try:
+        return resolve(name, cluster.device)
+    except ValueError as e:
+        raise FlexsearchError(str(e)) from None
+
+
+def with_precision_note(plan: Plan, why: str) -> Plan:
+    """``plan`` with a first note saying which precision it uses and why."""
+    out = plan.model_copy(update={"notes": (f"precision {plan.precision} ({why})", *plan.notes)})
+    return out.with_search_time(plan.search_time_s) if plan.search_time_s is not None else out
 
 
 def simulate(graph: OpGraph, plan: Plan, cluster: str | os.PathLike[str] | Cluster | None = None, *,
@@ -110,7 +132,8 @@ def simulate(graph: OpGraph, plan: Plan, cluster: str | os.PathLike[str] | Clust
     when given (as the plan was searched with them) and ``calibration``."""
     strategy = plan.strategy(graph)
     cl = Cluster.from_spec(plan.cluster, plan.devices) if cluster is None else resolve_cluster(cluster, plan.devices)
-    ctx = CostContext(cl, measured, calibration=resolve_calibration(calibration, cl))
+    ctx = CostContext(cl, measured, precision=precision_of(plan.precision),
+                      calibration=resolve_calibration(calibration, cl))
     try:
         return predict(graph, strategy, ctx, optimizer=plan.optimizer, timeline=timeline)
     except ValueError as e:

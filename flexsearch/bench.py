@@ -15,7 +15,8 @@ is compared with the recorded baseline (``benchmarks/baseline.json``, a
 
 The matrix covers every synchronous plan kind the planner returns (data, SOAP,
 pipeline, hybrid) on the paper and DGX presets, and takes well under a minute on two
-CPU cores (the models are built on the meta device; each is traced once).
+CPU cores (the models are built on the meta device; each is traced once per precision:
+``auto``, bf16-mixed on the GPU presets).
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def run_matrix(
 ) -> tuple[BenchEntry, ...]:
     """Plan every case (each model traced once) and return the results in order.
     ``progress(done, total, case)`` is called before each case."""
-    from flexsearch.api import resolve_cluster
+    from flexsearch.api import resolve_cluster, resolve_precision
     from flexsearch.graph import trace
     from flexsearch.model_files import load_model
     from flexsearch.search.planner import plan_graph
@@ -143,17 +144,23 @@ def run_matrix(
     if missing:
         raise FlexsearchError(f"the bench needs the model files under {root} ({missing[0]} is missing); "
                               "run it from a clone of the repository")
-    graphs = {}
+    models: dict = {}
+    graphs: dict = {}
     out = []
     for i, case in enumerate(cases):
         if progress is not None:
             progress(i, len(cases), case)
-        graph = graphs.get(case.model)
+        cluster = resolve_cluster(case.cluster, case.devices)
+        precision, _ = resolve_precision("auto", cluster)
+        graph = graphs.get((case.model, precision.name))
         if graph is None:
-            module, inputs = load_model(str(root / case.model))
-            graph = graphs[case.model] = trace(module, inputs, name=case.model)
+            if case.model not in models:
+                models[case.model] = load_model(str(root / case.model))
+            module, inputs = models[case.model]
+            graph = graphs[case.model, precision.name] = trace(module, inputs, name=case.model,
+                                                               precision=precision)
         try:
-            p = plan_graph(graph, resolve_cluster(case.cluster, case.devices), max_iters=max_iters, seed=seed)
+            p = plan_graph(graph, cluster, max_iters=max_iters, seed=seed)
             if p.interrupted:  # Ctrl-C: a cut search is no result to record
                 raise KeyboardInterrupt
             out.append(BenchEntry(model=case.model, cluster=case.cluster, devices=case.devices,

@@ -233,6 +233,8 @@ def plan(
     objective: Annotated[str, typer.Option(help="iteration or time_to_accuracy.")] = "iteration",
     decentralized: Annotated[bool, typer.Option(help="Consider D-PSGD plans (each device its own model, gossip "
                                                      "averaging); --no-decentralized keeps synchronous SGD.")] = True,
+    precision: Annotated[str, typer.Option(help="Training precision: auto, fp32, tf32, bf16-mixed, fp16-mixed or bf16 "
+                                                "(auto: bf16-mixed on devices with bf16 tensor cores, else fp32).")] = "auto",
     kind: Annotated[list[str] | None, typer.Option("--kind", help="Only plans of this kind: data, fsdp, soap, pipeline, "
                                                                  "hybrid or decentralized (repeat or separate by commas "
                                                                  "for several).", show_default=False)] = None,
@@ -246,7 +248,14 @@ def plan(
     Ctrl-C during the search returns the best plan found so far."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from flexsearch.api import DEFAULT_CLUSTER, resolve_calibration, resolve_cluster, simulate
+    from flexsearch.api import (
+        DEFAULT_CLUSTER,
+        resolve_calibration,
+        resolve_cluster,
+        resolve_precision,
+        simulate,
+        with_precision_note,
+    )
     from flexsearch.graph import trace as trace_graph
     from flexsearch.model_files import load_model
     from flexsearch.search.planner import DEFAULT_MAX_ITERS, check_kinds, plan_graph
@@ -260,6 +269,7 @@ def plan(
     _refuse_overwrite(out, force, "--out")
     _refuse_overwrite(trace_out, force, "--trace")
     cl = resolve_cluster(cluster if cluster is not None else DEFAULT_CLUSTER, devices)
+    prec, why = resolve_precision(precision, cl)
     from flexsearch.graph.pipedream_profile import is_profile_file
 
     if is_profile_file(model):
@@ -273,7 +283,7 @@ def plan(
     of = f"/{total}" if total is not None else ""
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("tracing", total=None)
-        graph = trace_graph(module, inputs, name=model)
+        graph = trace_graph(module, inputs, name=model, precision=prec)
         bar.update(task, description="searching: baselines and ILP seed", total=total, completed=0)
 
         def progress(it: int, best: float) -> None:
@@ -283,6 +293,7 @@ def plan(
         calibration = resolve_calibration("auto", cl)
         p = plan_graph(graph, cl, kinds=kinds, budget_s=budget, max_iters=max_iters, seed=seed, objective=objective,
                        progress=progress, decentralized=decentralized, calibration=calibration)
+    p = with_precision_note(p, why)
     if p.interrupted:
         err.print(f"interrupted: returning the best plan found so far ({p.search.iterations} MCMC steps; "
                   "the remaining searches were skipped)", markup=False, soft_wrap=True)
@@ -346,7 +357,7 @@ def _plan_graph_for(p, plan_path: str):
         if alt.exists():
             spec = f"{alt}:{name}" if name else str(alt)
     module, inputs = load_model(spec)
-    return trace_graph(module, inputs, name=p.model)
+    return trace_graph(module, inputs, name=p.model, precision=p.precision)
 
 
 @app.command()

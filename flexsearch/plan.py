@@ -79,8 +79,13 @@ class Plan(_Frozen):
     cluster: ClusterSpec
     optimizer: str = "adam"
     objective: Literal["iteration", "time_to_accuracy"] = "iteration"
+    precision: Literal["fp32", "tf32", "bf16-mixed", "fp16-mixed", "bf16"] = "fp32"
+    """The training precision the plan was searched and is run in (:mod:`flexsearch.precision`)."""
     predicted: Predicted
     lower_bound_s: float
+    model_flops: float = 0.0
+    """FLOPs of one iteration of the model (forward and backward, counted by the tracer;
+    0 in files older than version 3)."""
     baselines: dict[str, float]
     """Baseline name -> predicted iteration time (s); only baselines that fit in memory."""
     infeasible_baselines: tuple[str, ...] = ()
@@ -155,6 +160,18 @@ class Plan(_Frozen):
         return self
 
     @property
+    def mfu(self) -> float | None:
+        """Model FLOP/s utilisation: the model's FLOPs per iteration over what the
+        devices' peak (in the precision's matmul dtype) could do in the predicted time."""
+        from flexsearch.precision import precision as precision_of
+
+        if not self.model_flops or not self.predicted.iteration_time_s:
+            return None
+        p = precision_of(self.precision)
+        peak = self.cluster.device.peak("tf32" if p.tf32 else p.low)
+        return self.model_flops / (self.predicted.iteration_time_s * self.devices * peak)
+
+    @property
     def speedup_over_data(self) -> float | None:
         dp = self.baselines.get("data")
         return dp / self.predicted.iteration_time_s if dp else None
@@ -213,12 +230,18 @@ class Plan(_Frozen):
         return DataParallel(configs, decisions, shard=self.shard_params, fsdp_units=units)
 
     def check_graph(self, graph: OpGraph) -> None:
-        """Raise PlanFileError unless this plan was made for ``graph``."""
+        """Raise PlanFileError unless this plan was made for ``graph`` (the same model,
+        traced in the plan's precision)."""
         if graph.fingerprint != self.graph_fingerprint:
             raise PlanFileError(
                 f"this plan was made for model {self.model!r} (graph {self.graph_fingerprint}), "
                 f"not for {graph.model!r} (graph {graph.fingerprint}); plan this model with "
                 "`flexsearch plan`"
+            )
+        if graph.precision != self.precision:
+            raise PlanFileError(
+                f"this plan is for {self.precision} training but the graph was traced in {graph.precision}; "
+                f"trace the model with precision={self.precision!r}"
             )
 
     def to_json(self) -> str:

@@ -28,6 +28,9 @@ def plan_summary(p, search_time_s: float | None) -> dict:
         "search_time_s": search_time_s,
         "interrupted": p.interrupted,
         "objective": p.objective,
+        "precision": p.precision,
+        "model_flops": p.model_flops,
+        "mfu": p.mfu,
         "topology": p.topology,
         "spectral_gap": p.spectral_gap,
         "iterations_factor": p.iterations_factor,
@@ -49,11 +52,14 @@ def plan_table(p, search_time_s: float | None, *, default_cluster: bool = False)
     rows = [
         ("cluster", f"{p.cluster.name}, {p.devices} x {p.cluster.device.name}{cluster_note}"),
         ("plan kind", p.kind),
+        ("precision", p.precision),
         ("predicted iteration", ms(p.predicted.iteration_time_s)),
         ("speedup over data parallel", f"{dp / p.predicted.iteration_time_s:.2f}x" if dp else "data parallel does not fit"),
         ("lower bound (1 device / N)", ms(p.lower_bound_s)),
         ("peak memory per device", si(p.predicted.peak_memory_bytes, "B")),
     ]
+    if p.mfu is not None:
+        rows.append(("model FLOP/s utilisation", f"{p.mfu:.1%} ({si(p.model_flops, 'FLOP')} per iteration)"))
     if p.stages:
         chunks = f", {p.chunks} chunks per rank" if (p.chunks or 1) > 1 else ""
         recompute = ", activations recomputed" if p.recompute else ""

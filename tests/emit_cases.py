@@ -13,6 +13,7 @@ import flexsearch
 from flexsearch.errors import PlanKindError
 from flexsearch.graph.tracer import trace
 from flexsearch.plan import Plan
+from flexsearch.precision import precision as precision_of
 from flexsearch.search.pipeline import SYNC_SCHEDULES
 from flexsearch.search.planner import lower_bound, plan_graph
 from flexsearch.search.results import plan_from
@@ -36,20 +37,21 @@ def load(spec: str):
     return flexsearch.load_model(f"{ROOT}/{spec}")
 
 
-def make_plan(spec: str, devices: int, kind: str, seed: int = 0, cluster: str = "cpu") -> Plan | None:
+def make_plan(spec: str, devices: int, kind: str, seed: int = 0, cluster: str = "cpu",
+              precision: str = "fp32") -> Plan | None:
     """A plan of ``kind`` for the model (None when the model has no such plan here):
     the planner's best of that kind (``plan_graph(kinds=...)``; a pipeline kind names
     its schedule), except ``soap``: a random legal SOAP strategy (seeded), to exercise
     the emitter on configurations the search would not pick."""
     model, x = load(spec)
-    graph = trace(model, x)
+    graph = trace(model, x, precision=precision)
     cl = flexsearch.Cluster.resolve(cluster, devices)
     if kind == "soap":
         space = Space(graph, devices)
         rnd = random.Random(f"{spec}{devices}{seed}")
         decisions = {u.name: rnd.choice(space.candidates(u)) for u in space.units}
         strategy = Soap(space.expand(decisions), decisions)
-        ctx = CostContext(cl)
+        ctx = CostContext(cl, precision=precision_of(precision))
         return plan_from(graph, cl, strategy, predict(graph, strategy, ctx), baselines={},
                          lower_bound_s=lower_bound(graph, ctx))
     kinds = {"dpsgd": "decentralized", "hybrid": "hybrid", "data": "data", "fsdp": "fsdp"}.get(kind, "pipeline")

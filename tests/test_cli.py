@@ -137,6 +137,7 @@ plan --max-iters default=None min=0
 plan --seed default=0
 plan --objective default='iteration'
 plan --decentralized default=True
+plan --precision default='auto'
 plan --kind default=None
 plan --out default=None
 plan --trace default=None

@@ -159,7 +159,7 @@ def test_interrupted_search_returns_best_plan_through_the_api():
     assert "ps" not in p.baselines  # the decentralized step is skipped too
     # the best so far: the search's, or DDP's one-bucket data parallel when faster
     assert p.predicted.iteration_time_s <= seen[-1] * (1 + 1e-12)
-    sim = flexsearch.simulate(trace(model, inputs), p)  # a complete, valid plan
+    sim = flexsearch.simulate(trace(model, inputs, precision=p.precision), p)  # a complete, valid plan
     assert sim.feasible and sim.iteration_time_s == pytest.approx(p.predicted.iteration_time_s)
     full = flexsearch.plan(model, inputs, devices=4, max_iters=5)
     assert not full.interrupted

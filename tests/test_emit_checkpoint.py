@@ -34,7 +34,7 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def make_plans() -> dict[str, Plan]:
     model, x = flexsearch.load_model(SPEC)
-    base = flexsearch.plan(model, x, devices=WORLD, cluster="cpu", max_iters=5)
+    base = flexsearch.plan(model, x, devices=WORLD, cluster="cpu", max_iters=5, precision="fp32")
     sp = Space(trace(model, x), WORLD)
 
     def configs(want) -> dict[str, str]:

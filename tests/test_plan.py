@@ -24,8 +24,8 @@ from flexsearch.strategy.space import Space
 @functools.cache
 def planned(name: str = "alexnet_tiny", devices: int = 4, cluster: str = "flexflow-k80"):
     model, inputs = zoo.build(name)
-    graph = trace(model, inputs)
     plan = flexsearch.plan(model, inputs, devices=devices, cluster=cluster, max_iters=80, decentralized=False)
+    graph = trace(model, inputs, precision=plan.precision)
     return graph, plan
 
 
@@ -250,7 +250,7 @@ def test_simulate_same_architecture_other_shape():
 
     model, inputs = build(8)
     plan = flexsearch.plan(model, inputs, devices=2, cluster="dgx-h100", max_iters=20)
-    assert flexsearch.simulate(trace(*build(8)), plan).iteration_time_s == (
+    assert flexsearch.simulate(trace(*build(8), precision=plan.precision), plan).iteration_time_s == (
         plan.predicted.iteration_time_s)
     with pytest.raises(PlanFileError):
         flexsearch.simulate(trace(*build(16)), plan)

@@ -20,6 +20,7 @@ import zoo  # noqa: E402
 import flexsearch  # noqa: E402
 from flexsearch import Cluster, InfeasiblePlanError, trace  # noqa: E402
 from flexsearch.api import resolve_calibration  # noqa: E402
+from flexsearch.precision import precision as precision_of  # noqa: E402
 from flexsearch.search.assignment import AssignmentBuilder  # noqa: E402
 from flexsearch.search.ilp import (  # noqa: E402
     AssignmentProblem,
@@ -42,9 +43,9 @@ MAX_EXHAUSTIVE = 5000
 
 
 @functools.cache
-def zoo_graph(name: str, **kw):
+def zoo_graph(name: str, precision: str = "fp32", **kw):
     model, inputs = zoo.build(name, **kw)
-    return trace(model, inputs)
+    return trace(model, inputs, precision=precision)
 
 
 # --------------------------------------------------------------------------- tiny graphs
@@ -371,11 +372,11 @@ def test_plan_never_slower_than_a_feasible_baseline(name, cluster, devices):
     assert plan.predicted.iteration_time_s <= min(sync) * (1 + 1e-12)
     assert plan.devices == devices and plan.cluster.name == cluster
     # the baselines it reports are the simulated baselines
-    g = zoo_graph(name)
+    g = zoo_graph(name, precision=plan.precision)
     space = Space(g, devices)
     cl = Cluster.preset(cluster, devices)
     dp = baselines.data_parallel(space)
-    ctx = CostContext(cl, calibration=resolve_calibration("auto", cl))
+    ctx = CostContext(cl, precision=precision_of(plan.precision), calibration=resolve_calibration("auto", cl))
     assert plan.baselines["data"] == predict(g, DataParallel(space.expand(dp), dp), ctx).iteration_time_s
     if plan.kind in ("pipeline", "hybrid", "decentralized"):  # re-simulation agrees
         assert flexsearch.simulate(g, plan).iteration_time_s == plan.predicted.iteration_time_s  # stages cover the graph; re-simulation agrees

@@ -45,7 +45,7 @@ def graph_of(model: nn.Module, plan: Plan) -> OpGraph:
     if not plan.inputs:
         raise EmitError("this plan records no input shapes (made by an older flexsearch); plan the model again")
     try:
-        graph = trace(model, example_inputs(plan), name=plan.model)
+        graph = trace(model, example_inputs(plan), name=plan.model, precision=plan.precision)
     except FlexsearchError:
         raise EmitError(f"this plan was made for another model or input shapes (model {plan.model!r}, inputs "
                         f"{[m.shape for m in plan.inputs]}): the model does not run on them; plan this model "

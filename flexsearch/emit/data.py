@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from flexsearch.emit.precision import autocast, backward, cast_inputs, cast_model, fsdp_policy
 from flexsearch.emit.runtime import Runtime
 from flexsearch.errors import EmitError
 from flexsearch.graph.modules import module_facts
@@ -55,19 +56,22 @@ class DataParallelModule(nn.Module):
         super().__init__()
         self._rt = rt
         self.sharded = shard_params
+        cast_model(model, rt.precision)
         if shard_params:
             from torch.distributed.fsdp import fully_shard
 
             mesh = rt.mesh(list(range(len(rt.ranks))), ("dp",))
+            kw = {"mp_policy": policy} if (policy := fsdp_policy(rt.precision)) is not None else {}
             for unit in shard_units(model, units):  # the plan's units, then the root
-                fully_shard(unit, mesh=mesh, reshard_after_forward=True)
-            fully_shard(model, mesh=mesh, reshard_after_forward=True)
+                fully_shard(unit, mesh=mesh, reshard_after_forward=True, **kw)
+            fully_shard(model, mesh=mesh, reshard_after_forward=True, **kw)
             self.module = model
         else:
             self.module = DistributedDataParallel(model, process_group=rt.group)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        with autocast(self._rt.precision, self._rt.device_type):
+            return self.module(*cast_inputs(args, self._rt.precision), **kwargs)
 
     @property
     def model(self) -> nn.Module:
@@ -79,10 +83,12 @@ class DataParallelModule(nn.Module):
 
     def train_step(self, inputs: tuple, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
         n, i = len(self._rt.ranks), self._rt.device
+        prec = self._rt.precision
         out = self(*(batch_shard(x, i, n) for x in inputs))
-        loss = loss_fn(out, batch_shard(target, i, n))
-        loss.backward()
-        total = loss.detach().clone()
+        with autocast(prec, self._rt.device_type):
+            loss = loss_fn(out, batch_shard(target, i, n))
+        backward(loss, prec, self.parameters)
+        total = loss.detach().float().clone()
         dist.all_reduce(total, group=self._rt.group)
         return total / n
 

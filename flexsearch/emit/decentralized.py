@@ -35,6 +35,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from flexsearch.emit.data import batch_shard
+from flexsearch.emit.precision import autocast, backward, cast_inputs, cast_model
 from flexsearch.emit.runtime import Runtime
 from flexsearch.errors import EmitError, FlexsearchError
 from flexsearch.plan import Plan
@@ -131,7 +132,7 @@ class DecentralizedModule(nn.Module):
         if topology.n != n:
             raise EmitError(f"the {topology.name} topology has {topology.n} nodes but the process group has {n} "
                             f"ranks; build the topology for {n} devices (or launch {topology.n} ranks)")
-        self.module = model
+        self.module = cast_model(model, rt.precision)
         self.topology = topology
         self.global_loss = global_loss
         self.iteration = 0
@@ -156,7 +157,8 @@ class DecentralizedModule(nn.Module):
     # -- running --------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        with autocast(self._rt.precision, self._rt.device_type):
+            return self.module(*cast_inputs(args, self._rt.precision), **kwargs)
 
     @property
     def model(self) -> nn.Module:
@@ -193,9 +195,10 @@ class DecentralizedModule(nn.Module):
         works, recv = self._post_exchange(snaps, ins, outs)
         device = self._device()
         out = self(*(self._to(batch_shard(x, i, n), device) for x in inputs))
-        loss = loss_fn(out, self._to(batch_shard(target, i, n), device))
-        loss.backward()
-        total = loss.detach().clone()
+        with autocast(self._rt.precision, self._rt.device_type):
+            loss = loss_fn(out, self._to(batch_shard(target, i, n), device))
+        backward(loss, self._rt.precision, self.module.parameters)
+        total = loss.detach().float().clone()
         loss_work = dist.all_reduce(total, group=self._rt.group, async_op=True) if self.global_loss else None
         for w in works:
             w.wait()

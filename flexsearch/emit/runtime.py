@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from flexsearch.errors import EmitError
 from flexsearch.plan import Plan
+from flexsearch.precision import precision as precision_of
 
 
 def device_type() -> str:
@@ -47,6 +48,8 @@ class Runtime:
         self.device = self.ranks.index(self.rank)
         """This rank's device index in the plan."""
         self.device_type = device_type()
+        self.precision = precision_of(plan.precision)
+        """The plan's training precision (:mod:`flexsearch.emit.precision` applies it)."""
         self._meshes: dict[tuple, DeviceMesh] = {}
         self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
 

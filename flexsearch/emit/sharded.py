@@ -60,6 +60,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from flexsearch.emit.dense import dense_grad
+from flexsearch.emit.precision import autocast, backward, cast_inputs, cast_model
 from flexsearch.emit.runtime import Runtime
 from flexsearch.errors import EmitError
 from flexsearch.graph.microbatch import batch_dim
@@ -295,6 +296,10 @@ class ShardedModule(nn.Module):
 
     # -- running the graph
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with autocast(self._rt.precision, self._rt.device_type):
+            return self._run(*cast_inputs(args, self._rt.precision), **kwargs)
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
         gm, by, rt = self._gm[0], self._graph.by_name, self._rt
         env: dict[fx.Node, Any] = {}
         inputs = iter(args)
@@ -403,12 +408,18 @@ class ShardedModule(nn.Module):
                 anchors.append(_Anchor.apply(r))
             return torch.empty(v.shape, dtype=v.dtype, device="meta")
 
+        def meta(v: torch.Tensor) -> torch.Tensor:
+            """A meta stand-in for shapes only: floating point in fp32, since autocast (which
+            makes a mixed-precision op's dtypes agree) does not run on the meta device; the
+            outputs' dtypes are the graph's (traced under the plan's precision)."""
+            return torch.empty(v.shape, dtype=torch.float32 if v.is_floating_point() else v.dtype, device="meta")
+
         flat, spec = tree_flatten((args, kwargs))
         tensors = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
         lflat, mflat = list(flat), list(flat)
         for j, i in enumerate(tensors):
             v = flat[i]
-            mflat[i] = torch.empty(v.shape, dtype=v.dtype, device="meta")
+            mflat[i] = meta(v)
             s_pl = Shard(_split_dim(mod, j)) if split and c.s > 1 else Replicate()
             lflat[i] = local(v, (s_pl, Replicate()), (s_pl, t_grad))
         lstate, mstate = {}, {}
@@ -416,10 +427,13 @@ class ShardedModule(nn.Module):
             pl = param_placement(mod, pname, c) if split else _REPLICATE
             grad_pl = ((Partial() if c.s > 1 else Replicate()), pl[1]) if split else _REPLICATE
             lstate[pname] = local(p, pl, grad_pl if p.requires_grad else pl)
-            mstate[pname] = torch.empty(p.shape, dtype=p.dtype, device="meta")
+            mstate[pname] = meta(p)
         with torch.no_grad():
-            meta = _plain_call(self._gm[0], n, *tree_unflatten(mflat, spec), mstate)
-        mout, mspec = tree_flatten(meta)
+            shapes = _plain_call(self._gm[0], n, *tree_unflatten(mflat, spec), mstate)
+        mout, mspec = tree_flatten(shapes)
+        dtypes = [getattr(torch, m.dtype) for m in node.outputs]
+        mout = [t.to(dtypes[k]) if isinstance(t, torch.Tensor) and k < len(dtypes) else t
+                for k, t in enumerate(mout)]
         places = [(Shard(_split_dim(mod, j)) if split and c.s > 1 else Replicate(),
                    Shard(1) if split and c.kind == "p" else Replicate()) for j in range(len(mout))]
         if member:
@@ -445,9 +459,11 @@ class ShardedModule(nn.Module):
 
     def train_step(self, inputs: tuple, target: Any, loss_fn) -> torch.Tensor:
         """Forward and backward of the global batch (the same on every rank); the loss."""
-        loss = loss_fn(self(*inputs), target)
-        loss.backward()
-        return loss.detach()
+        out = self(*inputs)
+        with autocast(self._rt.precision, self._rt.device_type):
+            loss = loss_fn(out, target)
+        backward(loss, self._rt.precision, self.parameters)
+        return loss.detach().float()
 
     def _gather_output(self, v: Any) -> Any:
         if isinstance(v, DTensor):
@@ -507,5 +523,5 @@ def _sync_grad(p: torch.Tensor) -> None:
 def shard(model: nn.Module, gm_of, graph: OpGraph, configs: Mapping[str, Config], rt: Runtime) -> ShardedModule:
     """A :class:`ShardedModule` running ``configs`` (every node of ``graph``) on a copy of
     ``model``; ``gm_of(copy)`` lifts the copy into its FX graph module."""
-    m = copy.deepcopy(model)
+    m = cast_model(copy.deepcopy(model), rt.precision)
     return ShardedModule(m, gm_of(m), graph, configs, rt)

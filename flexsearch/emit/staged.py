@@ -42,6 +42,14 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from flexsearch.emit.data import batch_shard
+from flexsearch.emit.precision import (
+    Autocast,
+    autocast,
+    cast_inputs,
+    cast_model,
+    loss_scale,
+    unscale,
+)
 from flexsearch.emit.runtime import Runtime
 from flexsearch.emit.sharded import ShardedModule, build_layouts
 from flexsearch.emit.stages import cut
@@ -87,6 +95,7 @@ class PipelineModule(nn.Module):
             raise EmitError(f"the emitter runs the {', '.join(SCHEDULE_CLASSES)} schedules, not "
                             f"{plan.schedule!r}; plan again")
         self._rt, self._plan = rt, plan
+        cast_model(model, rt.precision)
         p, d, t = _layout(plan)
         self.p, self.d, self.t = p, d, t
         g = d * t
@@ -135,10 +144,12 @@ class PipelineModule(nn.Module):
         self.stages = nn.ModuleList(mods)
         device = torch.device(rt.device_type, torch.cuda.current_device()) if rt.device_type == "cuda" else \
             torch.device("cpu")
-        self._pipe_stages = [
-            PipelineStage(_Recompute(m) if plan.recompute else m, k, nstages, device, group=self._pp_group)
-            for k, m in zip(mine, mods, strict=True)
-        ]
+        def runnable(m: nn.Module) -> nn.Module:  # the precision's autocast, inside the recomputed region
+            m = Autocast(m, rt.precision, rt.device_type) if rt.precision.mixed else m
+            return _Recompute(m) if plan.recompute else m
+
+        self._pipe_stages = [PipelineStage(runnable(m), k, nstages, device, group=self._pp_group)
+                             for k, m in zip(mine, mods, strict=True)]
         self._schedule = None
         self._loss_fn = None
 
@@ -180,10 +191,16 @@ class PipelineModule(nn.Module):
     def _make_schedule(self, loss_fn: Callable) -> None:
         cls = SCHEDULE_CLASSES[self._plan.schedule]
         m = self._plan.microbatches or 1
+        prec, device_type, scale = self._rt.precision, self._rt.device_type, loss_scale(self._rt.precision)
+
+        def scaled(out: Any, target: Any) -> torch.Tensor:  # the precision's loss (fp16: scaled)
+            with autocast(prec, device_type):
+                return loss_fn(out, target) * scale
+
         if cls is ScheduleInterleaved1F1B:
-            self._schedule = cls(self._pipe_stages, m, loss_fn=loss_fn)
+            self._schedule = cls(self._pipe_stages, m, loss_fn=scaled)
         else:
-            self._schedule = cls(self._pipe_stages[0], m, loss_fn=loss_fn)
+            self._schedule = cls(self._pipe_stages[0], m, loss_fn=scaled)
         self._loss_fn = loss_fn
 
     def train_step(self, inputs: tuple, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
@@ -193,11 +210,14 @@ class PipelineModule(nn.Module):
         first = 0 in self.stage_indices
         last = len(self._plan.stages) - 1 in self.stage_indices
         losses: list[torch.Tensor] = []
-        args = tuple(batch_shard(x, j, d) for x in inputs) if first else ()
+        args = cast_inputs((batch_shard(x, j, d) for x in inputs), self._rt.precision) if first else ()
         tgt = batch_shard(target, j, d) if last else None
         self._schedule.step(*args, target=tgt, losses=losses, return_outputs=False)
+        scale = loss_scale(self._rt.precision)
+        unscale((q for _, q in self.named_original_parameters()), scale)
         self._sync_gradients()
-        mean = torch.stack([x.detach().float() for x in losses]).mean() if last and losses else torch.zeros(())
+        mean = torch.stack([x.detach().float() for x in losses]).mean() / scale if last and losses \
+            else torch.zeros(())
         dist.all_reduce(mean, group=self._rt.group)
         return mean / (d * self.t)
 

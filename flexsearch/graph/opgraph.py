@@ -128,6 +128,10 @@ class OpNode(_Frozen):
     params: tuple[str, ...] = ()
     num_params: int = 0
     param_bytes: int = 0
+    """Bytes of the parameters the node owns (the first node to use a parameter owns it)."""
+    used_param_bytes: int = 0
+    """Bytes of every parameter the node reads, owned or not (a tied output layer's
+    embedding table)."""
     dims: ParallelDims = ParallelDims()
     opaque: bool = False
     module: str = ""
@@ -178,6 +182,8 @@ class OpGraph(_Frozen):
     modules: tuple[ModuleFacts, ...] = ()
     """The model's top-level modules holding parameters, and the items of containers
     among them, recursively (what FSDP's unit rule reads)."""
+    precision: str = "fp32"
+    """The training precision it was traced under (:mod:`flexsearch.precision`)."""
 
     @cached_property
     def by_name(self) -> dict[str, OpNode]:

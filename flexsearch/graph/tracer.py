@@ -46,18 +46,24 @@ from flexsearch.graph.lift import (
 )
 from flexsearch.graph.modules import module_facts
 from flexsearch.graph.opgraph import OpGraph, OpNode, ParallelDims, TensorMeta
+from flexsearch.precision import FP32, Precision
+from flexsearch.precision import precision as precision_of
 
 _VIEW_TARGETS = {"getitem", "size", "dim"}
 
 
-def trace(model: nn.Module, example_inputs: tuple | Any, *, name: str | None = None) -> OpGraph:
+def trace(model: nn.Module, example_inputs: tuple | Any, *, name: str | None = None,
+          precision: Precision | str | None = None) -> OpGraph:
     """Lift ``model`` called on ``example_inputs`` into an :class:`OpGraph`.
 
     ``example_inputs`` is a tuple of positional arguments (a single tensor is accepted);
     a trailing ``dict`` is taken as keyword arguments. Dim 0 of every input tensor is
     the batch. Real, meta or fake tensors all work; nothing is computed for real.
+    ``precision`` (:mod:`flexsearch.precision`, default ``fp32``: the model as
+    it is): every op runs under ``torch.autocast`` for mixed precision, or on the model
+    cast to ``bf16``, so the graph's dtypes, FLOPs and bytes are that precision's.
     """
-    return trace_calls(model, example_inputs, name=name)[0]
+    return trace_calls(model, example_inputs, name=name, precision=precision)[0]
 
 
 @dataclass(frozen=True)
@@ -85,7 +91,8 @@ class OpCall:
 
 
 def trace_calls(
-    model: nn.Module, example_inputs: tuple | Any, *, name: str | None = None
+    model: nn.Module, example_inputs: tuple | Any, *, name: str | None = None,
+    precision: Precision | str | None = None,
 ) -> tuple[OpGraph, dict[str, OpCall]]:
     """:func:`trace`, plus for every op node an :class:`OpCall` to run it again (the
     profiler runs ops alone at full and partitioned shapes with these)."""
@@ -95,15 +102,16 @@ def trace_calls(
     kwargs: dict[str, Any] = {}
     if args and isinstance(args[-1], dict):
         args, kwargs = args[:-1], dict(args[-1])
+    prec = precision_of(precision) if isinstance(precision, str) else (precision or FP32)
     was_training = model.training
     model.train()
     try:
         gm, via, inputs = lift(model, args, kwargs)
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        measure = _Measure(gm, model, fake_mode)
+        measure = _Measure(gm, model, fake_mode, cast=prec.cast)
         with fake_mode:
-            fake_inputs = [_fake_like(x) for x in inputs]
-        measure.run_all(fake_inputs)
+            fake_inputs = [_fake_like(x, prec.cast) for x in inputs]
+        measure.run_all(fake_inputs, autocast=prec.autocast)
     finally:
         model.train(was_training)
     nodes = tuple(measure.nodes)
@@ -117,6 +125,7 @@ def trace_calls(
         blocks=blocks,
         unused_params=unused,
         modules=module_facts(model),
+        precision=prec.name,
     )
     return graph, measure.calls
 
@@ -124,11 +133,13 @@ def trace_calls(
 # ----------------------------------------------------------------------------- measuring
 
 
-def _fake_like(x: Any) -> Any:
-    """A fake CPU tensor with x's shape, stride and dtype (inside an active FakeTensorMode)."""
+def _fake_like(x: Any, cast: str | None = None) -> Any:
+    """A fake CPU tensor with x's shape, stride and dtype (inside an active FakeTensorMode);
+    a floating-point one in ``cast`` when given (the model cast to a low precision)."""
     if not isinstance(x, torch.Tensor):
         return x
-    return torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device="cpu")
+    dtype = getattr(torch, cast) if cast is not None and x.is_floating_point() else x.dtype
+    return torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=dtype, device="cpu")
 
 
 def _digest(signature: tuple) -> str:
@@ -188,7 +199,7 @@ def _native_rnn() -> Iterator[None]:
 class _Measure(fx.Interpreter):
     """Runs the graph on fake tensors and records one :class:`OpNode` per op."""
 
-    def __init__(self, gm: fx.GraphModule, model: nn.Module, fake_mode: FakeTensorMode):
+    def __init__(self, gm: fx.GraphModule, model: nn.Module, fake_mode: FakeTensorMode, cast: str | None = None):
         super().__init__(gm, garbage_collect_values=False)
         self.fake_mode = fake_mode
         self.nodes: list[OpNode] = []
@@ -205,25 +216,28 @@ class _Measure(fx.Interpreter):
         self.is_param: dict[str, bool] = {}
         with fake_mode:
             for n, p in model.named_parameters():
-                f = _fake_like(p).requires_grad_(p.requires_grad)
+                f = _fake_like(p, cast).requires_grad_(p.requires_grad)
                 self.fakes[n] = f
                 self.is_param[n] = True
                 self.param_of[id(f)] = n
             for n, b in model.named_buffers():
-                f = _fake_like(b)
+                f = _fake_like(b, cast)
                 self.fakes[n] = f
                 self.is_param[n] = False
                 self.param_of[id(f)] = n
 
     # -- running -------------------------------------------------------------------
 
-    def run_all(self, inputs: list) -> None:
+    def run_all(self, inputs: list, autocast: str | None = None) -> None:
         # The math attention backend runs attention as matmuls FlopCounterMode counts
-        # (the CPU flash kernel has no FLOP formula registered in torch).
+        # (the CPU flash kernel has no FLOP formula registered in torch). Autocast on the
+        # CPU dispatch keys gives the dtypes autocast gives on any device for these ops.
         with (
             self.fake_mode,
             sdpa_kernel([SDPBackend.MATH]),
             _native_rnn(),
+            torch.autocast("cpu", dtype=getattr(torch, autocast), enabled=autocast is not None)
+            if autocast is not None else contextlib.nullcontext(),
             FlopCounterMode(display=False) as counter,
         ):
             self.counter = counter
@@ -343,7 +357,8 @@ class _Measure(fx.Interpreter):
 
         alias = all(any(torch._C._is_alias_of(o, i) for i in flat_in) for o in flat_out)
         bytes_written = 0 if alias else sum(t.numel() * t.element_size() for t in flat_out)
-        param_bytes_used = sum(self.fakes[p].numel() * self.fakes[p].element_size() for p in used)
+        all_params = sum(self.fakes[p].numel() * self.fakes[p].element_size() for p in used)
+        param_bytes_used = all_params
         if not ruling.reads_params:  # a lookup reads the rows it gathers, not the table
             param_bytes_used = min(param_bytes_used, bytes_written)
         bytes_read = 0 if alias else sum(t.numel() * t.element_size() for t in acts) + param_bytes_used
@@ -365,6 +380,7 @@ class _Measure(fx.Interpreter):
             bytes_written=bytes_written,
             params=tuple(used),
             owned=owned,
+            used_param_bytes=all_params,
         )
         return out
 
@@ -460,7 +476,7 @@ class _Measure(fx.Interpreter):
 
     def _record(self, n: fx.Node, out: Any, *, kind: str, dims: registry.Ruling, module=None,
                 inputs=(), flops=0, backward_flops=0, bytes_read=0, bytes_written=0,
-                params=(), owned=()) -> None:  # fmt: skip
+                params=(), owned=(), used_param_bytes=0) -> None:  # fmt: skip
         flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         shapes = tuple(tuple(t.shape) for t in flat_out)
         if n.op == "placeholder":
@@ -481,6 +497,7 @@ class _Measure(fx.Interpreter):
                 params=tuple(params),
                 num_params=sum(self.fakes[p].numel() for p in owned),
                 param_bytes=sum(self.fakes[p].numel() * self.fakes[p].element_size() for p in owned),
+                used_param_bytes=int(used_param_bytes),
                 dims=dims.dims if isinstance(dims.dims, ParallelDims) else ParallelDims(),
                 opaque=dims.opaque,
                 module=_module_path(n),

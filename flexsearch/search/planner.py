@@ -51,6 +51,7 @@ from flexsearch.cost.hardware import Cluster
 from flexsearch.errors import InfeasiblePlanError, PlanKindError
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.plan import Plan, SearchInfo
+from flexsearch.precision import precision as precision_of
 from flexsearch.search import decentralized as dz
 from flexsearch.search.assignment import AssignmentBuilder
 from flexsearch.search.mcmc import SearchResult, mcmc, sigint_restored
@@ -163,13 +164,14 @@ def plan_graph(
     **kw,
 ) -> Plan:
     """The best plan for ``graph`` on ``cluster`` (module docstring) under the cost
-    context of ``measured`` op costs and ``calibration`` (none unless given): the
+    context of the graph's precision, ``measured`` op costs and ``calibration`` (none
+    unless given): the
     synchronous search (:func:`plan_synchronous`, which takes the keyword arguments
     ``kw``), then the decentralized candidates against it (:func:`with_decentralized`;
     with ``decentralized=False`` they are reported, never returned)."""
     t0 = time.perf_counter()
     kinds = check_kinds(kinds)
-    ctx = CostContext(cluster, measured, calibration=calibration)
+    ctx = CostContext(cluster, measured, precision=precision_of(graph.precision), calibration=calibration)
     sync_kinds = tuple(k for k in kinds if k != "decentralized")
     if not sync_kinds:  # D-PSGD alone: a synchronous plan to compare with, cheaply
         plan = plan_synchronous(graph, ctx, kinds=("data", "soap", "pipeline", "hybrid"), optimizer=optimizer,

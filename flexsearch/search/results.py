@@ -19,8 +19,8 @@ from flexsearch.strategy.config import Config
 from flexsearch.strategy.kinds import DataParallel, Decentralized, Pipelined, Soap, Strategy
 from flexsearch.strategy.recipes import stage_configs
 
-SHARED_FIELDS = ("model", "graph_fingerprint", "devices", "cluster", "optimizer", "objective", "lower_bound_s",
-                 "inputs", "search")
+SHARED_FIELDS = ("model", "graph_fingerprint", "devices", "cluster", "optimizer", "objective", "precision",
+                 "lower_bound_s", "model_flops", "inputs", "search")
 """The fields a plan derived from another (``like``) keeps."""
 
 
@@ -75,7 +75,8 @@ def plan_from(graph: OpGraph, cluster: Cluster, strategy: Strategy, simulation: 
     :func:`pipeline_configs`); ``fields``: the rest (baselines, lower bound, search,
     notes, ...)."""
     base: dict[str, Any] = {"model": graph.model, "graph_fingerprint": graph.fingerprint,
-                            "devices": cluster.devices, "cluster": cluster.spec, "inputs": graph_inputs(graph)}
+                            "devices": cluster.devices, "cluster": cluster.spec, "inputs": graph_inputs(graph),
+                            "precision": graph.precision, "model_flops": float(graph.flops + graph.backward_flops)}
     if like is not None:
         base.update({k: getattr(like, k) for k in SHARED_FIELDS})
     kind = strategy_fields(graph, strategy)

@@ -1,8 +1,10 @@
 """What costing needs besides the graph and the strategy: the :class:`CostContext`.
 
 A context names everything a prediction depends on, explicitly: the cluster, measured
-op costs (a profile, optional), the efficiency table of the roofline, a dtype override
-and the device's calibration (:mod:`flexsearch.cost.calibration`). Nothing here reads
+op costs (a profile, optional), the efficiency table of the roofline, the training
+precision (:mod:`flexsearch.precision`; a graph traced under it carries its dtypes,
+the context adds what dtypes cannot say: TF32 matmuls, the low-precision weight copies
+autocast keeps, the dtype FSDP gathers in) and the device's calibration (:mod:`flexsearch.cost.calibration`). Nothing here reads
 a file the caller did not ask for: a context without a calibration is uncalibrated,
 whatever is on disk (:func:`flexsearch.cost.calibration.load_calibration` loads one).
 
@@ -23,10 +25,11 @@ from dataclasses import replace
 
 from flexsearch.cost import comm
 from flexsearch.cost.calibration import DeviceCalibration
-from flexsearch.cost.compute import FREE_KINDS, MeasuredCosts, Partition, op_cost
+from flexsearch.cost.compute import FREE_KINDS, MeasuredCosts, Partition, node_dtype, op_cost
 from flexsearch.cost.efficiency import EfficiencyTable, load_efficiency
 from flexsearch.cost.hardware import Cluster
 from flexsearch.graph.opgraph import OpNode
+from flexsearch.precision import FP32, MATMUL_KINDS, Precision
 from flexsearch.sim.tasks import Key, Task
 from flexsearch.strategy.config import Config
 
@@ -42,16 +45,16 @@ def partition_of(c: Config) -> Partition:
 
 
 class CostContext:
-    """Cluster, measured op costs, efficiency table (default: the built-in one), dtype
-    override (``"tf32"`` for TF32 matmuls) and calibration (default: none), with the
-    memoised costs of one prediction or search (module docstring)."""
+    """Cluster, measured op costs, efficiency table (default: the built-in one),
+    precision (default fp32) and calibration (default: none), with the memoised costs of
+    one prediction or search (module docstring)."""
 
     def __init__(
         self,
         cluster: Cluster,
         measured: MeasuredCosts | None = None,
         efficiency: EfficiencyTable | None = None,
-        dtype: str | None = None,
+        precision: Precision = FP32,
         calibration: DeviceCalibration | None = None,
         ddp: bool = False,
     ):
@@ -60,7 +63,7 @@ class CostContext:
         self.cluster = cluster
         self.measured = measured
         self.efficiency = efficiency if efficiency is not None else load_efficiency()
-        self.dtype = dtype
+        self.precision = precision
         self.calibration = calibration
         self.ddp = ddp
         self.blocking = bool(calibration and calibration.communication_blocks_compute.value)
@@ -74,18 +77,18 @@ class CostContext:
         self._ddp: CostContext | None = None
 
     def on(self, cluster: Cluster) -> CostContext:
-        """The same costs (profile, efficiency, dtype, calibration) on another cluster:
-        a pipeline stage's tensor-parallel group, one replica's device."""
+        """The same costs (profile, efficiency, precision, calibration) on another
+        cluster: a pipeline stage's tensor-parallel group, one replica's device."""
         if cluster is self.cluster:
             return self
-        return CostContext(cluster, self.measured, self.efficiency, self.dtype, self.calibration, self.ddp)
+        return CostContext(cluster, self.measured, self.efficiency, self.precision, self.calibration, self.ddp)
 
     def as_ddp(self) -> CostContext:
         """This context for a plan the emitter runs with DDP (module docstring); made once."""
         if self.ddp:
             return self
         if self._ddp is None:
-            self._ddp = CostContext(self.cluster, self.measured, self.efficiency, self.dtype, self.calibration,
+            self._ddp = CostContext(self.cluster, self.measured, self.efficiency, self.precision, self.calibration,
                                     ddp=True)
         return self._ddp
 
@@ -114,13 +117,14 @@ class CostContext:
                 hit = (0.0, 0.0)
             else:
                 cost = None
+                dtype = self.compute_dtype(node)
                 if first and self.measured is not None:
                     from flexsearch.cost.profiler import leaf_node
 
-                    cost = op_cost(leaf_node(node), self.cluster.device, partition_of(c), dtype=self.dtype,
+                    cost = op_cost(leaf_node(node), self.cluster.device, partition_of(c), dtype=dtype,
                                    efficiency=self.efficiency, measured=self.measured)
                 if cost is None or cost.source != "measured":
-                    cost = op_cost(node, self.cluster.device, partition_of(c), dtype=self.dtype,
+                    cost = op_cost(node, self.cluster.device, partition_of(c), dtype=dtype,
                                    efficiency=self.efficiency, measured=self.measured)
                 hit = (cost.forward_s, cost.backward_s)
                 if self.calibration is not None:
@@ -133,6 +137,13 @@ class CostContext:
                     hit = (hit[0] + fo, hit[1] + bo)
             self._ops[key] = hit
         return hit
+
+    def compute_dtype(self, node: OpNode) -> str | None:
+        """The dtype ``node`` is priced at when it is not its own: ``tf32`` for an fp32
+        matmul-class op under TF32 (None: the node's dtype)."""
+        if self.precision.tf32 and node.kind in MATMUL_KINDS and node_dtype(node) == "float32":
+            return "tf32"
+        return None
 
     def device_resources(self, devices) -> tuple[int, ...]:
         """The devices a communication among ``devices`` occupies: all of them when the

@@ -121,7 +121,9 @@ class Simulator:
         :meth:`unit_nodes` (``P_u`` bytes): an all-gather of ``P_u`` before its first
         forward, another before its backward, a reduce-scatter of its gradients after it
         (each with a copy in and out of the flat buffer, ``2 P_u`` bytes at memory
-        bandwidth, when calibrated). Memory: ``(2 + k) P / n`` + activations + the
+        bandwidth, when calibrated). Parameters are gathered in the precision's
+        ``param_dtype`` (bf16 under bf16-mixed: half the bytes) and gradients
+        reduce-scattered in their own dtype. Memory: ``(2 + k) P / n`` + activations + the
         unsharded parameters of two units (one prefetched) and the gradients of one."""
         devices = list(range(self.cluster.devices))
         frags = [self.fragment(n.name, configs, ddp=True) for n in self.graph.nodes]
@@ -129,14 +131,16 @@ class Simulator:
         units = self.unit_nodes(given)
         unit_of = {i: u for u, idx in units.items() for i in idx}
         size = {u: sum(frags[i].params.get(0, 0.0) for i in idx) for u, idx in units.items()}
+        gather = ctx.precision.gather_factor(self._param_dtype())
         cal = ctx.calibration
         copy_s = 2 / self.cluster.device.memory_bandwidth.value if cal is not None else 0.0
         fixed = cal.fsdp_collective_s.value if cal is not None else 0.0
 
         def coll(op: str, u: str, key: tuple, deps: tuple = ()) -> Task:
             label = u if u != ROOT else "root"
-            t = collective_task(ctx, op, devices, size[u], f"fsdp {label}", deps, (key,), f"FSDP unit {label}")
-            return replace(t, duration=t.duration + copy_s * size[u] + fixed)
+            nbytes = size[u] * (gather if op == "all_gather" else 1.0)
+            t = collective_task(ctx, op, devices, nbytes, f"fsdp {label}", deps, (key,), f"FSDP unit {label}")
+            return replace(t, duration=t.duration + copy_s * nbytes + fixed)
 
         def waiting(tasks: list[Task], key: tuple) -> list[Task]:
             return [replace(t, deps=t.deps + (key,)) if t.kind in ("fwd", "bwd") else t for t in tasks]
@@ -168,9 +172,14 @@ class Simulator:
                 reduced.append(coll("reduce_scatter", u, ("s", "fsdp", u), deps))
                 ordered.append(reduced[-1])
         peak = sorted(size.values(), reverse=True)
-        unsharded = sum(peak[:2]) + (peak[0] if peak else 0.0)
+        unsharded = gather * sum(peak[:2]) + (peak[0] if peak else 0.0)
         return self._schedule(frags, ordered, keep_timeline, True, reduced, shards=len(devices),
                               unsharded=unsharded, configs=configs)
+
+    def _param_dtype(self) -> str:
+        """The dtype the model's parameters are stored in (the first that has any)."""
+        n = next((n for n in self.graph.nodes if n.num_params), None)
+        return {2: "bfloat16", 8: "float64"}.get(n.param_bytes // n.num_params, "float32") if n else "float32"
 
     def _buckets(self, frags: list[Fragment]) -> dict[int, Task]:
         """DDP's gradient buckets (calibration ``ddp_bucket_bytes``): parameters in the
@@ -247,6 +256,9 @@ class Simulator:
                 largest[d] = max(largest[d], b)
             for d, b in f.activations.items():
                 acts[d] += b
+            if shards == 1:  # autocast's weight copies (FSDP gathers low-precision weights instead)
+                for d, b in f.cast.items():
+                    acts[d] += b
             for d, key in f.sync:
                 after[d].append(key)
         if shards > 1:

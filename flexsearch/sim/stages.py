@@ -51,6 +51,9 @@ class NodeCost:
     """Parameter tensors (whole or a shard each) the node places on the device."""
     largest_param_bytes: float = 0.0
     """The largest of them."""
+    cast_bytes: float = 0.0
+    """Autocast's low-precision copy of the weights it reads (once per step, however many
+    microbatches: the cast cache lives for the whole autocast region)."""
 
 
 def _span(tasks) -> float:
@@ -79,7 +82,7 @@ def node_costs(graph: OpGraph, configs: Mapping[str, Config], ctx: CostContext) 
             fw = frag.forward
             bw = [t for t in frag.backward if not any(k[0] == "s" for k in t.defines)]
             hit = memo[key] = NodeCost(_span(fw), _span(bw), frag.params.get(0, 0.0), frag.activations.get(0, 0.0),
-                                       frag.tensors.get(0, 0), frag.largest.get(0, 0.0))
+                                       frag.tensors.get(0, 0), frag.largest.get(0, 0.0), frag.cast.get(0, 0.0))
         out[node.name] = hit
     return out
 
@@ -130,7 +133,7 @@ def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float],
         param_bytes=sum(c.param_bytes for c in seg) + extra_params,
         stash_bytes=cuts[a] if recompute else stash,
         send_bytes=cuts[b] if b < len(costs) else 0.0,
-        working_bytes=stash if recompute else 0.0,
+        working_bytes=(stash if recompute else 0.0) + sum(c.cast_bytes for c in seg),
         tensors=sum(c.tensors for c in seg),
         largest_param_bytes=max((c.largest_param_bytes for c in seg), default=0.0),
     )

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 from flexsearch.graph.opgraph import OpNode, dtype_size
 from flexsearch.graph.regions import Region, input_region, intersect, split_interval, volume
+from flexsearch.precision import Precision
 from flexsearch.sim.accounting import largest_tensor
 from flexsearch.sim.context import CostContext, collective_task, link_resources, transfer_task
 from flexsearch.sim.tasks import Key, Task
@@ -59,6 +60,7 @@ class Fragment:
     largest: dict[int, float] = field(default_factory=dict)  # device -> bytes of its largest parameter tensor
     activations: dict[int, float] = field(default_factory=dict)  # device -> bytes kept
     sync: list[tuple[int, Key]] = field(default_factory=list)  # (device, task key) before update
+    cast: dict[int, float] = field(default_factory=dict)  # device -> autocast's low-precision weight copies
 
 
 _COPYING_VIEWS = frozenset({"Tensor.repeat", "Tensor.contiguous", "torch.repeat_interleave",
@@ -80,6 +82,17 @@ def kept_bytes(node: OpNode) -> float:
         if factor is not None:
             return float(factor * node.outputs[0].nbytes + sum(t.nbytes for t in node.outputs[1:]))
     return float(node.output_bytes)
+
+
+def cast_copy_bytes(node: OpNode, precision: Precision) -> float:
+    """Bytes of the low-precision copy of its weights that ``node`` makes under
+    autocast: every parameter it reads, when it computes in the autocast dtype from
+    wider parameters (0 for other precisions and for ops autocast leaves alone)."""
+    low = precision.autocast
+    if low is None or not node.used_param_bytes or not node.outputs or node.outputs[0].dtype != low:
+        return 0.0
+    per_param = node.param_bytes / node.num_params if node.num_params else 4.0
+    return node.used_param_bytes * dtype_size(low) / max(per_param, dtype_size(low))
 
 
 def aliases(node: OpNode) -> bool:
@@ -324,6 +337,11 @@ def node_tasks(
         for _, _, d in parts
     ]
     frag.backward += grad_edges  # input gradients first: they are on the critical path
+    copy = cast_copy_bytes(node, ctx.precision)
+    if copy:  # autocast casts the weights once per forward; autograd keeps the copy for the backward
+        share = copy / (c.t if c.kind in ("p", "r") else 1)
+        for _, _, d in parts:
+            frag.cast[d] = frag.cast.get(d, 0.0) + share
     if node.param_bytes:
         sharded = c.kind in ("p", "r")
         shard = node.param_bytes / (c.t if sharded else 1)

@@ -1,0 +1,136 @@
+"""Training precision end to end: traced under autocast or the bf16 cast, costed at the
+precision's peak and bytes, recorded in the plan, and run for real (bf16 autocast on
+this CPU) by every emitted plan kind against a single-process reference."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import ROOT
+from emit_cases import FAMILIES, check_job, make_plan
+from typer.testing import CliRunner
+
+import flexsearch
+from flexsearch.cli import app
+from flexsearch.cost.hardware import Cluster
+from flexsearch.emit.launch import run_ranks
+from flexsearch.errors import FlexsearchError, PlanFileError
+from flexsearch.graph.tracer import trace
+from flexsearch.precision import NAMES, precision, resolve
+from flexsearch.search.planner import plan_graph
+from flexsearch.sim.context import CostContext
+from flexsearch.sim.predict import predict
+from flexsearch.sim.taskgraph import cast_copy_bytes
+
+GPT = str(ROOT / "benchmarks/models/gpt.py:gpt_tiny")
+MLP = str(ROOT / "benchmarks/models/mlp.py:mlp_tiny")
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return flexsearch.load_model(GPT)
+
+
+def test_the_graph_has_the_precisions_dtypes(gpt):
+    model, x = gpt
+    fp32, mixed, pure = (trace(model, x, precision=p) for p in ("fp32", "bf16-mixed", "bf16"))
+    assert (fp32.precision, mixed.precision, pure.precision) == ("fp32", "bf16-mixed", "bf16")
+    assert fp32.flops == mixed.flops == pure.flops  # the same arithmetic
+    kinds = {n.kind: n.outputs[0].dtype for n in mixed.nodes if n.outputs}
+    assert kinds["linear"] == "bfloat16" and kinds["attention"] == "bfloat16"  # autocast lowers matmuls
+    assert kinds["norm"] == "float32"  # and keeps norms in fp32
+    assert mixed.param_bytes == fp32.param_bytes  # fp32 master weights
+    assert pure.param_bytes * 2 == fp32.param_bytes  # the model cast to bf16
+    assert all(n.outputs[0].dtype == "bfloat16" for n in pure.nodes if n.kind == "norm")
+    assert sum(n.output_bytes for n in mixed.nodes) < sum(n.output_bytes for n in fp32.nodes)
+
+
+def test_auto_precision_follows_the_device():
+    h100 = Cluster.preset("dgx-h100", 8).device
+    p, why = resolve("auto", h100)
+    assert p.name == "bf16-mixed" and "tensor cores" in why
+    p, why = resolve("auto", Cluster.preset("flexflow-k80", 4).device)  # no bf16 units at all
+    assert p.name == "fp32" and "--precision bf16-mixed" in why
+    p, _ = resolve("auto", Cluster.preset("cpu", 2).device)  # the CI host's AMX: bf16 matmuls 7x fp32
+    assert p.name == "bf16-mixed"
+    assert resolve("tf32", h100)[0].tf32
+    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+        precision("fp8")
+
+
+def test_matmuls_cost_at_the_precisions_peak(gpt):
+    model, x = gpt
+    cl = Cluster.preset("dgx-h100", 1)
+    times = {}
+    for name in ("fp32", "tf32", "bf16-mixed"):
+        g = trace(model, x, precision=name)
+        ctx = CostContext(cl, precision=precision(name))
+        node = next(n for n in g.nodes if n.kind == "linear" and n.flops > 1e6)
+        from flexsearch.strategy.config import Config
+
+        times[name] = ctx.op_cost(node, Config())[0]
+        if name == "tf32":
+            assert ctx.compute_dtype(node) == "tf32"
+    assert times["bf16-mixed"] < times["tf32"] < times["fp32"]
+
+
+def test_mixed_precision_memory(gpt):
+    """Per parameter: fp32 weights, gradients and two Adam moments (16 bytes), plus the
+    bf16 copy autocast keeps of every weight a lowered op reads (2 bytes); bf16 storage
+    halves the parameter terms."""
+    model, x = gpt
+    cl = Cluster.resolve("cpu", 1)
+    mixed = trace(model, x, precision="bf16-mixed")
+    copies = sum(cast_copy_bytes(n, precision("bf16-mixed")) for n in mixed.nodes)
+    lowered = sum(n.used_param_bytes for n in mixed.nodes if n.kind in ("linear",))
+    assert copies == pytest.approx(lowered / 2)  # the tied output layer's table included
+    plans = {p: plan_graph(trace(model, x, precision=p), cl, kinds=("data",), max_iters=0) for p in ("fp32", "bf16")}
+    mem = {p: plans[p].predicted.peak_memory_bytes for p in plans}
+    assert mem["bf16"] < 0.6 * mem["fp32"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_plans_record_their_precision_and_resimulate(gpt, name):
+    model, x = gpt
+    g = trace(model, x, precision=name)
+    plan = plan_graph(g, Cluster.preset("dgx-h100", 4), max_iters=10, decentralized=False)
+    assert plan.precision == name
+    again = flexsearch.simulate(g, plan)
+    assert again.iteration_time_s == pytest.approx(plan.predicted.iteration_time_s, rel=1e-12)
+    with pytest.raises(PlanFileError, match=f"this plan is for {name} training"):
+        flexsearch.simulate(trace(model, x, precision="fp16-mixed" if name != "fp16-mixed" else "fp32"), plan)
+    assert predict(g, plan.strategy(g), CostContext(Cluster.preset("dgx-h100", 4), precision=precision(name)),
+                   timeline=False).iteration_time_s == pytest.approx(plan.predicted.iteration_time_s, rel=1e-12)
+
+
+def test_the_api_and_cli_say_which_precision_and_why(gpt, tmp_path):
+    model, x = gpt
+    p = flexsearch.plan(model, x, devices=4, cluster="dgx-h100", max_iters=5)
+    assert p.precision == "bf16-mixed" and p.notes[0].startswith("precision bf16-mixed (auto: ")
+    with pytest.raises(FlexsearchError, match="unknown precision 'half'"):
+        flexsearch.plan(model, x, devices=4, precision="half")
+    out = CliRunner().invoke(app, ["plan", GPT, "--devices", "4", "--max-iters", "5", "--precision", "bf16",
+                                   "--json"])
+    assert out.exit_code == 0, out.output
+    summary = json.loads(out.stdout)
+    assert summary["precision"] == "bf16" and summary["notes"][0] == "precision bf16 (chosen)"
+    table = CliRunner().invoke(app, ["plan", GPT, "--devices", "4", "--max-iters", "5"])
+    assert "bf16-mixed" in table.stdout and "tensor cores" in table.stdout
+
+
+@pytest.mark.parametrize(("family", "precision_name", "kinds"), [
+    ("gpt", "bf16-mixed", ("data", "fsdp", "soap", "1f1b", "dpsgd")),
+    ("mlp", "bf16", ("data", "fsdp", "soap", "gpipe", "dpsgd")),
+    ("mlp", "fp16-mixed", ("data", "soap")),
+])
+def test_emitted_plans_run_the_precision(family, precision_name, kinds):
+    """Autocast, the bf16 cast and fp16's loss scale run for real on 2 gloo ranks and
+    match the single-process reference trained the same way (verify's precision
+    tolerances)."""
+    spec = FAMILIES[family]
+    plans = [make_plan(spec, 2, k, precision=precision_name) for k in kinds]
+    assert all(p is not None and p.precision == precision_name for p in plans)
+    res = run_ranks(check_job, 2, spec, plans, timeout_s=600)[0]
+    for (kind, _schedule, loss, ref, _params), plan in zip(res, plans, strict=True):
+        assert kind == plan.kind and loss == pytest.approx(ref, rel=2e-2)

@@ -25,9 +25,10 @@ from flexsearch.strategy.config import Config, legal, parse_config
 from flexsearch.strategy.fsdp import fsdp_units
 from flexsearch.strategy.kinds import DataParallel, Decentralized, Pipelined, Soap, Strategy
 
-PLAN_VERSION = 3
-"""3: the FSDP units of a sharded data-parallel plan; 2: search curve, notes,
-decentralized topology fields (version 1 and 2 files still load)."""
+PLAN_VERSION = 4
+"""4: the training precision and model FLOPs, recompute modes (``none``, ``selective``,
+``full``), gradient accumulation for data-parallel plans; 3: the FSDP units of a sharded data-parallel plan; 2: search curve, notes,
+decentralized topology fields (files of versions 1 to 3 still load)."""
 PlanKind = Literal["data", "soap", "pipeline", "hybrid", "decentralized"]
 
 
@@ -99,8 +100,10 @@ class Plan(_Frozen):
     microbatches: int | None = None
     chunks: int | None = None
     """Model chunks per pipeline rank (interleaved 1F1B); stage k runs on rank k mod (stages / chunks)."""
-    recompute: bool = False
-    """Pipeline stages recompute their activations in the backward pass (checkpointing)."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation checkpointing of the plan's units (:mod:`flexsearch.strategy.recompute`;
+    ``true`` in a version 1-2 file, when a pipeline stage was recomputed whole, reads as
+    ``full``)."""
     shard_params: bool = False
     """Data parallel with parameters, gradients and optimizer state sharded over the
     devices (FSDP2 ``fully_shard``, ZeRO-3) instead of replicated (DDP)."""
@@ -135,6 +138,13 @@ class Plan(_Frozen):
     def search_time_s(self) -> float | None:
         """Wall time of the search that made this plan (not saved)."""
         return self._search_time_s
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_recompute(cls, data):
+        if isinstance(data, dict) and isinstance(data.get("recompute"), bool):
+            data = {**data, "recompute": "full" if data["recompute"] else "none"}
+        return data
 
     @model_validator(mode="after")
     def _decentralized_fields(self) -> Plan:
@@ -227,7 +237,8 @@ class Plan(_Frozen):
         if self.kind == "soap":
             return Soap(configs, decisions)
         units = self.fsdp_units or (fsdp_units(graph.modules) if self.shard_params else ())
-        return DataParallel(configs, decisions, shard=self.shard_params, fsdp_units=units)
+        return DataParallel(configs, decisions, shard=self.shard_params, fsdp_units=units,
+                            microbatches=self.microbatches or 1, recompute=self.recompute)
 
     def check_graph(self, graph: OpGraph) -> None:
         """Raise PlanFileError unless this plan was made for ``graph`` (the same model,

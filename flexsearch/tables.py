@@ -62,13 +62,16 @@ def plan_table(p, search_time_s: float | None, *, default_cluster: bool = False)
         rows.append(("model FLOP/s utilisation", f"{p.mfu:.1%} ({si(p.model_flops, 'FLOP')} per iteration)"))
     if p.stages:
         chunks = f", {p.chunks} chunks per rank" if (p.chunks or 1) > 1 else ""
-        recompute = ", activations recomputed" if p.recompute else ""
+        recompute = f", {p.recompute} activation recomputation" if p.recompute != "none" else ""
         rows.append(("schedule", f"{p.schedule}, {p.microbatches} microbatches{chunks}{recompute}"))
         shape = f"{len(p.stages) // (p.chunks or 1)} x {p.stages[0].replicas} x {p.tensor_degree}"
         rows.append(("stages x replicas x tensor", shape))
         for i, st in enumerate(p.stages):
             rows.append((f"stage {i}", f"{st.nodes[0]} .. {st.nodes[-1]} ({len(st.nodes)} ops) on devices "
                          f"{st.devices[0]}-{st.devices[-1]}"))
+    if not p.stages and (p.recompute != "none" or (p.microbatches or 1) > 1):
+        rows.append(("training", f"{p.microbatches or 1} microbatches accumulated, {p.recompute} activation "
+                                 "recomputation"))
     if p.kind == "decentralized":
         gap = "" if p.spectral_gap is None else f", spectral gap {p.spectral_gap:.4f}"
         rows.append(("topology", f"{p.topology}{gap}"))

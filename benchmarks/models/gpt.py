@@ -32,6 +32,10 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True
+    fused_qkv: bool = True
+    """One ``c_attn`` Linear for q, k and v (GPT-2's layout: a column split of it is not
+    aligned with the heads); False: ``q_proj``, ``k_proj``, ``v_proj`` (Megatron's and
+    torchtitan's head-aligned layout for tensor parallelism; the same FLOPs)."""
 
 
 class CausalSelfAttention(nn.Module):
@@ -43,12 +47,20 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = cfg.n_embd // cfg.n_head
         self.n_embd = cfg.n_embd
         self.dropout = cfg.dropout
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        if cfg.fused_qkv:
+            self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        else:
+            self.q_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+            self.k_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+            self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        if hasattr(self, "c_attn"):
+            q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         # (B, T, C) -> (B, nh, T, hd); unflatten keeps shapes out of Python.
         q = q.unflatten(2, (self.n_head, self.head_dim)).transpose(1, 2)
         k = k.unflatten(2, (self.n_head, self.head_dim)).transpose(1, 2)

@@ -82,7 +82,7 @@ def parallelize(model: nn.Module, plan: Plan, *, group: dist.ProcessGroup | None
     if plan.kind == "data":
         from flexsearch.emit.data import data_parallel
 
-        return data_parallel(model, rt, plan.shard_params, plan.fsdp_units or None)
+        return data_parallel(model, rt, plan, graph)
     if plan.kind == "decentralized":
         from flexsearch.emit.decentralized import decentralized
 

@@ -10,6 +10,7 @@ gradients), and returns the global mean loss.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from typing import Any
@@ -20,9 +21,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from flexsearch.emit.precision import autocast, backward, cast_inputs, cast_model, fsdp_policy
+from flexsearch.emit.recompute import checkpoint_modules
 from flexsearch.emit.runtime import Runtime
 from flexsearch.errors import EmitError
 from flexsearch.graph.modules import module_facts
+from flexsearch.graph.opgraph import OpGraph
+from flexsearch.plan import Plan
 from flexsearch.strategy.fsdp import fsdp_units
 
 
@@ -52,10 +56,12 @@ def shard_units(model: nn.Module, units: tuple[str, ...] | None = None) -> list[
 class DataParallelModule(nn.Module):
     """A data-parallel model: ``module`` is the DDP wrapper or the fully-sharded model."""
 
-    def __init__(self, model: nn.Module, rt: Runtime, shard_params: bool, units: tuple[str, ...] | None = None):
+    def __init__(self, model: nn.Module, rt: Runtime, shard_params: bool, units: tuple[str, ...] | None = None,
+                 microbatches: int = 1):
         super().__init__()
         self._rt = rt
         self.sharded = shard_params
+        self.microbatches = microbatches
         cast_model(model, rt.precision)
         if shard_params:
             from torch.distributed.fsdp import fully_shard
@@ -82,19 +88,37 @@ class DataParallelModule(nn.Module):
         return self.model.named_parameters()
 
     def train_step(self, inputs: tuple, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
-        n, i = len(self._rt.ranks), self._rt.device
+        """This rank's shard of the batch, forward and backward, as ``microbatches``
+        accumulated microbatches (the gradients synchronised once, after the last)."""
+        n, i, m = len(self._rt.ranks), self._rt.device, self.microbatches
         prec = self._rt.precision
-        out = self(*(batch_shard(x, i, n) for x in inputs))
-        with autocast(prec, self._rt.device_type):
-            loss = loss_fn(out, batch_shard(target, i, n))
-        backward(loss, prec, self.parameters)
-        total = loss.detach().float().clone()
+        xs, ys = tuple(batch_shard(x, i, n) for x in inputs), batch_shard(target, i, n)
+        total = torch.zeros(())
+        for k in range(m):
+            last = k == m - 1
+            with self._sync(last):
+                out = self(*(batch_shard(x, k, m) for x in xs))
+                with autocast(prec, self._rt.device_type):
+                    loss = loss_fn(out, batch_shard(ys, k, m)) / m
+                backward(loss, prec, self.parameters)
+            total = total + loss.detach().float()
         dist.all_reduce(total, group=self._rt.group)
         return total / n
 
+    def _sync(self, last: bool):
+        """No gradient synchronisation before the last microbatch (DDP's ``no_sync``,
+        FSDP2's ``set_requires_gradient_sync``)."""
+        if self.microbatches == 1:
+            return contextlib.nullcontext()
+        if self.sharded:
+            self.module.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
+        return contextlib.nullcontext() if last else self.module.no_sync()
 
-def data_parallel(model: nn.Module, rt: Runtime, shard_params: bool,
-                  units: tuple[str, ...] | None = None) -> DataParallelModule:
+
+def data_parallel(model: nn.Module, rt: Runtime, plan: Plan, graph: OpGraph) -> DataParallelModule:
     """A :class:`DataParallelModule` over a copy of ``model`` (the caller's model is
-    kept); ``units``: the FSDP units of a sharded plan (module paths)."""
-    return DataParallelModule(copy.deepcopy(model), rt, shard_params, units)
+    kept): the plan's FSDP units when it shards, its checkpointed units
+    (:mod:`flexsearch.emit.recompute`) and its gradient accumulation."""
+    copied = checkpoint_modules(copy.deepcopy(model), graph, plan.recompute)
+    return DataParallelModule(copied, rt, plan.shard_params, plan.fsdp_units or None, plan.microbatches or 1)

@@ -11,7 +11,8 @@ This rank (pipeline rank ``r``, replica ``j``, tensor index ``i``) builds:
 - its stage modules, cut from the model by :func:`flexsearch.emit.stages.cut`; with
   ``t > 1`` each is a :class:`~flexsearch.emit.sharded.ShardedModule` running the
   stage's Megatron configurations on DTensor over its ``t`` devices; with
-  ``recompute``, each stage's forward runs under activation checkpointing;
+  ``recompute``, activation checkpointing: each checkpointed unit of a stage
+  (:mod:`flexsearch.emit.recompute`), a tensor-parallel stage as a whole;
 - a :class:`PipelineStage` per stage on the pipeline group of (``j``, ``i``), and the
   schedule the plan names (``ScheduleGPipe``, ``Schedule1F1B``,
   ``ScheduleInterleaved1F1B``) with the plan's microbatch count;
@@ -26,6 +27,7 @@ runs slice ``j`` of it through the pipeline (split into microbatches by the sche
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +52,7 @@ from flexsearch.emit.precision import (
     loss_scale,
     unscale,
 )
+from flexsearch.emit.recompute import checkpoint_stage
 from flexsearch.emit.runtime import Runtime
 from flexsearch.emit.sharded import ShardedModule, build_layouts
 from flexsearch.emit.stages import cut
@@ -111,7 +114,12 @@ class PipelineModule(nn.Module):
             ids.setdefault(id(q), name)
         gm = lift(model)
         cuts = cut(gm, graph, [s.nodes for s in plan.stages])
-        configs = plan.node_configs()
+        if t == 1:  # each checkpointed unit of a stage runs as one region (tensor-parallel stages: whole)
+            cuts = [checkpoint_stage(c, graph, plan.recompute) for c in cuts]
+        # the plan lays a stage out on its d x t devices (s = d: data parallel over the
+        # replicas); each replica runs it on its own t devices, gradients synced below
+        configs = {k: dataclasses.replace(c, s=1, first=0) if d > 1 and c.s == d else c
+                   for k, c in plan.node_configs().items()}
         # every rank builds every stage's meshes and groups, in the same order (a stage's
         # forward runs on its ranks only, so nothing may be made lazily there)
         subs: dict[tuple[int, int], Runtime] = {}
@@ -146,7 +154,8 @@ class PipelineModule(nn.Module):
             torch.device("cpu")
         def runnable(m: nn.Module) -> nn.Module:  # the precision's autocast, inside the recomputed region
             m = Autocast(m, rt.precision, rt.device_type) if rt.precision.mixed else m
-            return _Recompute(m) if plan.recompute else m
+            # a tensor-parallel stage recomputes whole; a plain one its units (checkpoint_stage above)
+            return _Recompute(m) if plan.recompute != "none" and t > 1 else m
 
         self._pipe_stages = [PipelineStage(runnable(m), k, nstages, device, group=self._pp_group)
                              for k, m in zip(mine, mods, strict=True)]

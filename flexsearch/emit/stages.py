@@ -30,6 +30,10 @@ from flexsearch.emit.dense import dense_input
 from flexsearch.errors import EmitError
 from flexsearch.graph.opgraph import OpGraph
 
+BOUNDARY = "flexsearch_stage_boundary"
+"""Meta key on the nodes a stage adds at its edges (received-input copies, sent buffers):
+not the model's ops, so no recompute unit takes them."""
+
 
 def assign(gm: fx.GraphModule, graph: OpGraph, stages: Sequence[Sequence[str]]) -> dict[fx.Node, set[int]]:
     """The stage(s) each FX node runs in."""
@@ -85,6 +89,7 @@ def cut(gm: fx.GraphModule, graph: OpGraph, stages: Sequence[Sequence[str]]) -> 
                 env[n].meta = dict(n.meta)
             elif k > 0:  # the gradient sent back to stage k - 1 fills a dense buffer
                 env[n] = g.call_function(dense_input, (env[n],))
+                env[n].meta[BOUNDARY] = True
         for n in nodes:
             if n.op == "placeholder" or k not in where[n] or n in env:
                 continue
@@ -100,6 +105,8 @@ def cut(gm: fx.GraphModule, graph: OpGraph, stages: Sequence[Sequence[str]]) -> 
             g.output(fx.node.map_arg(out.args[0], env.__getitem__))
         else:
             outs = [g.call_method("contiguous", (env[n],)) for n in live(k)]  # sent as dense buffers
+            for o in outs:
+                o.meta[BOUNDARY] = True
             g.output(tuple(outs) if len(outs) != 1 else outs[0])
         g.lint()
         modules.append(fx.GraphModule(gm, g, f"stage{k}"))

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_flatten
 
 from flexsearch.errors import TraceError
@@ -61,7 +62,9 @@ def lift(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, s
         return gm, "fx", values
     except Exception as fx_error:
         try:
-            with quiet_torch_logs():
+            # the attention backend the tracer measures with (its outputs' strides are
+            # the math kernel's: a `.contiguous()` after it is a real copy, kept)
+            with quiet_torch_logs(), sdpa_kernel([SDPBackend.MATH]):
                 ep = torch.export.export(model, args, kwargs or None, strict=False)
         except Exception as export_error:
             raise TraceError(failure_line(fx_error, export_error)) from export_error

@@ -184,6 +184,9 @@ class OpGraph(_Frozen):
     among them, recursively (what FSDP's unit rule reads)."""
     precision: str = "fp32"
     """The training precision it was traced under (:mod:`flexsearch.precision`)."""
+    notes: tuple[str, ...] = ()
+    """What the tracer changed or assumed to trace the model (one line each; the plan
+    repeats them)."""
 
     @cached_property
     def by_name(self) -> dict[str, OpNode]:

@@ -105,8 +105,10 @@ def trace_calls(
     prec = precision_of(precision) if isinstance(precision, str) else (precision or FP32)
     was_training = model.training
     model.train()
+    notes: list[str] = []
     try:
-        gm, via, inputs = lift(model, args, kwargs)
+        with _training_outputs(model, kwargs, notes):
+            gm, via, inputs = lift(model, args, kwargs)
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         measure = _Measure(gm, model, fake_mode, cast=prec.cast)
         with fake_mode:
@@ -126,8 +128,31 @@ def trace_calls(
         unused_params=unused,
         modules=module_facts(model),
         precision=prec.name,
+        notes=tuple(notes),
     )
     return graph, measure.calls
+
+
+@contextlib.contextmanager
+def _training_outputs(model: nn.Module, kwargs: dict, notes: list[str]) -> Iterator[None]:
+    """Trace what a training step computes: a model configured to return its key/value
+    cache (Hugging Face ``config.use_cache``; the cache is an inference-time object no
+    tracer can return and training does not use) runs with ``use_cache`` off, unless
+    the inputs set it, and ``notes`` says so."""
+    configs = {id(c): c for m in model.modules() if getattr(c := getattr(m, "config", None), "use_cache", False)
+               is True}
+    if "use_cache" in kwargs or not configs:
+        yield
+        return
+    for c in configs.values():  # an encoder-decoder's decoder has a config of its own
+        c.use_cache = False
+    notes.append(f"traced with {type(model).__name__}.config.use_cache = False: a training step "
+                 "keeps no key/value cache")
+    try:
+        yield
+    finally:
+        for c in configs.values():
+            c.use_cache = True
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -432,13 +457,14 @@ class _Measure(fx.Interpreter):
         leaves += [p for p in mod_params.values() if p.requires_grad]
         sig = self._signature(n, module, args, kwargs)
         before = self.counter.get_total_flops()
-        if module is not None:
-            out = torch.func.functional_call(module, mod_params, tuple(largs), lkwargs, strict=False)
-        elif n.op == "call_method":
-            self_obj, *rest = largs
-            out = getattr(self_obj, n.target)(*rest, **lkwargs)
-        else:
-            out = n.target(*largs, **lkwargs)
+        try:
+            out = self._call(n, module, mod_params, largs, lkwargs)
+        except RuntimeError as e:  # an op autograd cannot differentiate (an integer result): no backward
+            if "autograd" not in str(e).lower():
+                raise
+            leaves.clear()
+            largs, lkwargs = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, (args, kwargs))
+            out = self._call(n, module, mod_params, largs, lkwargs)
         fwd = self.counter.get_total_flops() - before
         bwd = self._backward_flops.get(sig, 0)
         if sig not in self._backward_flops:
@@ -455,6 +481,15 @@ class _Measure(fx.Interpreter):
             self._backward_flops[sig] = bwd
         self.signature[n.name] = sig
         return out, fwd, bwd
+
+    @staticmethod
+    def _call(n: fx.Node, module, mod_params, args, kwargs) -> Any:
+        if module is not None:
+            return torch.func.functional_call(module, mod_params, tuple(args), kwargs, strict=False)
+        if n.op == "call_method":
+            self_obj, *rest = args
+            return getattr(self_obj, n.target)(*rest, **kwargs)
+        return n.target(*args, **kwargs)
 
     def _signature(self, n: fx.Node, module, args, kwargs) -> tuple:
         """Identity of an op call up to names: target, configuration, shapes, constants."""

@@ -45,9 +45,12 @@ from flexsearch.sim.stages import (
 from flexsearch.strategy.config import Config
 from flexsearch.strategy.kinds import Pipelined
 from flexsearch.strategy.recipes import stage_configs
+from flexsearch.strategy.recompute import Checkpointing
 from flexsearch.strategy.schedules import in_flight, rank_actions
 
 SYNC_SCHEDULES = ("1f1b", "gpipe", "interleaved")
+RECOMPUTE_ORDER = ("none", "selective", "full")
+"""Checkpointing modes tried per layout, cheapest in time first (:mod:`flexsearch.strategy.recompute`)."""
 SIMULATE_TOP = 6
 """Candidates simulated per search: the partitioner's estimate ranks layouts well but
 misses transfers queueing on shared links and the schedule's exact bubbles; six covers
@@ -74,7 +77,7 @@ class PipelineResult:
     schedule: str
     microbatches: int
     chunks: int
-    recompute: bool
+    recompute: str
     tensor: int
     replicas: int
     stages: tuple[tuple[int, int, tuple[int, ...]], ...]
@@ -172,7 +175,7 @@ def even_pipeline(graph: OpGraph, ctx: CostContext, schedule: str, tensor: int =
     strategy = Pipelined(bounds, tensor, d, schedule, m, chunks)
     sim = predict(graph, strategy, ctx, optimizer=optimizer)
     placed = tuple((a, b, strategy.devices(k)) for k, (a, b) in enumerate(bounds))
-    return PipelineResult(strategy.kind, schedule, m, chunks, False, tensor, d, placed, configs, sim)
+    return PipelineResult(strategy.kind, schedule, m, chunks, "none", tensor, d, placed, configs, sim)
 
 
 def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam",
@@ -203,9 +206,11 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
             cut_memo[k] = cut_bytes(mg)
         return cost_memo[(k, t)]
 
+    cps = {mode: Checkpointing.of(graph, mode) for mode in RECOMPUTE_ORDER}
     estimates = []
     for t in tensor_degrees(cluster):
-        for p in range(2, min(n // t, max_stages or layers, layers) + 1):
+        # one stage: Megatron's tensor x data parallelism with accumulation (t = 1 is a data plan)
+        for p in range(1 if t > 1 else 2, min(n // t, max_stages or layers, layers) + 1):
             if (n // t) % p:
                 continue
             d = n // (t * p)
@@ -218,7 +223,10 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
                     continue
                 costs = hit[0]
                 cuts = cut_memo[d * m]
-                chains = {rc: stage_chain(costs, cuts, rc) for rc in (False, True)}
+                modes = RECOMPUTE_ORDER if t == 1 else ("none", "full")  # tensor-parallel stages: whole
+                chains = {mode: stage_chain(costs, cuts, cps[mode] if t == 1 or mode == "none" else None,
+                                            whole=t > 1 and mode == "full")
+                          for mode in modes}
                 for schedule in schedules:
                     v = 2 if schedule == "interleaved" else 1
                     if v * p > layers:
@@ -226,17 +234,15 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
                     q = peak_in_flight(schedule, p, m, v)
                     if q is None:
                         continue
-                    for recompute in (False, True):
-                        # recomputation: one microbatch's activations at a time (the stage
-                        # inputs kept per microbatch are left to the simulation's check)
-                        memory = Memory(cap, state, in_flight=lambda r, q=1 if recompute else q: q)
+                    for recompute in modes:  # the first that fits: recomputing only costs time
+                        memory = Memory(cap, state, in_flight=lambda r, q=q: q)
                         part = partition(chains[recompute], [Level(p * v, bw, lat)], memory=memory, replicate=False)
                         if part is None or len(part.stages) != p * v:
                             continue
                         est = (m * v + p - 1) / v * part.bottleneck_s
                         estimates.append((est, t, p, d, m, schedule, v, recompute, part))
                         break
-    estimates.sort(key=lambda e: (e[0], e[7]))
+    estimates.sort(key=lambda e: (e[0], RECOMPUTE_ORDER.index(e[7])))
     results = []
     for _, t, p, d, m, schedule, v, recompute, part in estimates[:simulate_top]:
         bounds = [(s.start, s.end) for s in part.stages]
@@ -252,11 +258,21 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
     return results
 
 
-def stage_chain(costs: Sequence[NodeCost], cuts: Sequence[float], recompute: bool = False) -> Chain:
-    """Per microbatch: compute ``f + b`` (``2 f + b`` with activation recomputation)."""
-    return Chain(compute=tuple(c.forward_s * (2 if recompute else 1) + c.backward_s for c in costs),
-                 params=tuple(c.param_bytes for c in costs), cut_bytes=tuple(cuts),
-                 stash=tuple(c.stash_bytes for c in costs))
+def stage_chain(costs: Sequence[NodeCost], cuts: Sequence[float], recompute: Checkpointing | None = None,
+                whole: bool = False) -> Chain:
+    """Per microbatch and node: compute ``f + b`` (``2 f + b`` for a node checkpointing
+    drops) and the bytes it keeps per microbatch (:func:`flexsearch.sim.stages.stage_cost`'s
+    rule; ``whole``: every stage checkpointed as one unit, keeping only its input, which
+    the partitioner's cut bytes already count)."""
+    if whole:
+        return Chain(compute=tuple(2 * c.forward_s + c.backward_s for c in costs),
+                     params=tuple(c.param_bytes for c in costs), cut_bytes=tuple(cuts),
+                     stash=(0.0,) * len(costs))
+    cp = recompute or Checkpointing.none(len(costs))
+    stash = [(c.stash_bytes if cp.kept(i) else 0.0) + (0.0 if cp.dropped[i] else c.cast_bytes)
+             for i, c in enumerate(costs)]
+    return Chain(compute=tuple(c.forward_s * (2 if cp.dropped[i] else 1) + c.backward_s for i, c in enumerate(costs)),
+                 params=tuple(c.param_bytes for c in costs), cut_bytes=tuple(cuts), stash=tuple(stash))
 
 
 def cluster_levels(cluster: Cluster) -> list[Level]:
@@ -324,7 +340,7 @@ def pipedream_from_chain(ctx: CostContext, chain: Chain, costs: Sequence[NodeCos
                                 units=units)
         sim = simulate_pipeline(ctx, stage_costs, layout, optimizer=optimizer, timeline=False)
         stages = tuple((s.start, s.end, s.devices) for s in flat)
-        res = PipelineResult("pipeline", "pipedream", window, 1, False, 1, 1, stages, {}, sim)
+        res = PipelineResult("pipeline", "pipedream", window, 1, "none", 1, 1, stages, {}, sim)
         if best is None or (sim.feasible, -sim.iteration_time_s) > (best.simulation.feasible,
                                                                      -best.simulation.iteration_time_s):
             best = res

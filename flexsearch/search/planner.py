@@ -49,6 +49,7 @@ from flexsearch.cost.calibration import DeviceCalibration
 from flexsearch.cost.compute import MeasuredCosts
 from flexsearch.cost.hardware import Cluster
 from flexsearch.errors import InfeasiblePlanError, PlanKindError
+from flexsearch.graph.microbatch import batch_size
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.plan import Plan, SearchInfo
 from flexsearch.precision import precision as precision_of
@@ -56,9 +57,11 @@ from flexsearch.search import decentralized as dz
 from flexsearch.search.assignment import AssignmentBuilder
 from flexsearch.search.mcmc import SearchResult, mcmc, sigint_restored
 from flexsearch.search.pipeline import (
+    RECOMPUTE_ORDER,
     SYNC_SCHEDULES,
     PipelineResult,
     even_pipeline,
+    microbatch_options,
     pipedream_plan,
     search_pipelines,
     tensor_degrees,
@@ -183,6 +186,8 @@ def plan_graph(
     if "decentralized" in kinds or kinds == DEFAULT_KINDS:
         plan = with_decentralized(plan, graph, ctx, allow=decentralized and "decentralized" in kinds,
                                   require=not sync_kinds)
+    if graph.notes:  # what the tracer did to the model
+        plan = plan.model_copy(update={"notes": (*graph.notes, *plan.notes)})
     return plan.with_search_time(time.perf_counter() - t0)
 
 
@@ -319,13 +324,18 @@ def plan_synchronous(
     candidates: list[tuple[str, object, Simulation]] = []
     if result.decisions is not None and not (result.decisions == base["data"].decisions and "data" in kinds):
         candidates.append(("soap", Soap(space.expand(result.decisions), result.decisions), result.simulation))
-    if "data" in kinds and "data" in base and base["data"].simulation.feasible:
-        candidates.append(("data", data_strategy, base["data"].simulation))
+    if "data" in kinds and "data" in base:
+        if base["data"].simulation.feasible:
+            candidates.append(("data", data_strategy, base["data"].simulation))
+        elif (fit := fitting_variant(graph, data_strategy, ctx, optimizer, sim)) is not None:
+            candidates.append(("data", *fit))
     if "fsdp" in kinds:
         sharded = dataclasses.replace(data_strategy, shard=True, fsdp_units=fsdp_units(graph.modules))
         fsdp_sim = predict(graph, sharded, ctx, optimizer=optimizer, timeline=False, simulator=sim)
         if fsdp_sim.feasible:
             candidates.append(("fsdp", sharded, fsdp_sim))
+        elif (fit := fitting_variant(graph, sharded, ctx, optimizer, sim)) is not None:
+            candidates.append(("fsdp", *fit))
     pipes: list[PipelineResult] = []
     dream = None
     if want_pipes and not interrupted:
@@ -370,12 +380,47 @@ def plan_synchronous(
     assert oplevel is not None
     _, strategy, s = oplevel
     plan = plan_from(graph, cluster, strategy, s, baselines=baselines, **common)
+    if isinstance(strategy, DataParallel) and (strategy.recompute != "none" or strategy.microbatches > 1):
+        how = [f"{strategy.recompute} activation checkpointing"] if strategy.recompute != "none" else []
+        how += [f"{strategy.microbatches} accumulated microbatches"] if strategy.microbatches > 1 else []
+        plain = "fsdp" if strategy.shard else "data"
+        plan = plan.model_copy(update={"notes": (*plan.notes, (
+            f"{' and '.join(how)}: {plain} parallelism without them does not fit in memory"),)})
     if interrupted:
         plan = plan.model_copy(update={"notes": (*plan.notes, (
             f"search interrupted (Ctrl-C) after {result.iterations} MCMC steps: the best plan found so far, "
             "pipelines and decentralized plans not searched"),)})
         plan = plan.with_interrupted()
     return plan.with_search_time(time.perf_counter() - t0)
+
+
+def fitting_variant(graph: OpGraph, strategy: DataParallel, ctx: CostContext, optimizer: str,
+                    sim: Simulator | None) -> tuple[DataParallel, Simulation] | None:
+    """The fastest variant of a data-parallel strategy that does not fit as it is, with
+    activation checkpointing (:data:`~flexsearch.search.pipeline.RECOMPUTE_ORDER`) and, for
+    DDP, gradient accumulation over microbatches of the per-device batch; None when
+    none fits. Neither makes an iteration faster, so they are tried only then."""
+    try:
+        per_device = batch_size(graph) // ctx.cluster.devices
+    except ValueError:
+        per_device = 1
+    steps = [1] if strategy.shard else [1, *(m for m in microbatch_options(max(per_device, 1), 2) if m > 1)]
+    best = None
+    for m in steps:
+        for mode in RECOMPUTE_ORDER:
+            variant = dataclasses.replace(strategy, microbatches=m, recompute=mode)
+            if variant == strategy:
+                continue
+            try:
+                got = predict(graph, variant, ctx, optimizer=optimizer, timeline=False,
+                              simulator=sim if m == 1 else None)
+            except ValueError:
+                continue
+            if got.feasible and (best is None or got.iteration_time_s < best[1].iteration_time_s):
+                best = (variant, got)
+        if best is not None:  # more microbatches only add time
+            return best
+    return best
 
 
 def _no_plan_reason(kinds: Sequence[str], base: dict[str, BaselineRun], pipes: list[PipelineResult],

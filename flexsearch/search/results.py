@@ -53,7 +53,9 @@ def strategy_fields(graph: OpGraph, strategy: Strategy) -> dict[str, Any]:
     """The plan fields that describe ``strategy``."""
     if isinstance(strategy, DataParallel):
         return {"kind": "data", "decisions": _texts(strategy.decisions), "configs": _texts(strategy.configs),
-                "shard_params": strategy.shard, "fsdp_units": strategy.fsdp_units if strategy.shard else ()}
+                "shard_params": strategy.shard, "fsdp_units": strategy.fsdp_units if strategy.shard else (),
+                "microbatches": strategy.microbatches if strategy.microbatches > 1 else None,
+                "recompute": strategy.recompute}
     if isinstance(strategy, Soap):
         return {"kind": "soap", "decisions": _texts(strategy.decisions), "configs": _texts(strategy.configs)}
     if isinstance(strategy, Decentralized):

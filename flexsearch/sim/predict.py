@@ -8,8 +8,10 @@ plan kinds are costed by one cost model under one explicit context
 - :class:`~flexsearch.strategy.kinds.Soap`: the op-level simulator
   (:mod:`flexsearch.sim.simulator`), each op on DTensors;
 - :class:`~flexsearch.strategy.kinds.DataParallel`: as the emitter runs it: with FSDP2
-  over its units when sharded; with DDP otherwise, which is the op-level simulation
-  with DDP's buckets when calibrated, and else the faster of the op-level simulation
+  over its units when sharded; with gradient accumulation as one stage on every device
+  running its microbatches, then one gradient synchronisation; with DDP otherwise,
+  which is the op-level simulation with DDP's buckets when calibrated, and else the
+  faster of the op-level simulation
   (every layer's gradients all-reduced as the backward produces them, each collective
   paying its latency) and the stage-level one (one replica's step, then all gradients
   in one collective: DDP's single bucket for a model under its 25 MB bucket size).
@@ -56,14 +58,22 @@ def predict(graph: OpGraph, strategy: Strategy, ctx: CostContext, *, optimizer: 
         return sim.simulate(strategy.configs, timeline=timeline, ddp=False)
     if not isinstance(strategy, DataParallel):
         raise TypeError(f"not a strategy: {type(strategy).__name__}")
+    whole = ((0, len(graph.nodes)),)
+    if strategy.microbatches > 1:  # accumulation: every replica runs m microbatches, then one sync
+        if strategy.shard:
+            raise ValueError("FSDP with gradient accumulation is not modelled; use microbatches=1")
+        # one stage under 1F1B: each microbatch's backward right after its forward
+        return predict(graph, Pipelined(whole, tensor=1, replicas=ctx.cluster.devices, schedule="1f1b",
+                                        microbatches=strategy.microbatches, recompute=strategy.recompute),
+                       ctx, optimizer=optimizer, timeline=timeline)
     if strategy.shard:
         return sim.simulate(strategy.configs, timeline=timeline, shard_params=True,
-                            fsdp_units=strategy.fsdp_units)
-    oplevel = sim.simulate(strategy.configs, timeline=timeline, ddp=True)
+                            fsdp_units=strategy.fsdp_units, recompute=strategy.recompute)
+    oplevel = sim.simulate(strategy.configs, timeline=timeline, ddp=True, recompute=strategy.recompute)
     if ctx.calibration is not None:
         return oplevel
-    one_bucket = Pipelined(((0, len(graph.nodes)),), tensor=1, replicas=ctx.cluster.devices, schedule="1f1b",
-                           microbatches=1)
+    one_bucket = Pipelined(whole, tensor=1, replicas=ctx.cluster.devices, schedule="1f1b", microbatches=1,
+                           recompute=strategy.recompute)
     try:
         flat = predict(graph, one_bucket, ctx, optimizer=optimizer, timeline=timeline)
     except ValueError:  # the batch does not split over the devices

@@ -36,10 +36,11 @@ from flexsearch.graph.opgraph import OpGraph
 from flexsearch.sim.accounting import DeviceMemory, check_optimizer, peak_bytes, update_s
 from flexsearch.sim.context import CostContext, collective_task
 from flexsearch.sim.result import Simulation
-from flexsearch.sim.taskgraph import Fragment, build_fragment
+from flexsearch.sim.taskgraph import Fragment, build_fragment, kept_bytes
 from flexsearch.sim.tasks import Scheduled, Task, run_tasks
 from flexsearch.strategy.config import Config
 from flexsearch.strategy.fsdp import ROOT, fsdp_units, node_units
+from flexsearch.strategy.recompute import Checkpointing
 
 
 class Simulator:
@@ -58,6 +59,7 @@ class Simulator:
         self._ddp_cache: dict[str, tuple[tuple, Fragment]] = {}
         self.rebuilt = 0  # fragments built so far (delta simulation statistics)
         self._links = tuple(link.id for link in self.cluster.links)
+        self._checkpointing: dict[str, Checkpointing] = {}
 
     def fragment(self, name: str, configs: Mapping[str, Config], *, ddp: bool = False) -> Fragment:
         node = self.graph.node(name)
@@ -82,17 +84,19 @@ class Simulator:
 
     def simulate(self, configs: Mapping[str, Config], *, timeline: bool = True,
                  ddp: bool | None = None, shard_params: bool = False,
-                 fsdp_units: tuple[str, ...] | None = None) -> Simulation:
+                 fsdp_units: tuple[str, ...] | None = None, recompute: str = "none") -> Simulation:
         """Simulate one iteration; ``timeline=False`` skips the per-task record and the
         critical path (what a search needs: time and memory). ``ddp``: the plan runs
         with DDP (default: :meth:`is_ddp`; a plan's kind says it: ``data``).
         ``shard_params``: a data-parallel plan run fully sharded (FSDP, :meth:`_fsdp`),
         ``fsdp_units`` the paths of its units (default: the rule of
-        :func:`flexsearch.strategy.fsdp.fsdp_units` on the graph's modules)."""
+        :func:`flexsearch.strategy.fsdp.fsdp_units` on the graph's modules).
+        ``recompute``: activation checkpointing (:meth:`_checkpoint`)."""
         if shard_params:
-            return self._fsdp(configs, timeline, fsdp_units)
+            return self._fsdp(configs, timeline, fsdp_units, recompute)
         ddp = self.is_ddp(configs) if ddp is None else ddp and self.ctx.calibration is not None
-        frags = [self.fragment(n.name, configs, ddp=ddp) for n in self.graph.nodes]
+        frags, working = self._checkpoint([self.fragment(n.name, configs, ddp=ddp) for n in self.graph.nodes],
+                                          configs, recompute)
         ordered: list[Task] = []
         for f in frags:
             ordered.extend(f.forward)
@@ -101,7 +105,46 @@ class Simulator:
             ordered.extend(frags[i].backward)
             if i in buckets:
                 ordered.append(buckets[i])
-        return self._schedule(frags, ordered, timeline, ddp, list(buckets.values()), configs=configs)
+        return self._schedule(frags, ordered, timeline, ddp, list(buckets.values()), configs=configs,
+                              working=working)
+
+    def _checkpoint(self, frags: list[Fragment], configs: Mapping[str, Config],
+                    mode: str) -> tuple[list[Fragment], dict[int, float]]:
+        """The fragments under activation checkpointing (:mod:`flexsearch.strategy.recompute`):
+        a dropped node's backward task also reruns its forward, it keeps neither its
+        output share (unless a node outside its unit reads it) nor autocast's weight
+        copies; per device, the largest unit's dropped bytes are rebuilt at a time (the
+        second result). Cached fragments are copied, not changed."""
+        if mode == "none":
+            return frags, {}
+        cp = self._checkpointing.get(mode)
+        if cp is None:
+            cp = self._checkpointing[mode] = Checkpointing.of(self.graph, mode)
+        out: list[Fragment] = []
+        rebuilt: dict[int, dict[int, float]] = {}
+        for i, f in enumerate(frags):
+            if not cp.dropped[i]:
+                out.append(f)
+                continue
+            node, c = self.graph.nodes[i], configs[self.graph.nodes[i].name]
+            again = {t.resources[0]: t.duration for t in f.forward if t.kind == "fwd"}
+            own = kept_bytes(node) / (c.s * (c.t if c.kind in ("a", "p") else 1))
+            acts = dict(f.activations)
+            unit = rebuilt.setdefault(cp.unit_of[i], {})
+            for d in set(again) | set(f.cast):
+                share = f.cast.get(d, 0.0)
+                if not cp.boundary[i] and d in again:
+                    acts[d] = max(0.0, acts.get(d, 0.0) - own)
+                    share += own
+                unit[d] = unit.get(d, 0.0) + share
+            out.append(replace(f, activations=acts, cast={}, backward=[
+                replace(t, duration=t.duration + again.get(t.resources[0], 0.0)) if t.kind == "bwd" else t
+                for t in f.backward]))
+        working: dict[int, float] = {}
+        for unit in rebuilt.values():
+            for d, b in unit.items():
+                working[d] = max(working.get(d, 0.0), b)
+        return out, working
 
     def unit_nodes(self, units: tuple[str, ...] | None = None) -> dict[str, list[int]]:
         """FSDP unit -> indexes of its nodes that own parameters (``units``: the unit
@@ -115,7 +158,7 @@ class Simulator:
         return out
 
     def _fsdp(self, configs: Mapping[str, Config], keep_timeline: bool,
-              given: tuple[str, ...] | None = None) -> Simulation:
+              given: tuple[str, ...] | None = None, recompute: str = "none") -> Simulation:
         """A data-parallel plan with parameters, gradients and optimizer state sharded
         over the ``n`` devices (FSDP2, ``reshard_after_forward``). Per unit of
         :meth:`unit_nodes` (``P_u`` bytes): an all-gather of ``P_u`` before its first
@@ -126,7 +169,8 @@ class Simulator:
         reduce-scattered in their own dtype. Memory: ``(2 + k) P / n`` + activations + the
         unsharded parameters of two units (one prefetched) and the gradients of one."""
         devices = list(range(self.cluster.devices))
-        frags = [self.fragment(n.name, configs, ddp=True) for n in self.graph.nodes]
+        frags, working = self._checkpoint([self.fragment(n.name, configs, ddp=True) for n in self.graph.nodes],
+                                          configs, recompute)
         ctx = self.ctx.as_ddp()
         units = self.unit_nodes(given)
         unit_of = {i: u for u, idx in units.items() for i in idx}
@@ -174,7 +218,7 @@ class Simulator:
         peak = sorted(size.values(), reverse=True)
         unsharded = gather * sum(peak[:2]) + (peak[0] if peak else 0.0)
         return self._schedule(frags, ordered, keep_timeline, True, reduced, shards=len(devices),
-                              unsharded=unsharded, configs=configs)
+                              unsharded=unsharded, configs=configs, working=working)
 
     def _param_dtype(self) -> str:
         """The dtype the model's parameters are stored in (the first that has any)."""
@@ -230,7 +274,7 @@ class Simulator:
 
     def _schedule(self, frags: list[Fragment], ordered: list[Task], keep_timeline: bool, ddp: bool = False,
                   buckets: list[Task] = (), shards: int = 1, unsharded: float = 0.0,
-                  configs: Mapping[str, Config] | None = None) -> Simulation:
+                  configs: Mapping[str, Config] | None = None, working: Mapping[int, float] = {}) -> Simulation:
         """List-schedule ``ordered``, then one optimizer update per device; memory.
         ``buckets``: gradient collectives every update waits for (DDP, FSDP); ``shards``:
         parameters, gradients and optimizer state divided over this many devices (FSDP),
@@ -261,6 +305,8 @@ class Simulator:
                     acts[d] += b
             for d, key in f.sync:
                 after[d].append(key)
+        for d, b in working.items():  # checkpointing: one unit's activations rebuilt at a time
+            acts[d] += b
         if shards > 1:
             params = [p / shards for p in params]
             largest = [b / shards for b in largest]

@@ -15,8 +15,10 @@ graphs cut between blocks naturally, and a cut inside a residual block pays for 
 tensors). A weight used on both sides (a tied embedding) is held by both stages and its
 gradients are all-reduced between them (:func:`tied_weights`).
 
-**Stages** (:func:`stage_cost`) sum their nodes; with activation recomputation the
-backward reruns the forward and only the stage's input stays stashed per microbatch.
+**Stages** (:func:`stage_cost`) sum their nodes; with activation checkpointing
+(:mod:`flexsearch.strategy.recompute`) the dropped ops keep
+nothing per microbatch and rerun their forward in the backward, each unit keeps its
+input, and one unit's activations are rebuilt at a time.
 :func:`simulate_stages` lays a uniform pipeline out on the cluster and simulates it
 (:func:`flexsearch.sim.pipeline.simulate_pipeline`); :func:`replica_cost` is one
 data-parallel replica's step as one stage (decentralized plans and their baselines).
@@ -37,6 +39,7 @@ from flexsearch.sim.result import Simulation
 from flexsearch.sim.simulator import Simulator
 from flexsearch.strategy.config import Config
 from flexsearch.strategy.recipes import stage_configs
+from flexsearch.strategy.recompute import Checkpointing
 
 
 @dataclass(frozen=True)
@@ -121,21 +124,34 @@ def shared_params(graph: OpGraph) -> dict[str, tuple[int, ...]]:
 
 
 def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float], extra_params: float = 0.0,
-               recompute: bool = False) -> StageCost:
-    """A stage's cost; with ``recompute`` the backward reruns the forward first, and only
-    the stage's input (its share, per tensor-parallel device) stays stashed per microbatch."""
-    seg = costs[a:b]
-    fwd = sum(c.forward_s for c in seg)
-    stash = sum(c.stash_bytes for c in seg)
+               recompute: Checkpointing | None = None) -> StageCost:
+    """A stage's cost (nodes ``[a, b)``). With checkpointing
+    (:class:`~flexsearch.strategy.recompute.Checkpointing`), a dropped node reruns its
+    forward in the backward and keeps nothing per microbatch unless its output leaves
+    its unit (a unit's output is the next one's input, kept); a stage whose first node
+    is dropped keeps the input it received; one unit's dropped activations are rebuilt at a time
+    (``working_bytes``, the largest unit's)."""
+    cp = recompute or Checkpointing.none(len(costs))
+    seg = range(a, b)
+    fwd = sum(costs[i].forward_s for i in seg)
+    again = sum(costs[i].forward_s for i in seg if cp.dropped[i])
+    kept = sum(costs[i].stash_bytes + (0.0 if cp.dropped[i] else costs[i].cast_bytes)
+               for i in seg if cp.kept(i))
+    inputs = cuts[a] if 0 < a < b and cp.dropped[a] else 0.0  # the received input, kept by its unit
+    rebuilt: dict[int, float] = {}
+    for i in seg:
+        if cp.dropped[i]:
+            u = cp.unit_of[i]
+            rebuilt[u] = rebuilt.get(u, 0.0) + costs[i].cast_bytes + (0.0 if cp.kept(i) else costs[i].stash_bytes)
     return StageCost(
         forward_s=fwd,
-        backward_s=sum(c.backward_s for c in seg) + (fwd if recompute else 0.0),
-        param_bytes=sum(c.param_bytes for c in seg) + extra_params,
-        stash_bytes=cuts[a] if recompute else stash,
+        backward_s=sum(costs[i].backward_s for i in seg) + again,
+        param_bytes=sum(costs[i].param_bytes for i in seg) + extra_params,
+        stash_bytes=kept + inputs,
         send_bytes=cuts[b] if b < len(costs) else 0.0,
-        working_bytes=(stash if recompute else 0.0) + sum(c.cast_bytes for c in seg),
-        tensors=sum(c.tensors for c in seg),
-        largest_param_bytes=max((c.largest_param_bytes for c in seg), default=0.0),
+        working_bytes=max(rebuilt.values(), default=0.0),
+        tensors=sum(costs[i].tensors for i in seg),
+        largest_param_bytes=max((costs[i].largest_param_bytes for i in seg), default=0.0),
     )
 
 
@@ -161,7 +177,7 @@ def tied_weights(graph: OpGraph, costs: Sequence[NodeCost], bounds: Sequence[tup
 
 def simulate_stages(graph: OpGraph, ctx: CostContext, *, bounds: Sequence[tuple[int, int]], tensor: int,
                     replicas: int, schedule: str, microbatches: int, chunks: int = 1,
-                    recompute: bool = False, optimizer: str = "adam", timeline: bool = True,
+                    recompute: str = "none", optimizer: str = "adam", timeline: bool = True,
                     costs: Sequence[NodeCost] | None = None) -> Simulation:
     """Simulate a uniform pipeline on ``ctx``'s cluster: stage ``k`` = nodes
     ``bounds[k]`` (positions), on ``replicas`` x ``tensor`` devices of pipeline rank
@@ -180,8 +196,13 @@ def simulate_stages(graph: OpGraph, ctx: CostContext, *, bounds: Sequence[tuple[
             raise ValueError(f"no tensor-parallel configuration of degree {tensor} for this model")
     cuts = cut_bytes(mg)
     extra, tied = tied_weights(graph, costs, bounds)
-    stage_costs = [stage_cost(costs, a, b, cuts, extra[k], recompute)
-                   for k, (a, b) in enumerate(bounds)]
+    if tensor > 1 and recompute != "none":  # a tensor-parallel stage is checkpointed whole
+        if recompute != "full":
+            raise ValueError("a tensor-parallel stage recomputes whole (recompute='full') or not at all")
+        cp = Checkpointing.whole_stages(graph, bounds)
+    else:
+        cp = Checkpointing.of(graph, recompute)
+    stage_costs = [stage_cost(costs, a, b, cuts, extra[k], cp) for k, (a, b) in enumerate(bounds)]
     ranks = tuple(tuple(tuple(range(r * g + i * tensor, r * g + (i + 1) * tensor)) for i in range(replicas))
                   for r in range(p))
     layout = PipelineLayout(schedule, microbatches, ranks, chunks=chunks, tied=tied)

@@ -158,17 +158,17 @@ def edge_geometry(node: OpNode, c: Config, k: int, p: OpNode, pc: Config, node_o
     ptiles = tiles(p, pc)
     local: list[int] = []
     transfers: list[tuple[int, int, int]] = []
-    readers: dict[Region, list[tuple[int, int]]] = {}  # tile -> (reader device, volume)
+    readers: dict[Region, list[tuple[int, int, Region]]] = {}  # tile -> (reader device, volume, its output)
     for idx, (i, j, d) in enumerate(parts):
-        need = input_region(node, k, p.outputs[0].shape, out_region(node, c, i, j),
-                            (c.t, j) if c.kind == "r" else (1, 0))
+        mine = out_region(node, c, i, j)
+        need = input_region(node, k, p.outputs[0].shape, mine, (c.t, j) if c.kind == "r" else (1, 0))
         incoming: dict[int, int] = {}
         for region, holders in ptiles.items():
             ov = intersect(need, region)
             if ov is None:
                 continue
             vol = volume(ov)
-            readers.setdefault(region, []).append((d, vol))
+            readers.setdefault(region, []).append((d, vol, (mine, j) if c.kind == "r" else mine))
             if d in holders:
                 local.append(d)
                 continue
@@ -181,20 +181,25 @@ def edge_geometry(node: OpNode, c: Config, k: int, p: OpNode, pc: Config, node_o
     grad_colls = []
     for region, rd in readers.items():
         holders = ptiles[region]
-        rdev = sorted({d for d, _ in rd})
+        rdev = sorted({d for d, _, _ in rd})
         if len(holders) == 1:
             h = holders[0]
             for d in rdev:
                 if d == h:
                     grad_local.append((d, h))
                 else:
-                    grad_transfers.append((d, h, sum(v for dd, v in rd if dd == d)))
+                    grad_transfers.append((d, h, sum(v for dd, v, _ in rd if dd == d)))
+            continue
+        if len({o for _, _, o in rd}) == 1 and set(holders) <= set(rdev):
+            # replicas of one computation (a replicated op): every holder's own gradient
+            # is the whole one; nothing to sum (DTensor: Replicate in, Replicate out)
+            grad_local += [(h, h) for h in holders]
             continue
         group = sorted(set(holders) | set(rdev))
         if len(group) == 1:
             grad_local.append((group[0], group[0]))
             continue
-        op = "all_gather" if sum(v for _, v in rd) <= volume(region) else "all_reduce"
+        op = "all_gather" if sum(v for _, v, _ in rd) <= volume(region) else "all_reduce"
         grad_colls.append((op, tuple(group), volume(region), tuple(rdev), tuple(holders)))
     return EdgeGeometry(tuple(local), tuple(transfers), tuple(grad_local), tuple(grad_transfers),
                         tuple(grad_colls))

@@ -7,13 +7,21 @@ it is an accumulating key (a tuple tagged ``"G"``: a gradient that arrives in pi
 else the last definition.
 
 :func:`run_tasks` takes the tasks in the given order (each simulator emits them in an
-order that respects every dependency): each starts at ``max(end of its
-dependencies, free time of each of its resources)`` and holds all its resources until
-it ends, so transfers queue on busy links and overlap with compute on the devices.
+order that respects every dependency and, per device, is the device's program order):
+each starts once its dependencies have ended, its devices are free (a device runs its
+tasks in the given order) and every link it loads has a gap for its whole duration (a
+link serves transfers in time order, whatever order they were listed in: a transfer
+listed after a later one on the same link takes an earlier gap), and holds all its
+resources until it ends. So transfers queue on busy links and overlap with compute on
+the devices. Without the gaps, a simulator that lists one pipeline rank's later
+gradient transfer before another rank's earlier activation transfer on a shared link
+would delay the activation (a 1F1B pipeline of balanced stages ran 10-30% slower than
+``(m + p - 1)(F + B)``).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -62,6 +70,25 @@ def _accumulates(k: Key) -> bool:
     return type(k) is tuple and k[0] == "G"
 
 
+def _gap(busy: dict[int, tuple[list[float], list[float]]], resources: Sequence[int], devices: int,
+         start: float, duration: float) -> float:
+    """The earliest time ``>= start`` at which every link among ``resources`` is idle for
+    ``duration`` (their busy intervals are disjoint and sorted)."""
+    moved = True
+    while moved:
+        moved = False
+        for r in resources:
+            if r < devices or r not in busy:
+                continue
+            starts, ends = busy[r]
+            i = bisect.bisect_right(ends, start)
+            while i < len(starts) and starts[i] < start + duration:
+                start = ends[i]
+                moved = True
+                i += 1
+    return start
+
+
 def busy_compute(ordered: Sequence[Task], devices: int) -> list[float]:
     """Per device, the summed duration of the compute tasks it runs (forward, backward,
     update): a stage-level simulation's ``compute_s``."""
@@ -77,6 +104,7 @@ def run_tasks(ordered: Sequence[Task], devices: int, links: int, keep_timeline: 
     """List-schedule ``ordered`` (module docstring). Every plan kind's simulator
     schedules its tasks through this function."""
     free = [0.0] * (devices + links)
+    busy: dict[int, tuple[list[float], list[float]]] = {}  # link -> (starts, ends) of its busy intervals
     end: dict = {}
     timeline: list[Scheduled] = []
     compute = [0.0] * devices
@@ -88,12 +116,28 @@ def run_tasks(ordered: Sequence[Task], devices: int, links: int, keep_timeline: 
             v = end.get(k)
             if v is not None and v > start:
                 start = v
+        late = False
         for r in t.resources:
             if free[r] > start:
-                start = free[r]
+                if r < devices:
+                    start = free[r]
+                else:
+                    late = True
+        if late and t.duration > 0:
+            start = _gap(busy, t.resources, devices, start, t.duration)
         stop = start + t.duration
         for r in t.resources:
-            free[r] = stop
+            if r >= devices and t.duration > 0:
+                starts, ends = busy.setdefault(r, ([], []))
+                if not ends or start >= ends[-1]:
+                    starts.append(start)
+                    ends.append(stop)
+                else:
+                    i = bisect.bisect_left(starts, start)
+                    starts.insert(i, start)
+                    ends.insert(i, stop)
+            if stop > free[r]:
+                free[r] = stop
         for k in t.defines:
             if not _accumulates(k) or stop > end.get(k, 0.0):
                 end[k] = stop

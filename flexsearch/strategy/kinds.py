@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from flexsearch.strategy.config import Config
+from flexsearch.strategy.recompute import check_mode
 from flexsearch.strategy.topology import Topology
 
 KINDS = ("data", "fsdp", "soap", "pipeline", "hybrid", "decentralized")
@@ -35,6 +36,16 @@ class DataParallel:
     decisions: Mapping[str, Config] = field(default_factory=dict)
     shard: bool = False
     fsdp_units: tuple[str, ...] = ()
+    microbatches: int = 1
+    """Gradient accumulation: the per-device batch runs as this many microbatches, one
+    gradient synchronisation after the last."""
+    recompute: str = "none"
+    """Activation checkpointing (:mod:`flexsearch.strategy.recompute`)."""
+
+    def __post_init__(self) -> None:
+        check_mode(self.recompute)
+        if self.microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1 (got {self.microbatches})")
 
     @property
     def kind(self) -> str:
@@ -67,9 +78,11 @@ class Pipelined:
     schedule: str
     microbatches: int
     chunks: int = 1
-    recompute: bool = False
+    recompute: str = "none"
+    """Activation checkpointing (:mod:`flexsearch.strategy.recompute`)."""
 
     def __post_init__(self) -> None:
+        check_mode(self.recompute)
         if self.chunks < 1 or len(self.bounds) % self.chunks:
             raise ValueError(f"{len(self.bounds)} stages do not split into {self.chunks} chunks per rank")
 

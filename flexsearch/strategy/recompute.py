@@ -1,0 +1,134 @@
+"""Activation checkpointing: which activations a plan keeps for the backward pass, and
+what it recomputes instead.
+
+A plan checkpoints **units**: the instances of the graph's repeated blocks (each
+transformer layer), or, in a graph without repeated blocks, its top-level modules (the
+FSDP unit rule, :mod:`flexsearch.strategy.fsdp`). A unit is a contiguous range of node
+positions. Modes (:data:`MODES`):
+
+- ``none``: every op keeps what its backward needs;
+- ``full`` (Chen et al. 2016; Megatron's "full recompute"): a unit keeps only its input;
+  its backward reruns the unit's forward first, so at most one unit's activations are
+  alive at a time in the backward;
+- ``selective``: a unit keeps its input and the outputs of its matmul-class ops
+  (:data:`flexsearch.precision.MATMUL_KINDS`), and recomputes the rest (norms,
+  activations, dropout, elementwise: cheap in FLOPs, most of the bytes): torch's
+  selective activation checkpointing with a "save the matmuls" policy, as torchtitan
+  applies it.
+
+A tensor-parallel pipeline stage is checkpointed whole (``full`` only): its module runs
+on DTensors through an interpreter, which the emitter checkpoints as one region.
+
+:func:`checkpointed` tells, per node position, whether its output is dropped and
+recomputed; the simulator turns that into memory (unit inputs kept, one unit's dropped
+activations rebuilt at a time) and time (the dropped ops' forwards run again in the
+backward). The emitter wraps the same units in ``torch.utils.checkpoint``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flexsearch.graph.opgraph import OpGraph
+from flexsearch.precision import MATMUL_KINDS
+from flexsearch.strategy.fsdp import fsdp_units
+
+MODES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A checkpointed unit: a module path and its node positions ``[start, end)``."""
+
+    path: str
+    start: int
+    end: int
+
+
+def recompute_units(graph: OpGraph) -> tuple[Unit, ...]:
+    """The graph's checkpoint units (module docstring), in order; a module whose nodes
+    are not contiguous in the graph's order is left out (it cannot be one region)."""
+    if graph.blocks:
+        paths = [m for b in graph.blocks for m in b.modules]
+    else:
+        paths = list(fsdp_units(graph.modules))
+    out = []
+    for path in paths:
+        pos = [i for i, n in enumerate(graph.nodes) if n.module == path or n.module.startswith(path + ".")]
+        if pos and pos[-1] - pos[0] + 1 == len(pos):
+            out.append(Unit(path, pos[0], pos[-1] + 1))
+    return tuple(sorted(out, key=lambda u: u.start))
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"unknown recompute mode {mode!r}; use one of {', '.join(MODES)}")
+    return mode
+
+
+def checkpointed(graph: OpGraph, mode: str, units: tuple[Unit, ...] | None = None) -> tuple[bool, ...]:
+    """Per node position: is its output dropped after the forward and recomputed in the
+    backward under ``mode``?"""
+    check_mode(mode)
+    out = [False] * len(graph.nodes)
+    if mode == "none":
+        return tuple(out)
+    for u in recompute_units(graph) if units is None else units:
+        for i in range(u.start, u.end):
+            out[i] = mode == "full" or graph.nodes[i].kind not in MATMUL_KINDS
+    return tuple(out)
+
+
+def unit_of_position(graph: OpGraph, units: tuple[Unit, ...] | None = None) -> tuple[int, ...]:
+    """Per node position, the index of its unit (-1 outside every unit)."""
+    out = [-1] * len(graph.nodes)
+    for k, u in enumerate(recompute_units(graph) if units is None else units):
+        for i in range(u.start, u.end):
+            out[i] = k
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """A recompute mode laid over a graph's positions: per position, whether its output
+    is dropped (and its forward rerun in the backward), its unit (-1: none), and
+    whether a dropped output is kept anyway because a node outside its unit reads it
+    (a unit's output is the next unit's input, which checkpointing keeps)."""
+
+    mode: str
+    dropped: tuple[bool, ...]
+    unit_of: tuple[int, ...]
+    boundary: tuple[bool, ...]
+
+    @classmethod
+    def of(cls, graph: OpGraph, mode: str) -> Checkpointing:
+        units = recompute_units(graph)
+        dropped = checkpointed(graph, mode, units)
+        unit_of = unit_of_position(graph, units)
+        index = {n.name: i for i, n in enumerate(graph.nodes)}
+        boundary = [False] * len(graph.nodes)
+        for j, n in enumerate(graph.nodes):
+            for name in n.inputs:
+                i = index[name]
+                if dropped[i] and unit_of[j] != unit_of[i]:
+                    boundary[i] = True
+        return cls(mode, dropped, unit_of, tuple(boundary))
+
+    @classmethod
+    def whole_stages(cls, graph: OpGraph, bounds) -> Checkpointing:
+        """Every pipeline stage checkpointed as one unit (a tensor-parallel stage: the
+        emitter checkpoints the stage module as a whole)."""
+        unit_of = [-1] * len(graph.nodes)
+        for k, (a, b) in enumerate(bounds):
+            for i in range(a, b):
+                unit_of[i] = k
+        n = len(graph.nodes)  # a stage keeps only the input it received (stage_cost)
+        return cls("full", (True,) * n, tuple(unit_of), (False,) * n)
+
+    @classmethod
+    def none(cls, n: int) -> Checkpointing:
+        return cls("none", (False,) * n, (-1,) * n, (False,) * n)
+
+    def kept(self, i: int) -> bool:
+        """Is position ``i``'s output kept for the backward (per microbatch)?"""
+        return not self.dropped[i] or self.boundary[i]

@@ -1,0 +1,160 @@
+"""Activation checkpointing (none, selective, full per unit) and gradient accumulation:
+the units, what the simulation charges for them (memory down, time up, in the stated
+order), the planner using them only when memory is short, and every emitted plan kind
+running them for real against a single-process reference."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from conftest import ROOT
+from emit_cases import check_job
+
+import flexsearch
+from flexsearch.cost.hardware import Cluster, Positive
+from flexsearch.emit.launch import run_ranks
+from flexsearch.graph.tracer import trace
+from flexsearch.plan import Plan
+from flexsearch.precision import MATMUL_KINDS
+from flexsearch.search.planner import plan_graph
+from flexsearch.search.results import plan_from
+from flexsearch.sim.context import CostContext
+from flexsearch.sim.predict import predict
+from flexsearch.sim.stages import NodeCost, stage_cost
+from flexsearch.strategy.kinds import DataParallel, Pipelined
+from flexsearch.strategy.recompute import Checkpointing, recompute_units
+
+GPT = str(ROOT / "benchmarks/models/gpt.py:gpt_tiny")
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    model, x = flexsearch.load_model(GPT)
+    return model, x, trace(model, x)
+
+
+def test_units_are_the_block_instances(gpt):
+    _, _, g = gpt
+    units = recompute_units(g)
+    assert [u.path for u in units] == [m for b in g.blocks for m in b.modules]
+    assert all(a.end <= b.start for a, b in zip(units, units[1:], strict=False))
+    full, sel = Checkpointing.of(g, "full"), Checkpointing.of(g, "selective")
+    inside = {i for u in units for i in range(u.start, u.end)}
+    assert {i for i, d in enumerate(full.dropped) if d} == inside
+    assert all(sel.dropped[i] == (g.nodes[i].kind not in MATMUL_KINDS) for i in inside)
+    # a unit's output (read by the next unit or the head) stays: it is the next one's input
+    readers = g.consumers
+    for u in units:
+        assert full.boundary[u.end - 1] and full.kept(u.end - 1)
+        mine = {g.nodes[j].name for j in range(u.start, u.end)}
+        for i in range(u.start, u.end):
+            assert full.boundary[i] == any(r not in mine for r in readers.get(g.nodes[i].name, ()))
+
+
+def test_a_stage_reruns_its_dropped_forwards_and_keeps_only_its_input():
+    costs = [NodeCost(1.0, 2.0, 10.0, 100.0)] * 4
+    cuts = (0.0, 5.0, 5.0, 5.0, 5.0)
+    full = Checkpointing("full", (True,) * 4, (0,) * 4, (False,) * 4)
+    plain = stage_cost(costs, 0, 4, cuts)
+    again = stage_cost(costs, 0, 4, cuts, recompute=full)
+    assert (plain.backward_s, again.backward_s) == (8.0, 12.0)
+    assert (plain.stash_bytes, plain.working_bytes) == (400.0, 0.0)
+    assert (again.stash_bytes, again.working_bytes) == (0.0, 400.0)  # one unit rebuilt at a time
+    later = stage_cost(costs, 2, 4, cuts, recompute=full)  # starts inside the unit: keeps what it received
+    assert (later.stash_bytes, later.working_bytes) == (5.0, 200.0)
+
+
+def _sims(g, strategy, cl):
+    ctx = CostContext(cl)
+    return {m: predict(g, dataclasses.replace(strategy, recompute=m), ctx, timeline=False)
+            for m in ("none", "selective", "full")}
+
+
+@pytest.mark.parametrize("kind", ["data", "fsdp", "pipeline"])
+def test_checkpointing_trades_time_for_memory(gpt, kind):
+    _, _, g = gpt
+    # compute-bound (on 2 H100s this tiny model's step is latency: the list schedule's
+    # overlap decides, and a longer backward can hide a collective better)
+    cl = Cluster.preset("cpu", 2)
+    if kind == "pipeline":
+        n = len(g.nodes)
+        strategy = Pipelined(((0, n // 2), (n // 2, n)), 1, 1, "1f1b", 4)
+    else:
+        strategy = plan_graph(g, cl, kinds=(kind,), max_iters=0).strategy(g)
+    s = _sims(g, strategy, cl)
+    mem = {m: r.peak_memory_bytes for m, r in s.items()}
+    time = {m: r.iteration_time_s for m, r in s.items()}
+    assert mem["full"] < mem["selective"] < mem["none"], mem
+    assert time["none"] < time["selective"] < time["full"], time
+
+
+def test_accumulation_lowers_memory_and_keeps_the_arithmetic(gpt):
+    _, _, g = gpt
+    cl = Cluster.preset("dgx-h100", 2)
+    ctx = CostContext(cl)
+    one = plan_graph(g, cl, kinds=("data",), max_iters=0).strategy(g)
+    two = dataclasses.replace(one, microbatches=2)
+    a, b = predict(g, one, ctx), predict(g, two, ctx)
+    assert b.peak_memory_bytes < a.peak_memory_bytes and b.iteration_time_s >= a.iteration_time_s * 0.9
+    with pytest.raises(ValueError, match="accumulation"):
+        predict(g, dataclasses.replace(one, shard=True, microbatches=2), ctx)
+    with pytest.raises(ValueError, match="recompute mode"):
+        DataParallel({}, recompute="sometimes")
+
+
+def _short_of_memory(cl: Cluster, capacity: float) -> Cluster:
+    dev = cl.spec.device.model_copy(update={"memory_capacity": Positive(value=capacity, source="test")})
+    return Cluster.from_spec(cl.spec.model_copy(update={"device": dev}), cl.devices)
+
+
+def test_the_planner_checkpoints_only_when_memory_is_short(gpt):
+    _, _, g = gpt
+    cl = Cluster.preset("dgx-h100", 2)
+    plain = plan_graph(g, cl, kinds=("data",), max_iters=0)
+    assert plain.recompute == "none" and not plain.microbatches
+    s = _sims(g, plain.strategy(g), cl)
+    between = (s["none"].peak_memory_bytes + s["full"].peak_memory_bytes) / 2
+    tight = plan_graph(g, _short_of_memory(cl, between), kinds=("data",), max_iters=0)
+    assert tight.recompute != "none" or (tight.microbatches or 1) > 1
+    assert tight.predicted.peak_memory_bytes <= between
+    assert tight.predicted.iteration_time_s >= plain.predicted.iteration_time_s
+    back = Plan.model_validate_json(tight.model_dump_json())
+    assert back.strategy(g) == tight.strategy(g)
+    assert Plan.model_validate({**plain.model_dump(), "recompute": True}).recompute == "full"  # version 3 files
+
+
+def _plans(family: str) -> list[Plan]:
+    from emit_cases import FAMILIES, load
+
+    model, x = load(FAMILIES[family])
+    g = trace(model, x)
+    cl = Cluster.resolve("cpu", 2)
+    out = []
+    for kind in ("data", "fsdp", "pipeline"):
+        base = plan_graph(g, cl, kinds=(kind,), max_iters=0, schedules=("1f1b",))
+        st = base.strategy(g)
+        for mode in ("full", "selective"):
+            for m in ((1, 2) if kind == "data" and mode == "full" else (1,)):
+                s2 = dataclasses.replace(st, recompute=mode, **({"microbatches": m} if kind == "data" else {}))
+                sim = predict(g, s2, CostContext(cl))
+                out.append(plan_from(g, cl, s2, sim, baselines={}, lower_bound_s=0.0,
+                                     configs=base.node_configs() if kind == "pipeline" else None))
+    return out
+
+
+@pytest.mark.parametrize("family", ["gpt", pytest.param("cnn", marks=pytest.mark.slow),
+                                    pytest.param("rnn", marks=pytest.mark.slow)])
+def test_emitted_plans_checkpoint_and_accumulate_exactly(family):
+    """DDP, FSDP2 and a 2-stage pipeline (cut inside a unit when the partitioner says so),
+    each under full and selective checkpointing, DDP also with 2 accumulated microbatches:
+    loss and gradients over 3 steps equal the single-process model's."""
+    from emit_cases import FAMILIES
+
+    plans = _plans(family)
+    assert {(p.kind, p.shard_params, p.recompute) for p in plans} >= {
+        ("data", False, "full"), ("data", True, "selective"), ("pipeline", False, "full")}
+    results = run_ranks(check_job, 2, FAMILIES[family], plans, timeout_s=600)
+    for rank in results:
+        for (_, _, loss, ref, _), p in zip(rank, plans, strict=True):
+            assert loss == pytest.approx(ref, rel=1e-5), (p.kind, p.recompute, p.microbatches)

@@ -75,6 +75,7 @@ def plan(
     decentralized: bool = True,
     measured: MeasuredCosts | None = None,
     calibration: Calibration = "auto",
+    batch_norm: Literal["local", "sync"] = "local",
 ) -> Plan:
     """Search every plan kind (or those in ``kinds``, :data:`flexsearch.strategy.kinds.KINDS`)
     for ``model`` on ``devices`` devices of ``cluster`` and return the fastest that fits
@@ -100,12 +101,15 @@ def plan(
         kinds = check_kinds(kinds)
     except ValueError as e:
         raise FlexsearchError(str(e)) from None
+    if batch_norm not in ("local", "sync"):
+        raise FlexsearchError(f"batch_norm is 'local' (per replica, as DDP) or 'sync' (SyncBatchNorm), "
+                              f"not {batch_norm!r}")
     cl = resolve_cluster(cluster, devices)
     prec, why = resolve_precision(precision, cl)
     graph = trace(model, example_inputs, precision=prec)
     p = plan_graph(graph, cl, kinds=kinds, budget_s=budget_s, max_iters=max_iters, seed=seed,
                    optimizer=optimizer, objective=objective, progress=progress, decentralized=decentralized,
-                   measured=measured, calibration=resolve_calibration(calibration, cl))
+                   measured=measured, calibration=resolve_calibration(calibration, cl), batch_norm=batch_norm)
     return with_precision_note(p, why)
 
 

@@ -235,6 +235,8 @@ def plan(
                                                      "averaging); --no-decentralized keeps synchronous SGD.")] = True,
     precision: Annotated[str, typer.Option(help="Training precision: auto, fp32, tf32, bf16-mixed, fp16-mixed or bf16 "
                                                 "(auto: bf16-mixed on devices with bf16 tensor cores, else fp32).")] = "auto",
+    batch_norm: Annotated[str, typer.Option("--batch-norm", help="BatchNorm statistics: local (per replica, as DDP) "
+                                                                 "or sync (SyncBatchNorm over the replicas, GPUs).")] = "local",
     kind: Annotated[list[str] | None, typer.Option("--kind", help="Only plans of this kind: data, fsdp, soap, pipeline, "
                                                                  "hybrid or decentralized (repeat or separate by commas "
                                                                  "for several).", show_default=False)] = None,
@@ -262,6 +264,8 @@ def plan(
 
     if objective not in ("iteration", "time_to_accuracy"):
         raise typer.BadParameter("use iteration or time_to_accuracy", param_hint="--objective")
+    if batch_norm not in ("local", "sync"):
+        raise typer.BadParameter("use local or sync", param_hint="--batch-norm")
     try:
         kinds = check_kinds([k.strip() for item in kind for k in item.split(",") if k.strip()] if kind else None)
     except ValueError as e:
@@ -292,7 +296,8 @@ def plan(
 
         calibration = resolve_calibration("auto", cl)
         p = plan_graph(graph, cl, kinds=kinds, budget_s=budget, max_iters=max_iters, seed=seed, objective=objective,
-                       progress=progress, decentralized=decentralized, calibration=calibration)
+                       progress=progress, decentralized=decentralized, calibration=calibration,
+                       batch_norm=batch_norm)
     p = with_precision_note(p, why)
     if p.interrupted:
         err.print(f"interrupted: returning the best plan found so far ({p.search.iterations} MCMC steps; "
@@ -399,6 +404,51 @@ def simulate(
     )
     if trace_out is not None:
         stdout.print(f"timeline written to {trace_out}")
+
+
+@app.command()
+def verify(
+    model: ModelArg,
+    plan_file: Annotated[str, typer.Option("--plan", metavar="PLAN.json", help="The plan to check (made for MODEL).")],
+    ranks: Annotated[int | None, typer.Option(help="Local gloo processes [default: the plan's devices].", min=1,
+                                              show_default=False)] = None,
+    steps: Annotated[int, typer.Option(help="Optimizer steps compared after the first.", min=1)] = 3,
+    timeout: Annotated[float, typer.Option(help="Seconds before the ranks count as hung.", min=1)] = 600,
+    as_json: JsonOpt = False,
+) -> None:
+    """Run the emitted plan on local gloo processes against the single-process model:
+    loss, every gradient, and the parameters after the steps (exit 0: they match within
+    the precision's tolerance; 1: they differ; 2: bad input)."""
+    from flexsearch.emit.launch import RanksFailed, run_ranks
+    from flexsearch.emit.verify import verify_job
+    from flexsearch.model_files import load_model
+    from flexsearch.plan import Plan
+
+    p = Plan.load(plan_file)
+    n = ranks or p.devices
+    if n != p.devices:
+        raise FlexsearchError(f"the plan is for {p.devices} devices, not {n}: use --ranks {p.devices}")
+    load_model(model)  # a model file that does not load is bad input, before any rank starts
+    try:
+        results = run_ranks(verify_job, n, model, p.model_dump_json(), steps, timeout_s=timeout)
+    except RanksFailed as e:
+        lines = [ln for ln in str(e).splitlines() if ln.strip()]
+        err.print(f"the emitted plan failed: {lines[-1] if lines else e}", markup=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    bad = next((r for r in results if not r["ok"]), None)
+    if as_json:
+        print(json.dumps({"ok": bad is None, "ranks": results}))
+    elif bad is not None:
+        err.print(f"differs: {bad['error']}", markup=False, soft_wrap=True)
+    else:
+        r0 = results[0]
+        stdout.print(f"matches on {n} ranks ({p.kind}, {p.precision}, {steps} steps, "
+                  f"{'the model' + chr(39) + 's own loss' if r0['own_loss'] else 'MSE against a fixed random target'}): "
+                  f"loss {r0['loss']:.6g} vs {r0['reference_loss']:.6g}", soft_wrap=True)
+        for errv, what in r0["largest"]:
+            stdout.print(f"  {what}: relative difference {errv:.2g}", markup=False, soft_wrap=True)
+    if bad is not None:
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -104,6 +104,10 @@ class Plan(_Frozen):
     """Activation checkpointing of the plan's units (:mod:`flexsearch.strategy.recompute`;
     ``true`` in a version 1-2 file, when a pipeline stage was recomputed whole, reads as
     ``full``)."""
+    batch_norm: Literal["local", "sync"] = "local"
+    """Batch statistics of BatchNorm layers: ``local``, each replica's own samples (per
+    microbatch in a pipeline or under accumulation), as DDP computes them; ``sync``,
+    SyncBatchNorm over the data-parallel replicas (GPUs only)."""
     shard_params: bool = False
     """Data parallel with parameters, gradients and optimizer state sharded over the
     devices (FSDP2 ``fully_shard``, ZeRO-3) instead of replicated (DDP)."""
@@ -111,6 +115,8 @@ class Plan(_Frozen):
     """Sharded data-parallel plans: the module paths wrapped as FSDP units
     (:mod:`flexsearch.strategy.fsdp`), decided once for the simulator and the emitter."""
     inputs: tuple[TensorMeta, ...] = ()
+    input_names: tuple[str, ...] = ()
+    """Per input, the keyword the model takes it by (``""`` or absent: positional)."""
     """The model's example inputs (positional), so the emitter can re-trace the model
     and check it is the one the plan was made for."""
     topology: str | None = None

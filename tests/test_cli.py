@@ -138,6 +138,7 @@ plan --seed default=0
 plan --objective default='iteration'
 plan --decentralized default=True
 plan --precision default='auto'
+plan --batch-norm default='local'
 plan --kind default=None
 plan --out default=None
 plan --trace default=None
@@ -161,6 +162,12 @@ simulate --json default=False
 trace MODEL default=None required
 trace --json default=False
 trace --top default=10 min=1
+verify MODEL default=None required
+verify --plan default=None required
+verify --ranks default=None min=1
+verify --steps default=3 min=1
+verify --timeout default=600 min=1
+verify --json default=False
 """
 
 

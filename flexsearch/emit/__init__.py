@@ -33,9 +33,14 @@ from flexsearch.plan import Plan
 EMITTABLE_KINDS = ("data", "soap", "pipeline", "hybrid", "decentralized")
 
 
-def example_inputs(plan: Plan) -> tuple[torch.Tensor, ...]:
-    """Zero tensors of the plan's input shapes (tracing needs shapes, not values)."""
-    return tuple(torch.zeros(m.shape, dtype=getattr(torch, m.dtype)) for m in plan.inputs)
+def example_inputs(plan: Plan) -> tuple:
+    """Zero tensors of the plan's input shapes (tracing needs shapes, not values), the
+    keyword ones in a trailing dict."""
+    names = plan.input_names or ("",) * len(plan.inputs)
+    zeros = [torch.zeros(m.shape, dtype=getattr(torch, m.dtype)) for m in plan.inputs]
+    args = tuple(z for z, k in zip(zeros, names, strict=True) if not k)
+    kwargs = {k: z for z, k in zip(zeros, names, strict=True) if k}
+    return (*args, kwargs) if kwargs else args
 
 
 def graph_of(model: nn.Module, plan: Plan) -> OpGraph:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from flexsearch.emit.inputs import shard, split, step_loss
 from flexsearch.emit.precision import autocast, backward, cast_inputs, cast_model, fsdp_policy
 from flexsearch.emit.recompute import checkpoint_modules
 from flexsearch.emit.runtime import Runtime
@@ -28,6 +29,10 @@ from flexsearch.graph.modules import module_facts
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.plan import Plan
 from flexsearch.strategy.fsdp import fsdp_units
+
+
+def has_batch_norm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
 def batch_shard(x: Any, index: int, parts: int) -> Any:
@@ -77,7 +82,8 @@ class DataParallelModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with autocast(self._rt.precision, self._rt.device_type):
-            return self.module(*cast_inputs(args, self._rt.precision), **kwargs)
+            return self.module(*cast_inputs(args, self._rt.precision),
+                               **dict(zip(kwargs, cast_inputs(kwargs.values(), self._rt.precision), strict=True)))
 
     @property
     def model(self) -> nn.Module:
@@ -87,19 +93,22 @@ class DataParallelModule(nn.Module):
     def named_original_parameters(self):
         return self.model.named_parameters()
 
-    def train_step(self, inputs: tuple, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+    def train_step(self, inputs: tuple, target: Any = None,
+                   loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> torch.Tensor:
         """This rank's shard of the batch, forward and backward, as ``microbatches``
-        accumulated microbatches (the gradients synchronised once, after the last)."""
+        accumulated microbatches (the gradients synchronised once, after the last).
+        ``loss_fn`` None: the model's own loss (:mod:`flexsearch.emit.inputs`)."""
         n, i, m = len(self._rt.ranks), self._rt.device, self.microbatches
         prec = self._rt.precision
-        xs, ys = tuple(batch_shard(x, i, n) for x in inputs), batch_shard(target, i, n)
+        xs, ys = shard(inputs, i, n), batch_shard(target, i, n)
         total = torch.zeros(())
         for k in range(m):
             last = k == m - 1
             with self._sync(last):
-                out = self(*(batch_shard(x, k, m) for x in xs))
+                args, kwargs = split(shard(xs, k, m))
+                out = self(*args, **kwargs)
                 with autocast(prec, self._rt.device_type):
-                    loss = loss_fn(out, batch_shard(ys, k, m)) / m
+                    loss = step_loss(out, batch_shard(ys, k, m), loss_fn) / m
                 backward(loss, prec, self.parameters)
             total = total + loss.detach().float()
         dist.all_reduce(total, group=self._rt.group)
@@ -121,4 +130,8 @@ def data_parallel(model: nn.Module, rt: Runtime, plan: Plan, graph: OpGraph) -> 
     kept): the plan's FSDP units when it shards, its checkpointed units
     (:mod:`flexsearch.emit.recompute`) and its gradient accumulation."""
     copied = checkpoint_modules(copy.deepcopy(model), graph, plan.recompute)
+    if plan.batch_norm == "sync" and has_batch_norm(copied):
+        if rt.device_type == "cpu":
+            raise EmitError("SyncBatchNorm runs on GPUs only; on CPU plan with --batch-norm local")
+        copied = nn.SyncBatchNorm.convert_sync_batchnorm(copied, process_group=rt.group)
     return DataParallelModule(copied, rt, plan.shard_params, plan.fsdp_units or None, plan.microbatches or 1)

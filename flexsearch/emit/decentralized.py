@@ -33,8 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.utils._pytree import tree_map
 
 from flexsearch.emit.data import batch_shard
+from flexsearch.emit.inputs import shard, split, step_loss
 from flexsearch.emit.precision import autocast, backward, cast_inputs, cast_model
 from flexsearch.emit.runtime import Runtime
 from flexsearch.errors import EmitError, FlexsearchError
@@ -187,16 +189,19 @@ class DecentralizedModule(nn.Module):
                 ops.append(dist.P2POp(dist.irecv, recv[r][k], ranks[j], group=group, tag=k))
         return (dist.batch_isend_irecv(ops) if ops else []), recv
 
-    def train_step(self, inputs: tuple, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
-        """One D-PSGD iteration without the optimizer step (see the class docstring)."""
+    def train_step(self, inputs: tuple, target: Any = None,
+                   loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> torch.Tensor:
+        """One D-PSGD iteration without the optimizer step (see the class docstring);
+        ``loss_fn`` None: the model's own loss (:mod:`flexsearch.emit.inputs`)."""
         n, i = len(self._rt.ranks), self._rt.device
         self_w, ins, outs = self.mixing_weights()
         snaps = [g.flat() for g in self._groups]
         works, recv = self._post_exchange(snaps, ins, outs)
         device = self._device()
-        out = self(*(self._to(batch_shard(x, i, n), device) for x in inputs))
+        args, kwargs = split(tree_map(lambda x: self._to(x, device), shard(inputs, i, n)))
+        out = self(*args, **kwargs)
         with autocast(self._rt.precision, self._rt.device_type):
-            loss = loss_fn(out, self._to(batch_shard(target, i, n), device))
+            loss = step_loss(out, self._to(batch_shard(target, i, n), device), loss_fn)
         backward(loss, self._rt.precision, self.module.parameters)
         total = loss.detach().float().clone()
         loss_work = dist.all_reduce(total, group=self._rt.group, async_op=True) if self.global_loss else None

@@ -35,6 +35,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from flexsearch.emit.data import batch_shard, has_batch_norm
+from flexsearch.emit.inputs import shard, split, step_loss
 from flexsearch.emit.precision import autocast, backward, cast_inputs, cast_model
 from flexsearch.plan import Plan
 from flexsearch.precision import precision as precision_of
@@ -46,7 +48,22 @@ TOLERANCES = {"fp32": (1e-4, 1e-5), "tf32": (1e-4, 1e-5), "bf16-mixed": (4 * ROU
 low precision (module docstring)."""
 
 
-def _close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float, normwise: bool, msg) -> None:
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``||actual - expected|| / ||expected||`` (2-norm; the absolute error when the
+    reference is 0)."""
+    a, b = actual.detach().float(), expected.detach().float()
+    if a.shape != b.shape:
+        return float("inf")
+    err, ref = float((a - b).norm()), float(b.norm())
+    return err / ref if ref else err
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float, normwise: bool, msg,
+           seen: list | None = None, what: str = "") -> None:
+    """Assert ``actual`` matches ``expected`` (module docstring); record its relative
+    error under ``what`` in ``seen``."""
+    if seen is not None and actual is not None and expected is not None:
+        seen.append((relative_error(actual, expected), what))
     if not normwise:
         torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=msg, check_dtype=False)
         return
@@ -58,6 +75,11 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: floa
         raise AssertionError(msg(f"relative error {err / ref if ref else float('inf'):.3g} (2-norm) above {rtol:.3g}"))
 
 
+def largest(seen: list, k: int = 5) -> list[tuple[float, str]]:
+    """The ``k`` largest recorded relative errors, largest first."""
+    return sorted(seen, key=lambda e: -e[0])[:k]
+
+
 def full(t: torch.Tensor | None) -> torch.Tensor | None:
     """The whole tensor on this rank (gathered when distributed; None for ranks outside
     its mesh, which hold nothing)."""
@@ -67,19 +89,42 @@ def full(t: torch.Tensor | None) -> torch.Tensor | None:
     return t
 
 
+def statistics_groups(plan: Plan) -> int:
+    """Into how many groups of samples ``plan`` splits the batch, each normalised with
+    its own BatchNorm statistics (``batch_norm = "local"``): replicas times microbatches
+    (data parallel and D-PSGD: the devices; pipelines: replicas x microbatches); a SOAP
+    plan keeps the whole batch's statistics (DTensor gathers them)."""
+    if plan.kind in ("data", "decentralized"):
+        return plan.devices * (plan.microbatches or 1)
+    if plan.kind in ("pipeline", "hybrid"):
+        return (plan.stages[0].replicas if plan.stages else 1) * (plan.microbatches or 1)
+    return 1
+
+
 def original_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
     """This rank's parameters of an emitted module under their names in the original model."""
     return dict(module.named_original_parameters())  # type: ignore[operator]
 
 
-def verify(model: nn.Module, plan: Plan, inputs: tuple, target: Any,
-           loss_fn: Callable[[Any, Any], torch.Tensor], *, steps: int = 3, lr: float = 0.05,
+def verify(model: nn.Module, plan: Plan, inputs: tuple, target: Any = None,
+           loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, *, steps: int = 3, lr: float = 0.05,
            group=None, rtol: float | None = None, atol: float | None = None) -> dict[str, Any]:
     """Emit ``plan`` for ``model`` and compare it with the original on this rank
     (tolerances: the precision's, module docstring, unless given).
 
-    Raises AssertionError (naming the tensor) on the first mismatch; returns what was
-    checked: ``loss``, ``reference_loss``, ``params`` (names this rank holds)."""
+    Raises AssertionError (naming the tensor, with the largest relative differences
+    seen so far) on the first mismatch; returns what was checked: ``loss``,
+    ``reference_loss``, ``params`` (names this rank holds) and ``largest`` (the five
+    largest relative differences, ``(error, what)``)."""
+    seen: list[tuple[float, str]] = []
+    try:
+        return _compare(model, plan, inputs, target, loss_fn, steps, lr, group, rtol, atol, seen)
+    except AssertionError as e:
+        worst = ", ".join(f"{what} {err:.2g}" for err, what in largest(seen, 3))
+        raise AssertionError(f"{e}; largest relative differences: {worst}") from None
+
+
+def _compare(model, plan, inputs, target, loss_fn, steps, lr, group, rtol, atol, seen) -> dict[str, Any]:
     import torch.distributed as dist
 
     from flexsearch.emit import parallelize
@@ -92,9 +137,17 @@ def verify(model: nn.Module, plan: Plan, inputs: tuple, target: Any,
     ref = cast_model(copy.deepcopy(model), prec)
     device_type = next((p.device.type for p in ref.parameters()), "cpu")
 
+    groups = statistics_groups(plan) if plan.batch_norm == "local" and has_batch_norm(ref) else 1
+
     def ref_step() -> torch.Tensor:
-        with autocast(prec, device_type):
-            out = loss_fn(ref(*cast_inputs(inputs, prec)), target)
+        losses = []
+        for k in range(groups):  # local batch statistics: the step as the mean over the plan's groups
+            args, kwargs = split(shard(inputs, k, groups))
+            with autocast(prec, device_type):
+                losses.append(step_loss(ref(*cast_inputs(args, prec),
+                                            **dict(zip(kwargs, cast_inputs(kwargs.values(), prec), strict=True))),
+                                        batch_shard(target, k, groups), loss_fn))
+        out = torch.stack(losses).mean() if groups > 1 else losses[0]
         backward(out, prec, ref.parameters)
         return out
 
@@ -102,6 +155,7 @@ def verify(model: nn.Module, plan: Plan, inputs: tuple, target: Any,
     decentralized = plan.kind == "decentralized"
     loss = emitted.train_step(inputs, target, loss_fn)
     ref_loss = ref_step()
+    seen.append((relative_error(loss.float(), ref_loss.detach().float()), "loss"))
     torch.testing.assert_close(loss.float(), ref_loss.detach().float(), rtol=rtol, atol=atol,
                                msg=lambda m: f"loss differs: {m}")
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
@@ -119,7 +173,8 @@ def verify(model: nn.Module, plan: Plan, inputs: tuple, target: Any,
             continue
         if g is None and isinstance(mine[name], DTensor) and mine[name].device_mesh.get_coordinate() is None:
             continue
-        _close(g, ref_params[name].grad, rtol, atol, low, lambda m, name=name: f"gradient of {name} differs: {m}")
+        _close(g, ref_params[name].grad, rtol, atol, low, lambda m, name=name: f"gradient of {name} differs: {m}",
+               seen, f"gradient {name}")
     opt = torch.optim.SGD([p for p in emitted.parameters() if p.requires_grad], lr=lr)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
     opt.step()
@@ -128,8 +183,10 @@ def verify(model: nn.Module, plan: Plan, inputs: tuple, target: Any,
         avg = emitted.average_parameters()
         for name in sorted(mine):
             _close(avg[name], ref_params[name].detach(), rtol * after, atol * after, low,
-                   lambda m, name=name: f"mean of the ranks' {name} differs after one step: {m}")
-        return {"loss": float(loss), "reference_loss": float(ref_loss.detach()), "params": sorted(mine)}
+                   lambda m, name=name: f"mean of the ranks' {name} differs after one step: {m}", seen,
+                   f"parameter {name}")
+        return {"loss": float(loss), "reference_loss": float(ref_loss.detach()), "params": sorted(mine),
+                "largest": largest(seen)}
     for _ in range(steps - 1):
         opt.zero_grad()
         ref_opt.zero_grad()
@@ -142,5 +199,24 @@ def verify(model: nn.Module, plan: Plan, inputs: tuple, target: Any,
         if p is None:
             continue
         _close(p, ref_params[name].detach(), rtol * after, atol * after, low,
-               lambda m, name=name: f"parameter {name} differs after {steps} steps: {m}")
-    return {"loss": float(loss), "reference_loss": float(ref_loss.detach()), "params": sorted(mine)}
+               lambda m, name=name: f"parameter {name} differs after {steps} steps: {m}", seen, f"parameter {name}")
+    return {"loss": float(loss), "reference_loss": float(ref_loss.detach()), "params": sorted(mine),
+            "largest": largest(seen)}
+
+
+def verify_job(rank: int, world: int, spec: str, plan_json: str, steps: int) -> dict[str, Any]:
+    """On every rank of ``flexsearch verify``: the model file ``spec`` and the plan,
+    trained on the model's own loss or :func:`~flexsearch.emit.inputs.default_objective`'s;
+    ``ok`` and the largest differences, or the first mismatch."""
+    from flexsearch.emit.inputs import default_objective
+    from flexsearch.model_files import load_model
+
+    model, inputs = load_model(spec)
+    plan = Plan.model_validate_json(plan_json)
+    target, loss_fn = default_objective(model, inputs)
+    try:
+        got = verify(model, plan, inputs, target, loss_fn, steps=steps)
+    except AssertionError as e:
+        return {"ok": False, "error": str(e)}
+    return {"ok": True, "loss": got["loss"], "reference_loss": got["reference_loss"], "largest": got["largest"],
+            "own_loss": loss_fn is None}

@@ -67,8 +67,41 @@ def lift(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, s
             with quiet_torch_logs(), sdpa_kernel([SDPBackend.MATH]):
                 ep = torch.export.export(model, args, kwargs or None, strict=False)
         except Exception as export_error:
+            every = unsupported(model, args, kwargs)
+            if every:
+                raise TraceError(f"cannot trace the model: {len(every)} unsupported construct"
+                                 f"{'s' if len(every) > 1 else ''}: {'; '.join(every)}; {ADVICE}") from export_error
             raise TraceError(failure_line(fx_error, export_error)) from export_error
-        return ep.graph_module, "export", export_inputs(ep, model, args, kwargs)
+        gm = ep.graph_module
+        _meta_to_cpu(gm)
+        return gm, "export", export_inputs(ep, model, args, kwargs)
+
+
+def _meta_to_cpu(gm: fx.GraphModule) -> None:
+    """A model built on the meta device exports with ``device=meta`` baked into the
+    tensors its ops create (``arange``, ``ones``; also inside higher-order ops'
+    sub-graphs); the tracer measures on fake CPU tensors, so those become ``cpu``."""
+    meta = torch.device("meta")
+    for m in gm.modules():
+        if not isinstance(m, fx.GraphModule):
+            continue
+        changed = False
+
+        def cpu(v):
+            nonlocal changed
+            if (isinstance(v, torch.device) and v == meta) or (isinstance(v, str) and v == "meta"):
+                changed = True
+                return torch.device("cpu")
+            if isinstance(v, (tuple, list)):
+                return type(v)(cpu(x) for x in v)
+            return v
+
+        for n in m.graph.nodes:
+            if n.op in ("call_function", "call_method"):
+                n.args = cpu(n.args)
+                n.kwargs = {k: cpu(v) for k, v in n.kwargs.items()}
+        if changed:
+            m.recompile()
 
 
 def canonical_names(model: nn.Module) -> dict[int, str]:
@@ -135,15 +168,49 @@ def user_frame(exc: BaseException) -> traceback.FrameSummary | None:
     return mine[-1] if mine else None
 
 
+ADVICE = ("neither torch.fx nor torch.export can follow control flow that depends on tensor values — "
+          "compute both branches and select with torch.where, or move the decision out of forward()")
+
+
 def failure_line(fx_error: Exception, export_error: Exception) -> str:
     frame = user_frame(fx_error) or user_frame(export_error)
     where = f"{frame.filename}:{frame.lineno} `{(frame.line or '').strip()}`" if frame else "the model's forward"
     reason = short_reason(export_error) or short_reason(fx_error)
-    return (
-        f"cannot trace the model at {where}: {reason}; neither torch.fx nor torch.export can "
-        "follow control flow that depends on tensor values — compute both branches and "
-        "select with torch.where, or move the decision out of forward()"
-    )
+    return f"cannot trace the model at {where}: {reason}; {ADVICE}"
+
+
+def unsupported(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:
+    """Every construct of the user's code that breaks the graph, each as ``file:line
+    `code`: reason``, found in one pass by ``torch._dynamo.explain`` (which, unlike
+    export, goes on after a break); empty when it finds none or fails itself."""
+    import torch._dynamo as dynamo
+
+    try:
+        with quiet_torch_logs():
+            found = dynamo.explain(model)(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - a diagnosis that fails leaves the first error to report
+        return []
+    finally:
+        dynamo.reset()
+    out: list[str] = []
+    for br in found.break_reasons:
+        mine = [f for f in br.user_stack if not f.filename.startswith((TORCH_DIR, OWN_DIR))]
+        if not mine:
+            continue
+        f = mine[-1]
+        text = f"{f.filename}:{f.lineno} `{(f.line or '').strip()}`: {_break_reason(br.reason)}"
+        if text not in out:
+            out.append(text)
+    return out
+
+
+def _break_reason(reason: str) -> str:
+    """A graph break's reason, on one short line."""
+    if reason.startswith("generic_jump"):
+        return "a branch on a tensor's value"
+    if "Tensor.item()" in reason:
+        return "Tensor.item(): a Python number from a tensor's value"
+    return " ".join(reason.split())[:160]
 
 
 def short_reason(exc: Exception) -> str:

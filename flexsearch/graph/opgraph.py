@@ -184,6 +184,8 @@ class OpGraph(_Frozen):
     among them, recursively (what FSDP's unit rule reads)."""
     precision: str = "fp32"
     """The training precision it was traced under (:mod:`flexsearch.precision`)."""
+    input_names: tuple[str, ...] = ()
+    """Per input node, in order, the keyword it was passed by (``""``: positional)."""
     notes: tuple[str, ...] = ()
     """What the tracer changed or assumed to trace the model (one line each; the plan
     repeats them)."""

@@ -507,3 +507,15 @@ def _cat(c: Call) -> Ruling:
 def _factory(c: Call) -> Ruling:
     b = _follow_batch(c)
     return Ruling("view", ParallelDims(output=_dims(c.out_shape, b)), b)
+
+
+def _grouped_mm(c: Call) -> Ruling:
+    """A mixture-of-experts grouped matmul (:mod:`flexsearch.graph.moe`): matmul-class
+    FLOPs, whole (its rows are routed by data, no split is legal)."""
+    return Ruling("matmul", ParallelDims(output=_dims(c.out_shape, None)), _follow_batch(c), opaque=True)
+
+
+def register_grouped_mm(ops) -> None:
+    """Give the grouped-matmul ``ops`` (op packets) the :func:`_grouped_mm` rule."""
+    for op in ops:
+        _RULES.setdefault(op, _grouped_mm)

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from flexsearch.errors import TraceError
-from flexsearch.graph import registry
+from flexsearch.graph import moe, registry
 from flexsearch.graph.blocks import find_blocks
 from flexsearch.graph.lift import (
     OWN_DIR,
@@ -106,6 +106,7 @@ def trace_calls(
     was_training = model.training
     model.train()
     notes: list[str] = []
+    registry.register_grouped_mm(moe.register())
     try:
         with _training_outputs(model, kwargs, notes):
             gm, via, inputs = lift(model, args, kwargs)
@@ -119,6 +120,8 @@ def trace_calls(
     nodes = tuple(measure.nodes)
     used = set(measure.owner_of)
     unused = sum(p.numel() for n, p in model.named_parameters() if n not in used)
+    if any(moe.is_grouped_mm(n.target) for n in nodes):
+        notes.append(moe.NOTE)
     blocks, refs = find_blocks(nodes, measure.signature, measure.module_types)
     graph = OpGraph(
         model=name or type(model).__name__,
@@ -129,8 +132,16 @@ def trace_calls(
         modules=module_facts(model),
         precision=prec.name,
         notes=tuple(notes),
+        input_names=_input_names(inputs, kwargs),
     )
     return graph, measure.calls
+
+
+def _input_names(values: list, kwargs: dict) -> tuple[str, ...]:
+    """Per tensor input of the lifted graph (the input nodes, in order), the keyword it
+    came by, ``""`` for a positional one."""
+    by_id = {id(v): k for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+    return tuple(by_id.get(id(v), "") for v in values if isinstance(v, torch.Tensor))
 
 
 @contextlib.contextmanager

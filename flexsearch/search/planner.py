@@ -78,8 +78,12 @@ from flexsearch.strategy.kinds import KINDS, DataParallel, Pipelined, Soap
 from flexsearch.strategy.space import Space
 
 DEFAULT_MAX_ITERS = 2000
-DEFAULT_KINDS = ("data", "soap", "pipeline", "hybrid", "decentralized")
-"""What a plan without ``kinds`` may be ([v2 3/6] adds sharded data parallelism)."""
+DEFAULT_KINDS = ("data", "fsdp", "soap", "pipeline", "hybrid", "decentralized")
+"""What a plan without ``kinds`` may be."""
+EXPORT_KINDS = ("data", "fsdp", "decentralized")
+"""The kinds the emitter runs for a model only ``torch.export`` traces: it cuts (pipeline,
+hybrid) and shards per op (SOAP) the graphs ``torch.fx`` makes, whose nodes it can map
+back to the model's modules."""
 REFERENCE_BASELINES = ("pipedream", "ps", "ps-sharded")
 """Baselines the emitter does not run (PipeDream's asynchronous pipeline changes the
 training semantics with stale weights; parameter servers): reported for comparison,
@@ -164,6 +168,7 @@ def plan_graph(
     measured: MeasuredCosts | None = None,
     calibration: DeviceCalibration | None = None,
     decentralized: bool = True,
+    batch_norm: str = "local",
     **kw,
 ) -> Plan:
     """The best plan for ``graph`` on ``cluster`` (module docstring) under the cost
@@ -174,6 +179,17 @@ def plan_graph(
     with ``decentralized=False`` they are reported, never returned)."""
     t0 = time.perf_counter()
     kinds = check_kinds(kinds)
+    default = kinds == DEFAULT_KINDS
+    notes = list(graph.notes)  # what the tracer did to the model
+    if graph.via == "export" and set(kinds) - set(EXPORT_KINDS):
+        dropped = [k for k in kinds if k not in EXPORT_KINDS]
+        kinds = tuple(k for k in kinds if k in EXPORT_KINDS)
+        if not kinds:
+            raise PlanKindError(f"{graph.model} was traced with torch.export (torch.fx cannot trace it), and the "
+                                f"emitter runs only {', '.join(EXPORT_KINDS)} plans for such models; ask for one of "
+                                "those")
+        notes.append(f"traced with torch.export: {', '.join(dropped)} plans not searched (the emitter cuts and "
+                     "shards only models torch.fx traces)")
     ctx = CostContext(cluster, measured, precision=precision_of(graph.precision), calibration=calibration)
     sync_kinds = tuple(k for k in kinds if k != "decentralized")
     if not sync_kinds:  # D-PSGD alone: a synchronous plan to compare with, cheaply
@@ -183,11 +199,20 @@ def plan_graph(
         plan = plan_synchronous(graph, ctx, kinds=sync_kinds, optimizer=optimizer, objective=objective, **kw)
     if plan.interrupted:
         return plan
-    if "decentralized" in kinds or kinds == DEFAULT_KINDS:
+    if "decentralized" in kinds or default:
         plan = with_decentralized(plan, graph, ctx, allow=decentralized and "decentralized" in kinds,
                                   require=not sync_kinds)
-    if graph.notes:  # what the tracer did to the model
-        plan = plan.model_copy(update={"notes": (*graph.notes, *plan.notes)})
+    if batch_norm not in ("local", "sync"):
+        raise ValueError(f"batch_norm is 'local' or 'sync', not {batch_norm!r}")
+    if any("batch_norm" in n.target or "BatchNorm" in n.target for n in graph.nodes):
+        plan = plan.model_copy(update={"batch_norm": batch_norm})
+        notes.append("batch statistics per replica (and per microbatch), as DDP computes them; --batch-norm sync "
+                     "uses SyncBatchNorm over the replicas (GPUs; its all-reduces are not simulated)"
+                     if batch_norm == "local" else
+                     "batch statistics synchronised over the replicas (SyncBatchNorm, GPUs only; its all-reduces "
+                     "are not simulated)")
+    if notes:
+        plan = plan.model_copy(update={"notes": (*notes, *plan.notes)})
     return plan.with_search_time(time.perf_counter() - t0)
 
 
@@ -329,7 +354,7 @@ def plan_synchronous(
             candidates.append(("data", data_strategy, base["data"].simulation))
         elif (fit := fitting_variant(graph, data_strategy, ctx, optimizer, sim)) is not None:
             candidates.append(("data", *fit))
-    if "fsdp" in kinds:
+    if "fsdp" in kinds and _splits(graph, cluster.devices):
         sharded = dataclasses.replace(data_strategy, shard=True, fsdp_units=fsdp_units(graph.modules))
         fsdp_sim = predict(graph, sharded, ctx, optimizer=optimizer, timeline=False, simulator=sim)
         if fsdp_sim.feasible:
@@ -392,6 +417,14 @@ def plan_synchronous(
             "pipelines and decentralized plans not searched"),)})
         plan = plan.with_interrupted()
     return plan.with_search_time(time.perf_counter() - t0)
+
+
+def _splits(graph: OpGraph, devices: int) -> bool:
+    """Does the batch split evenly over ``devices`` (a data-parallel plan's premise)?"""
+    try:
+        return batch_size(graph) % devices == 0
+    except ValueError:
+        return False
 
 
 def fitting_variant(graph: OpGraph, strategy: DataParallel, ctx: CostContext, optimizer: str,

@@ -1,0 +1,223 @@
+"""Models no one here wrote: Hugging Face ``transformers`` models built from configs
+(nothing downloaded) and a single-file research GPT are traced, planned, emitted and
+verified against the single-process model."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import ROOT
+
+import flexsearch
+from flexsearch.cost.hardware import Cluster
+from flexsearch.emit.launch import run_ranks
+from flexsearch.errors import PlanKindError
+from flexsearch.graph.moe import NOTE as MOE_NOTE
+from flexsearch.graph.tracer import trace
+from flexsearch.search.planner import EXPORT_KINDS, plan_graph
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "data"))
+from hf_models import NAMES, build  # noqa: E402
+
+DECODERS = ("gpt2", "llama", "mistral", "qwen2", "gemma", "mixtral", "qwen2_moe")
+MOE = ("mixtral", "qwen2_moe")
+
+
+@pytest.fixture(scope="module")
+def graphs():
+    return {}
+
+
+def _graph(graphs, name):
+    if name not in graphs:
+        model, x = build(name)
+        graphs[name] = (model, x, trace(model, x))
+    return graphs[name]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_traces(graphs, name):
+    model, _, g = _graph(graphs, name)
+    n_params = sum(p.numel() for p in model.parameters())
+    assert sum(n.num_params for n in g.nodes) + g.unused_params == n_params
+    assert g.flops > 0 and g.backward_flops > g.flops
+    cache = [x for x in g.notes if "use_cache = False" in x]
+    assert bool(cache) == (name in DECODERS + ("bert", "roberta", "t5", "bart")), g.notes
+    assert (MOE_NOTE in g.notes) == (name in MOE)
+
+
+def test_moe_experts_cost_their_expected_load(graphs):
+    _, _, g = _graph(graphs, "mixtral")
+    grouped = [n for n in g.nodes if "grouped_mm" in n.target]
+    assert grouped and all(n.kind == "matmul" and n.flops > 0 for n in grouped)
+    cfg = graphs["mixtral"][0].config
+    rows = 4 * 16 * cfg.num_experts_per_tok  # every token's top-k experts
+    up = next(n for n in grouped if n.outputs[0].shape[-1] == 2 * cfg.intermediate_size)
+    assert up.flops == 2 * rows * cfg.hidden_size * 2 * cfg.intermediate_size
+
+
+def test_use_cache_left_alone_when_the_inputs_set_it():
+    model, (ids,) = build("gpt2")
+    g = trace(model, (ids, {"use_cache": False}))
+    assert not g.notes and model.config.use_cache  # the user's config is restored either way
+
+
+@pytest.mark.parametrize("builder", ["build_model", "explicit_attention", "with_targets"])
+def test_single_file_gpt_traces(builder):
+    """``B, T, C = x.size()``, the shape assert, ``.transpose().contiguous().view()``
+    after attention, the causal-mask buffer, ``(logits, loss)`` and tied weights."""
+    import single_file_gpt as sf
+
+    model, x = getattr(sf, builder)()
+    g = trace(model, x)
+    assert g.unused_params == 0
+    assert sum(n.num_params for n in g.nodes) == sum(p.numel() for p in model.parameters())
+    if builder == "with_targets":  # the model's own loss is part of the graph, and costed
+        assert any("cross_entropy" in n.target or "nll_loss" in n.target for n in g.nodes)
+
+
+def test_export_traced_models_get_plans_the_emitter_runs(graphs):
+    _, _, g = _graph(graphs, "bert")
+    assert g.via == "export"
+    plan = plan_graph(g, Cluster.resolve("cpu", 2), max_iters=0)
+    assert plan.kind in ("data", "decentralized")
+    assert any("traced with torch.export" in n for n in plan.notes)
+    with pytest.raises(PlanKindError, match="torch.export"):
+        plan_graph(g, Cluster.resolve("cpu", 2), kinds=("pipeline", "hybrid"), max_iters=0)
+    assert set(EXPORT_KINDS) == {"data", "fsdp", "decentralized"}
+
+
+def _main(out):
+    for key in ("logits", "last_hidden_state"):
+        if getattr(out, key, None) is not None:
+            return out[key] if isinstance(out, dict) else getattr(out, key)
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _loss(out, target):
+    return F.mse_loss(_main(out).float(), target)
+
+
+def hf_job(rank: int, world: int, cases: list) -> list:
+    """On every rank: each (model name, plan) emitted and verified."""
+    from flexsearch.emit.verify import verify
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "data"))
+    out = []
+    for name, plan in cases:
+        if name == "single_file_gpt":
+            import single_file_gpt as sf
+
+            model, x = sf.with_targets()
+            r = verify(model, plan, x)  # the model's own loss: no loss_fn, no target
+        else:
+            model, x = build(name)
+            torch.manual_seed(1)
+            with torch.no_grad():
+                args, kwargs = (x[:-1], x[-1]) if isinstance(x[-1], dict) else (x, {})
+                y = torch.randn(_main(model(*args, **kwargs)).shape)
+            r = verify(model, plan, x, y, _loss)
+        out.append((name, plan.kind, plan.shard_params, r["loss"], r["reference_loss"]))
+    return out
+
+
+def test_emitted_hf_plans_match_single_process(graphs):
+    """Data parallel (DDP) for a decoder LM, an encoder-decoder with keyword inputs and
+    an MoE; FSDP2 for Llama; D-PSGD for a ResNet with BatchNorm (local statistics: the
+    reference is the mean of the two half-batch steps); the single-file GPT on its own
+    loss; 2 gloo ranks."""
+    import single_file_gpt as sf
+
+    cl = Cluster.resolve("cpu", 2)
+    cases = []
+    for name, kind in (("gpt2", "data"), ("llama", "fsdp"), ("t5", "data"), ("mixtral", "data"),
+                       ("resnet", "decentralized")):
+        _, _, g = _graph(graphs, name)
+        cases.append((name, plan_graph(g, cl, kinds=(kind,), max_iters=0)))
+    model, x = sf.with_targets()
+    cases.append(("single_file_gpt", flexsearch.plan(model, x, devices=2, cluster="cpu", kinds=["data"],
+                                                     max_iters=0, precision="fp32")))
+    results = run_ranks(hf_job, 2, cases, timeout_s=600)
+    for rank in results:
+        for name, kind, shard, loss, ref in rank:
+            assert loss == pytest.approx(ref, rel=1e-5), (name, kind, shard)
+    assert {(c[0], c[1].shard_params) for c in cases} >= {("llama", True), ("gpt2", False)}
+
+
+def test_every_unsupported_construct_is_reported_at_once(capsys):
+    from flexsearch.cli import main
+
+    assert main(["trace", str(ROOT / "tests/data/branchy.py")]) == 2
+    got = capsys.readouterr()
+    text = " ".join(got.err.split())
+    assert "2 unsupported constructs" in text and "branchy.py:16" in text and "branchy.py:19" in text
+    assert "Traceback" not in got.err + got.out
+
+
+def test_a_model_built_on_meta_traces_through_export():
+    """Llama's rotary embedding runs under ``torch.no_grad`` (a higher-order op in the
+    exported graph) and creates tensors on the model's device: meta, measured on fake CPU."""
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+        ids = torch.randint(0, 256, (4, 16))
+    g = trace(model, (ids,))
+    assert g.via == "export" and g.num_params == sum(p.numel() for p in model.parameters())
+
+
+def test_verify_command(tmp_path, capsys):
+    """`flexsearch verify`: exit 0 with the largest differences when the plan computes
+    what the model does (here on the model's own loss), 1 when it does not (dropout
+    masks drawn per rank), 2 for bad input."""
+    from flexsearch.cli import main
+
+    path = tmp_path / "plan.json"
+    for spec, code in ((ROOT / "tests/data/single_file_gpt.py:with_targets", 0),
+                       (ROOT / "tests/data/dropout_mlp.py", 1)):
+        assert main(["plan", str(spec), "--devices", "2", "--cluster", "cpu", "--kind", "data", "--max-iters", "0",
+                     "--precision", "fp32", "--out", str(path), "--force"]) == 0
+        capsys.readouterr()
+        assert main(["verify", str(spec), "--plan", str(path), "--steps", "2"]) == code
+        got = capsys.readouterr()
+        assert ("model's own loss" in got.out and "relative difference" in got.out) if code == 0 \
+            else ("differs" in got.err)
+    assert main(["verify", str(ROOT / "tests/data/dropout_mlp.py"), "--plan", str(path), "--ranks", "4"]) == 2
+    assert "--ranks 2" in capsys.readouterr().err
+
+
+def test_batch_statistics_are_a_plan_option(graphs):
+    _, _, g = _graph(graphs, "resnet")
+    cl = Cluster.resolve("cpu", 2)
+    local = plan_graph(g, cl, kinds=("data",), max_iters=0)
+    sync = plan_graph(g, cl, kinds=("data",), max_iters=0, batch_norm="sync")
+    assert (local.batch_norm, sync.batch_norm) == ("local", "sync")
+    assert any("batch statistics per replica" in n for n in local.notes)
+    assert any("SyncBatchNorm" in n for n in sync.notes)
+    _, _, gpt = _graph(graphs, "gpt2")
+    assert not any("batch statistics" in n for n in plan_graph(gpt, cl, kinds=("data",), max_iters=0).notes)
+
+
+@pytest.mark.slow
+def test_every_family_verifies_on_the_planners_choice(graphs):
+    """Each family: the planner's own plan on 2 `cpu` devices, emitted and verified on 2
+    gloo ranks; and its answer to `--kind pipeline` (not proposed: torch.export graphs)."""
+    cl = Cluster.resolve("cpu", 2)
+    cases = []
+    for name in NAMES:
+        _, _, g = _graph(graphs, name)
+        cases.append((name, plan_graph(g, cl, max_iters=50)))
+        if g.via == "export":
+            with pytest.raises(PlanKindError, match="torch.export"):
+                plan_graph(g, cl, kinds=("pipeline",), max_iters=0)
+    results = run_ranks(hf_job, 2, cases, timeout_s=1200)
+    for name, kind, shard, loss, ref in results[0]:
+        print(f"{name:<10} {kind + (' (fsdp)' if shard else ''):<22} loss {loss:.6g} reference {ref:.6g}")
+        assert loss == pytest.approx(ref, rel=1e-5), name

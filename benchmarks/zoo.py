@@ -7,7 +7,8 @@ path relative to the repository root), so ``flexsearch plan <spec>`` and
 resolve it with :func:`path`).
 
 Size classes: ``tiny`` = the ``*_tiny`` builders (real CPU weights, well under 1M
-parameters, for multi-process equivalence tests); ``small`` < 100M parameters; ``medium`` 100M..2B and ``large`` > 2B. Every
+parameters, for multi-process equivalence tests) and the ``*_digits`` ones (real CPU
+weights, shaped for scikit-learn's 8x8 digits: what D-PSGD convergence runs train); ``small`` < 100M parameters; ``medium`` 100M..2B and ``large`` > 2B. Every
 configuration at a paper's full batch is built on the meta device (no memory); only the
 tiny ones and resnet20 hold real CPU weights.
 
@@ -75,6 +76,7 @@ ZOO: tuple[ZooEntry, ...] = (
     # --- mlp
     _e("mlp", "mlp", "medium", 1024, "synthetic 4 x 8192 square MLP (no paper); batch 1024 chosen"),
     _e("mlp", "mlp_tiny", "tiny", 16, "synthetic"),
+    _e("mlp", "mlp_digits", "tiny", 32, "scikit-learn digits (64 pixels, 10 classes); batch 32 chosen"),
     # --- gpt
     _e(
         "gpt",
@@ -138,6 +140,8 @@ ZOO: tuple[ZooEntry, ...] = (
         "2016 section 4.2 (approx.)",
     ),
     _e("resnet", "resnet_tiny", "tiny", 8, "synthetic"),
+    _e("resnet", "resnet20_digits", "tiny", 32,
+       "ResNet-20 (as resnet20) at scikit-learn digits' 8x8 resolution, 3 channels; batch 32 chosen"),
     # --- inception
     _e("inception", "inception_v3", "small", 1024, _FLEXFLOW + "; auxiliary classifier omitted"),
     _e("inception", "inception_tiny", "tiny", 4, "synthetic (Inception-v3 blocks at width 1/16)"),

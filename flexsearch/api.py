@@ -20,7 +20,7 @@ from torch import nn
 
 from flexsearch.cost.calibration import DeviceCalibration, load_calibration
 from flexsearch.cost.compute import MeasuredCosts
-from flexsearch.cost.hardware import Cluster
+from flexsearch.cost.hardware import Cluster, user_dir
 from flexsearch.errors import ClusterSpecError, FlexsearchError, PlanFileError
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.graph.tracer import trace
@@ -30,6 +30,7 @@ from flexsearch.precision import precision as precision_of
 from flexsearch.sim.context import CostContext
 from flexsearch.sim.predict import predict
 from flexsearch.sim.result import Simulation
+from flexsearch.strategy.convergence import BUILTIN_DIR, Constants, constants_for
 
 DEFAULT_CLUSTER = "dgx-h100"
 Calibration = DeviceCalibration | None | Literal["auto"]
@@ -58,6 +59,14 @@ def resolve_calibration(calibration: Calibration, cluster: Cluster) -> DeviceCal
     return calibration
 
 
+def resolve_convergence(family: str) -> Constants:
+    """D-PSGD's iterations-factor constants for models of class ``family``: this
+    machine's measurement (``~/.flexsearch/convergence/``, what ``flexsearch calibrate
+    --convergence`` writes), else the shipped one, else the default
+    (:func:`flexsearch.strategy.convergence.constants_for`)."""
+    return constants_for(family, dirs=(user_dir() / "convergence", BUILTIN_DIR))
+
+
 def plan(
     model: nn.Module,
     example_inputs: tuple,
@@ -67,7 +76,7 @@ def plan(
     budget_s: float | None = None,
     max_iters: int | None = None,
     seed: int = 0,
-    objective: Literal["iteration", "time_to_accuracy"] = "iteration",
+    objective: Literal["iteration", "time_to_accuracy"] = "time_to_accuracy",
     optimizer: Literal["adam", "momentum", "sgd"] = "adam",
     kinds: Iterable[str] | None = None,
     precision: str = "auto",
@@ -82,9 +91,11 @@ def plan(
     in memory.
 
     Budgets: ``max_iters`` (reproducible: same seed, same plan) or ``budget_s``
-    (seconds); neither means the default iteration budget. ``objective`` is accepted
-    for the decentralized plans; for synchronous plans (data, SOAP) iterations to
-    accuracy equal plain SGD's, so both objectives rank them by iteration time.
+    (seconds); neither means the default iteration budget. ``objective``
+    ``time_to_accuracy`` (default) ranks plans by iteration time x the iterations they
+    need relative to synchronous SGD: 1 for every synchronous kind, a D-PSGD plan's
+    measured or default factor (:mod:`flexsearch.strategy.convergence`);
+    ``iteration`` by iteration time alone.
     ``decentralized=False`` keeps synchronous training: D-PSGD plans are simulated for
     the notes but never returned. ``measured``: op costs measured by the profiler.
     ``precision`` (:mod:`flexsearch.precision`): ``auto`` is ``bf16-mixed`` on devices
@@ -109,7 +120,8 @@ def plan(
     graph = trace(model, example_inputs, precision=prec)
     p = plan_graph(graph, cl, kinds=kinds, budget_s=budget_s, max_iters=max_iters, seed=seed,
                    optimizer=optimizer, objective=objective, progress=progress, decentralized=decentralized,
-                   measured=measured, calibration=resolve_calibration(calibration, cl), batch_norm=batch_norm)
+                   measured=measured, calibration=resolve_calibration(calibration, cl), batch_norm=batch_norm,
+                   convergence=resolve_convergence(graph.family))
     return with_precision_note(p, why)
 
 

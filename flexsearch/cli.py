@@ -176,7 +176,9 @@ def cluster(
 def calibrate(
     out: Annotated[str | None, typer.Option(help="Calibration file to write [default: ~/.flexsearch/calibration.json "
                                                  "or $FLEXSEARCH_HOME/calibration.json].", show_default=False)] = None,
-    ranks: Annotated[int, typer.Option(help="gloo processes (the cpu preset's devices) to measure on.", min=2)] = 2,
+    ranks: Annotated[int | None, typer.Option(
+        help="gloo processes (the cpu preset's devices) to measure on [default: 2; with --convergence: 8, the "
+             "largest of the rank counts 2, 4, ... trained].", min=2, show_default=False)] = None,
     threads: Annotated[int, typer.Option(help="CPU threads per process.", min=1)] = 1,
     steps: Annotated[int, typer.Option(help="Timed steps per probe run (the median is kept).", min=3)] = 40,
     warmup: Annotated[int, typer.Option(help="Untimed steps before timing.", min=2)] = 3,
@@ -185,12 +187,24 @@ def calibrate(
     max_wait: Annotated[float, typer.Option(help="Seconds to wait for a quiet machine before each measurement.",
                                             min=0)] = 60.0,
     restart: Annotated[bool, typer.Option("--restart", help="Ignore the progress of an interrupted run.")] = False,
+    convergence: Annotated[str | None, typer.Option(
+        help="Measure D-PSGD's convergence for this model (MODEL spec) instead: train it on scikit-learn's digits "
+             "under all-reduce and each gossip topology on 2, 4, ... up to --ranks gloo processes, and write the "
+             "fitted iterations factors where the planner reads them for the model's family [default --out: "
+             "~/.flexsearch/convergence/<class name>.json].", show_default=False)] = None,
+    epochs: Annotated[int, typer.Option(help="Epochs per convergence run (--convergence).", min=2)] = 20,
 ) -> None:
     """Measure this machine's calibration of the simulator (the cpu preset's gloo processes).
 
     Probe models are trained for real under every execution mode; the simulator's
     residuals become per-op, per-tensor and per-step costs, each with this command and
-    the host as its source. Resumable: an interrupted run continues where it stopped."""
+    the host as its source. Resumable: an interrupted run continues where it stopped.
+    With --convergence MODEL it measures D-PSGD's iterations to accuracy instead
+    (flexsearch.calibrate.convergence)."""
+    if convergence is not None:
+        _calibrate_convergence(convergence, out, 8 if ranks is None else ranks, epochs)
+        return
+    ranks = 2 if ranks is None else ranks
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from flexsearch.calibrate import Settings
@@ -213,6 +227,33 @@ def calibrate(
                  f"raw measurements in {res.log_path})", markup=False, soft_wrap=True)
 
 
+def _calibrate_convergence(spec: str, out: str | None, ranks: int, epochs: int) -> None:
+    from flexsearch.calibrate.convergence import Settings, measure, rank_counts, write
+
+    settings = Settings(ranks=rank_counts(ranks), epochs=epochs)
+    with err.status(f"training {spec} on {', '.join(map(str, settings.ranks))} ranks", spinner="dots") as status:
+        data = measure(spec, settings, progress=lambda s: status.update(f"training {spec}: {s}"))
+    path = write(data, out)
+    table = Table(title=f"D-PSGD convergence of {data.family} (target: all-reduce's loss once at "
+                        f"{data.target_fraction:.0%} of its initial loss)")
+    for col in ("ranks", "split", "topology", "iterations factor"):
+        table.add_column(col, justify="right" if col != "topology" else "left")
+    for f in data.factors:
+        table.add_row(str(f.ranks), f.split, f.topology, f"{f.factor:.3f}" + (" (not reached)" if f.censored else ""))
+    stdout.print(table)
+    for f in data.fits:
+        stdout.print(f"{f.split} fit: sigma^2/eps = {f.noise_ratio:.3g}, zeta^2/eps = {f.heterogeneity_ratio:.3g} "
+                     f"(rms log error {f.rms_log_error:.3f}{_edge(f)})",
+                     markup=False)
+    stdout.print(f"written to {path}; the planner uses it for {data.family} models", markup=False, soft_wrap=True)
+
+
+def _edge(f) -> str:
+    if not f.at_bound:
+        return ""
+    return "; no slowdown measured" if f.split == "iid" else "; more slowdown than the bound fits"
+
+
 def _refuse_overwrite(path: str | None, force: bool, flag: str) -> None:
     if path is None:
         return
@@ -230,7 +271,8 @@ def plan(
     budget: Annotated[float | None, typer.Option(help="Search budget in seconds.", min=0.001)] = None,
     max_iters: Annotated[int | None, typer.Option(help="Search budget in MCMC steps (reproducible).", min=0)] = None,
     seed: Annotated[int, typer.Option(help="Random seed of the search.")] = 0,
-    objective: Annotated[str, typer.Option(help="iteration or time_to_accuracy.")] = "iteration",
+    objective: Annotated[str, typer.Option(help="time_to_accuracy (iteration time x iterations needed relative to "
+                                                "synchronous SGD) or iteration (iteration time alone).")] = "time_to_accuracy",
     decentralized: Annotated[bool, typer.Option(help="Consider D-PSGD plans (each device its own model, gossip "
                                                      "averaging); --no-decentralized keeps synchronous SGD.")] = True,
     precision: Annotated[str, typer.Option(help="Training precision: auto, fp32, tf32, bf16-mixed, fp16-mixed or bf16 "
@@ -254,6 +296,7 @@ def plan(
         DEFAULT_CLUSTER,
         resolve_calibration,
         resolve_cluster,
+        resolve_convergence,
         resolve_precision,
         simulate,
         with_precision_note,
@@ -297,7 +340,7 @@ def plan(
         calibration = resolve_calibration("auto", cl)
         p = plan_graph(graph, cl, kinds=kinds, budget_s=budget, max_iters=max_iters, seed=seed, objective=objective,
                        progress=progress, decentralized=decentralized, calibration=calibration,
-                       batch_norm=batch_norm)
+                       batch_norm=batch_norm, convergence=resolve_convergence(graph.family))
     p = with_precision_note(p, why)
     if p.interrupted:
         err.print(f"interrupted: returning the best plan found so far ({p.search.iterations} MCMC steps; "

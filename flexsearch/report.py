@@ -19,7 +19,7 @@ from __future__ import annotations
 import base64
 import html
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from flexsearch.plan import Plan
@@ -250,6 +250,47 @@ def convergence_figure(curve: Sequence[tuple[int, float]], iterations: int, plan
     caption = (f"Search convergence: the best plan the MCMC search had found after each iteration "
                f"({len(curve) - 1} improvement(s) after the best seed, {first / last:.2f}x in all). "
                "Dashed: the returned plan (a pipeline search runs after the MCMC and may win).")
+    return Figure(_svg(_WIDTH, top + h + bottom, body), alt, caption)
+
+
+# -- a line chart (benchmarks' pages) ---------------------------------------------------------
+SERIES_COLOURS = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#b07aa1")
+
+
+def line_figure(series: Mapping[str, Sequence[tuple[float, float]]], xlabel: str, ylabel: str,
+                caption: str) -> Figure:
+    """One polyline with markers per named series of ``(x, y)`` points, on shared linear
+    axes from 0 (empty series are left out)."""
+    left, right, top, bottom, h = 80, 20, 30, 44, 260
+    plot_w = _WIDTH - left - right
+    pts = [p for s in series.values() for p in s if math.isfinite(p[0]) and math.isfinite(p[1])]
+    x_hi = max((x for x, _ in pts), default=1.0) or 1.0
+    y_hi = max((y for _, y in pts), default=1.0) or 1.0
+    xt, yt = _ticks(x_hi), _ticks(y_hi)
+    x_hi, y_hi = max(x_hi, xt[-1]), max(y_hi, yt[-1])
+
+    def x_of(x: float) -> float:
+        return left + x / x_hi * plot_w
+
+    def y_of(y: float) -> float:
+        return top + h - y / y_hi * h
+
+    names = [k for k, s in series.items() if s]
+    colours = {k: SERIES_COLOURS[i % len(SERIES_COLOURS)] for i, k in enumerate(names)}
+    body = _legend(left, 16, [(k, colours[k]) for k in names])
+    for v in yt:
+        body.append(f"<line x1='{left}' y1='{y_of(v):.1f}' x2='{left + plot_w}' y2='{y_of(v):.1f}' stroke='#eee'/>")
+        body.append(_text(left - 6, y_of(v) + 4, f"{v:.4g}", "end"))
+    for v in xt:
+        body.append(_text(x_of(v), top + h + 14, f"{v:.4g}", "middle"))
+    body.append(_text(left + plot_w / 2, top + h + 32, xlabel, "middle"))
+    body.append(_text(14, top + h / 2, ylabel, "middle", f"transform='rotate(-90 14 {top + h / 2:.1f})'"))
+    for k in names:
+        xy = [(x_of(x), y_of(y)) for x, y in series[k] if math.isfinite(x) and math.isfinite(y)]
+        body.append(f"<polyline points='{' '.join(f'{a:.1f},{b:.1f}' for a, b in xy)}' fill='none' "
+                    f"stroke='{colours[k]}' stroke-width='2'/>")
+        body.extend(f"<circle cx='{a:.1f}' cy='{b:.1f}' r='2.5' fill='{colours[k]}'/>" for a, b in xy)
+    alt = f"Line chart of {ylabel} against {xlabel} for " + ", ".join(names)
     return Figure(_svg(_WIDTH, top + h + bottom, body), alt, caption)
 
 

@@ -120,13 +120,15 @@ bench --check default=False
 bench --update default=False
 bench --baseline default=None
 calibrate --out default=None
-calibrate --ranks default=2 min=2
+calibrate --ranks default=None min=2
 calibrate --threads default=1 min=1
 calibrate --steps default=40 min=3
 calibrate --warmup default=3 min=2
 calibrate --retries default=3 min=1
 calibrate --max-wait default=60.0 min=0
 calibrate --restart default=False
+calibrate --convergence default=None
+calibrate --epochs default=20 min=2
 cluster NAME default=None
 cluster --devices default=None min=1
 plan MODEL default=None required
@@ -135,7 +137,7 @@ plan --cluster default=None
 plan --budget default=None min=0.001
 plan --max-iters default=None min=0
 plan --seed default=0
-plan --objective default='iteration'
+plan --objective default='time_to_accuracy'
 plan --decentralized default=True
 plan --precision default='auto'
 plan --batch-norm default='local'

@@ -247,12 +247,16 @@ def test_explain(resnet20, worker):
                                    topologies=("ring",))
     ring = tta[0]
     line = explain(ring, "all-reduce", 0.030, objective="time_to_accuracy")
-    assert line.startswith("ring D-PSGD 22.5 ms/iter but needs") and "all-reduce 30.0 ms/iter wins" in line
+    assert line.startswith("objective time_to_accuracy: ring D-PSGD 22.5 ms/iter but needs")
+    assert "all-reduce 30.0 ms/iter wins" in line
+    sourced = explain(ring, "all-reduce", 0.030, objective="time_to_accuracy", factor_source="measured for X")
+    assert sourced == line + "; iterations factor: measured for X"
     line = explain(tta, "all-reduce", 0.0877, objective="iteration")
     assert "beats all-reduce 87.7 ms/iter" in line
     assert "wins" in explain(ring, "data", 0.010, objective="iteration")
     assert "beats" in explain(ring, "all-reduce", 10.0, objective="time_to_accuracy")
-    assert explain([], "data", 0.01, reason="one device").startswith("no decentralized candidate (one device)")
+    assert explain([], "data", 0.01, reason="one device", factor_source="x") == \
+        "objective iteration: no decentralized candidate (one device); data 10.0 ms/iter is the plan"
     assert "\n" not in line
 
 
@@ -262,7 +266,7 @@ def test_explain(resnet20, worker):
 @pytest.fixture(scope="module")
 def resnet20_plans(resnet20):
     """ResNet-20 at 16 x 32 samples on 16 devices of the slow network, per objective
-    and with decentralized plans switched off."""
+    (``time_to_accuracy`` the default) and with decentralized plans switched off."""
     from flexsearch.search.planner import plan_graph
 
     model, inputs = load_model(f"{ROOT}/benchmarks/models/resnet.py:resnet20")
@@ -271,7 +275,7 @@ def resnet20_plans(resnet20):
     g = trace(model, (torch.empty(512, *inputs[0].shape[1:]),))
     cl = Cluster.preset("commodity", 16)
     return g, {k: plan_graph(g, cl, max_iters=30, **kw) for k, kw in {
-        "iteration": {}, "time_to_accuracy": {"objective": "time_to_accuracy"},
+        "iteration": {"objective": "iteration"}, "time_to_accuracy": {},
         "synchronous": {"decentralized": False}}.items()}
 
 

@@ -207,17 +207,23 @@ def test_batch_statistics_are_a_plan_option(graphs):
 
 @pytest.mark.slow
 def test_every_family_verifies_on_the_planners_choice(graphs):
-    """Each family: the planner's own plan on 2 `cpu` devices, emitted and verified on 2
-    gloo ranks; and its answer to `--kind pipeline` (not proposed: torch.export graphs)."""
+    """Each family: the planner's own plan and an FSDP plan on 2 `cpu` devices, emitted and
+    verified on 2 gloo ranks; and a pipeline plan, verified where torch.fx traces the
+    model, else not proposed (torch.export graphs). Prints the family x kind table."""
     cl = Cluster.resolve("cpu", 2)
     cases = []
     for name in NAMES:
         _, _, g = _graph(graphs, name)
         cases.append((name, plan_graph(g, cl, max_iters=50)))
+        cases.append((name, plan_graph(g, cl, kinds=("fsdp",), max_iters=0)))
         if g.via == "export":
             with pytest.raises(PlanKindError, match="torch.export"):
                 plan_graph(g, cl, kinds=("pipeline",), max_iters=0)
-    results = run_ranks(hf_job, 2, cases, timeout_s=1200)
+            print(f"{name:<16} pipeline               not proposed: traced with torch.export")
+        else:
+            cases.append((name, plan_graph(g, cl, kinds=("pipeline",), max_iters=0)))
+    results = run_ranks(hf_job, 2, cases, timeout_s=1800)
     for name, kind, shard, loss, ref in results[0]:
-        print(f"{name:<10} {kind + (' (fsdp)' if shard else ''):<22} loss {loss:.6g} reference {ref:.6g}")
-        assert loss == pytest.approx(ref, rel=1e-5), name
+        print(f"{name:<16} {kind + (' (fsdp)' if shard else ''):<22} loss {loss:.6g} reference {ref:.6g}")
+    for name, kind, _shard, loss, ref in results[0]:
+        assert loss == pytest.approx(ref, rel=1e-5), (name, kind)

@@ -220,3 +220,19 @@ def test_report_command(tmp_path, capsys):
     assert out == "" and "--force" in err and len(err.strip().splitlines()) == 1
     assert page.read_bytes() == before
     assert main(["report", str(plan_file), "--out", str(page), "--force"]) == 0
+
+
+def test_line_figure_draws_every_non_empty_series():
+    from flexsearch.report import line_figure
+
+    fig = line_figure({"all-reduce": [(0.0, 2.3), (1.5, 1.0), (3.0, 0.2)], "ring": [(0.0, 2.3), (0.5, 0.9)],
+                       "empty": []}, "simulated wall-clock (s)", "training loss", "caption")
+    root = ET.fromstring(fig.svg)
+    lines = [e for e in root.iter() if e.tag.endswith("polyline")]
+    assert len(lines) == 2
+    points = [[tuple(map(float, p.split(","))) for p in e.get("points").split()] for e in lines]
+    assert [len(p) for p in points] == [3, 2]
+    # shared axes: the ring's last point (x = 0.5) lies left of all-reduce's second (x = 1.5)
+    assert points[1][1][0] < points[0][1][0]
+    assert "all-reduce" in fig.alt and "ring" in fig.alt and "empty" not in fig.alt
+    assert fig.caption in fig.html()

@@ -88,9 +88,9 @@ def test_zoo_entries_are_well_formed():
         assert e.spec == f"benchmarks/models/{e.family}.py:{e.name}"
         assert e.path.is_file()
         assert e.batch > 0 and e.source
-        assert (e.size == "tiny") == e.name.endswith("_tiny")
+        assert (e.size == "tiny") == e.name.endswith(("_tiny", "_digits"))
     assert {e.name for e in zoo.entries(size="tiny")} == {
-        e.name for e in zoo.ZOO if e.name.endswith("_tiny")
+        e.name for e in zoo.ZOO if e.name.endswith(("_tiny", "_digits"))
     }
     assert all(e.family == "gpt" for e in zoo.entries(family="gpt"))
     assert zoo.entries(size="large", family="gpt") == [zoo.get("gpt3_175b")]

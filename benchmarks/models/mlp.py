@@ -55,6 +55,16 @@ def mlp_tiny(batch_size: int = 16):
     return model, (x,)
 
 
+def mlp_digits(batch_size: int = 32):
+    """MLP for scikit-learn's 8x8 digits: 64 -> 128 -> 128 -> 10 (3 Linear layers), batch 32
+    (what ``flexsearch calibrate --convergence`` trains for the MLP family)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = MLP(64, 128, 10, 3)
+        x = torch.rand(batch_size, 64)
+    return model, (x,)
+
+
 def build_model():
     """Headline configuration: :func:`mlp`."""
     return mlp()

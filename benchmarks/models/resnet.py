@@ -183,6 +183,17 @@ def resnet_tiny(batch_size: int = 8):
     return model, (x,)
 
 
+def resnet20_digits(batch_size: int = 32):
+    """ResNet-20 (as :func:`resnet20`) on 3x8x8 images: scikit-learn's digits in each
+    channel (what ``flexsearch calibrate --convergence`` trains for the CifarResNet
+    family; stages at 8x8, 4x4 and 2x2), batch 32. Real CPU weights."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = CifarResNet(n=3)
+        x = torch.rand(batch_size, 3, 8, 8)
+    return model, (x,)
+
+
 def build_model():
     """Headline configuration: :func:`resnet50`."""
     return resnet50()

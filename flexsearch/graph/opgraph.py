@@ -176,6 +176,9 @@ class OpGraph(_Frozen):
 
     model: str
     via: Literal["fx", "export"]
+    family: str = ""
+    """The model's class name (what per-family measurements, e.g. convergence files,
+    are keyed by; ``model`` may be a caller's label)."""
     nodes: tuple[OpNode, ...]
     blocks: tuple[BlockGroup, ...] = ()
     unused_params: int = 0

@@ -126,6 +126,7 @@ def trace_calls(
     graph = OpGraph(
         model=name or type(model).__name__,
         via=via,
+        family=type(model).__name__,
         nodes=tuple(n.model_copy(update={"block": refs[n.name]}) if n.name in refs else n for n in nodes),
         blocks=blocks,
         unused_params=unused,

@@ -214,14 +214,23 @@ def _t(seconds: float) -> str:
 
 
 def explain(best: DecentralizedResult | Sequence[DecentralizedResult] | None, sync_name: str,
-            sync_time_s: float, *, objective: str = "iteration", reason: str = "") -> str:
+            sync_time_s: float, *, objective: str = "iteration", reason: str = "",
+            factor_source: str = "") -> str:
     """One line: why the best decentralized candidate wins or loses against the best
     synchronous plan (``sync_name`` at ``sync_time_s`` per iteration) under
-    ``objective``. ``best`` may be the candidate list (its best feasible entry is used);
-    ``reason`` says why there is no candidate when there is none. Pure."""
+    ``objective``, naming the objective and, when given, where the iterations factor
+    comes from (``factor_source``). ``best`` may be the candidate list (its best feasible
+    entry is used); ``reason`` says why there is no candidate when there is none. Pure."""
     _check_objective(objective)
     if best is not None and not isinstance(best, DecentralizedResult):
         best = best_candidate(best)
+    line = _explain(best, sync_name, sync_time_s, objective, reason)
+    source = f"; iterations factor: {factor_source}" if factor_source and best is not None else ""
+    return f"objective {objective}: {line}{source}"
+
+
+def _explain(best: DecentralizedResult | None, sync_name: str, sync_time_s: float, objective: str,
+             reason: str) -> str:
     sync = f"{sync_name} {_t(sync_time_s)}/iter"
     if best is None:
         why = f" ({reason})" if reason else ""

@@ -12,12 +12,19 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from flexsearch.errors import FlexsearchError
-from flexsearch.tables import ms, plan_summary, plan_table, si
+from flexsearch.tables import (
+    bench_table,
+    convergence_table,
+    ms,
+    plan_summary,
+    plan_table,
+    profile_plan_lines,
+    si,
+)
 
 try:  # typer >= 0.20 vendors click
     from typer._click.exceptions import ClickException, UsageError
@@ -234,24 +241,9 @@ def _calibrate_convergence(spec: str, out: str | None, ranks: int, epochs: int) 
     with err.status(f"training {spec} on {', '.join(map(str, settings.ranks))} ranks", spinner="dots") as status:
         data = measure(spec, settings, progress=lambda s: status.update(f"training {spec}: {s}"))
     path = write(data, out)
-    table = Table(title=f"D-PSGD convergence of {data.family} (target: all-reduce's loss once at "
-                        f"{data.target_fraction:.0%} of its initial loss)")
-    for col in ("ranks", "split", "topology", "iterations factor"):
-        table.add_column(col, justify="right" if col != "topology" else "left")
-    for f in data.factors:
-        table.add_row(str(f.ranks), f.split, f.topology, f"{f.factor:.3f}" + (" (not reached)" if f.censored else ""))
-    stdout.print(table)
-    for f in data.fits:
-        stdout.print(f"{f.split} fit: sigma^2/eps = {f.noise_ratio:.3g}, zeta^2/eps = {f.heterogeneity_ratio:.3g} "
-                     f"(rms log error {f.rms_log_error:.3f}{_edge(f)})",
-                     markup=False)
+    for x in convergence_table(data):
+        stdout.print(x, markup=False)
     stdout.print(f"written to {path}; the planner uses it for {data.family} models", markup=False, soft_wrap=True)
-
-
-def _edge(f) -> str:
-    if not f.at_bound:
-        return ""
-    return "; no slowdown measured" if f.split == "iid" else "; more slowdown than the bound fits"
 
 
 def _refuse_overwrite(path: str | None, force: bool, flag: str) -> None:
@@ -379,18 +371,8 @@ def _plan_profile(path: str, cl, as_json: bool) -> None:
             "data_parallel_time_per_minibatch_s": dp, "peak_memory_bytes": best.simulation.peak_memory_bytes,
         }) + "\n")
         return
-    table = Table(title=f"{path}: PipeDream plan on {cl.devices} x {cl.device.name} ({cl.name})")
-    table.add_column("stage")
-    table.add_column("layers")
-    table.add_column("replicas", justify="right")
-    table.add_column("devices")
-    for i, s in enumerate(stages):
-        table.add_row(str(i), f"{s['first']} .. {s['last']} ({s['layers']})", str(s["replicas"]),
-                      f"{s['devices'][0]}-{s['devices'][-1]}" if len(s["devices"]) > 1 else str(s["devices"][0]))
-    stdout.print(table)
-    stdout.print(f"configuration {config}, asynchronous 1F1B with weight stashing")
-    stdout.print(f"predicted time per minibatch {ms(t)}; data parallel {ms(dp)} ({dp / t:.2f}x); "
-                 f"peak memory per device {si(best.simulation.peak_memory_bytes, 'B')}")
+    for line in profile_plan_lines(path, cl, stages, config, t, dp, best.simulation.peak_memory_bytes):
+        stdout.print(line)
 
 
 def _plan_graph_for(p, plan_path: str):
@@ -541,9 +523,6 @@ def _rel(path: Path) -> str:
         return str(path)
 
 
-_STATUS_STYLE = {"regressed": "red", "new": "yellow", "improved": "green"}
-
-
 @app.command()
 def bench(
     check: Annotated[bool, typer.Option("--check", help="Exit 1 when a plan got more than 1% slower, became infeasible, or is not in the baseline.")] = False,
@@ -573,28 +552,8 @@ def bench(
 
         run = b.bench(baseline_path=path, progress=progress)
     cmp = run.comparison
-    table = Table(title=f"bench: {len(run.results)} plans (seed {run.seed}, {run.max_iters} MCMC steps) vs {_rel(path)}",
-                  box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1), collapse_padding=True)
-    for col in ("model", "cluster", "N", "kind", "ms", "baseline ms", "change", "status"):
-        table.add_column(col, justify="right" if col in ("N", "ms", "baseline ms", "change") else "left", no_wrap=True)
-
-    def ms(t: float | None) -> str:
-        return f"{t * 1e3:.3f}" if t is not None else "does not fit"
-
-    for r in cmp.rows:
-        now, before = r.now, r.before
-        t = ms(now.iteration_time_s)
-        was = "-" if before is None else ms(before.iteration_time_s)
-        change = f"{r.change:+.2%}" if r.change is not None else "-"
-        style = _STATUS_STYLE.get(r.status, "")
-        table.add_row(now.model.rsplit(":", 1)[-1], now.cluster, str(now.devices), now.kind or "-", t, was, change,
-                      f"[{style}]{r.status}[/]" if style else r.status)
-    stdout.print(table)
-    for r in cmp.rows:
-        if r.status == "improved":
-            change = f" ({r.change:+.2%})" if r.change is not None else ""
-            stdout.print(f"improved: {r.label}: {ms(r.before.iteration_time_s)} -> {ms(r.now.iteration_time_s)} ms"
-                         f"{change}", markup=False)
+    for x in bench_table(run, _rel(path)):
+        stdout.print(x, markup=False)
     if update:
         b.write_baseline(run.baseline(), path)
         stdout.print(f"baseline written to {_rel(path)} ({len(run.results)} plans)")

@@ -1,8 +1,11 @@
-"""What the CLI prints about a plan: the table and the ``--json`` summary (DESIGN section 2)."""
+"""What the CLI prints: a plan's table and ``--json`` summary (DESIGN section 2), the
+``bench`` comparison and a convergence measurement (``calibrate --convergence``)."""
 
 from __future__ import annotations
 
+from rich import box
 from rich.table import Table
+from rich.text import Text
 
 
 def si(x: float, unit: str = "") -> str:
@@ -90,3 +93,67 @@ def plan_table(p, search_time_s: float | None, *, default_cluster: bool = False)
     for row in rows:
         table.add_row(*row)
     return table
+
+
+STATUS_STYLE = {"regressed": "red", "new": "yellow", "improved": "green"}
+
+
+def _bench_ms(t: float | None) -> str:
+    return f"{t * 1e3:.3f}" if t is not None else "does not fit"
+
+
+def bench_table(run, baseline_name: str) -> list:
+    """``flexsearch bench``'s table of a run against its baseline, then one line per
+    improved case."""
+    table = Table(title=f"bench: {len(run.results)} plans (seed {run.seed}, {run.max_iters} MCMC steps) vs "
+                        f"{baseline_name}",
+                  box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1), collapse_padding=True)
+    for col in ("model", "cluster", "N", "kind", "ms", "baseline ms", "change", "status"):
+        table.add_column(col, justify="right" if col in ("N", "ms", "baseline ms", "change") else "left", no_wrap=True)
+    lines = []
+    for r in run.comparison.rows:
+        now, before = r.now, r.before
+        was = "-" if before is None else _bench_ms(before.iteration_time_s)
+        change = f"{r.change:+.2%}" if r.change is not None else "-"
+        style = STATUS_STYLE.get(r.status, "")
+        table.add_row(now.model.rsplit(":", 1)[-1], now.cluster, str(now.devices), now.kind or "-",
+                      _bench_ms(now.iteration_time_s), was, change, Text(r.status, style=style))
+        if r.status == "improved":
+            pct = f" ({r.change:+.2%})" if r.change is not None else ""
+            lines.append(f"improved: {r.label}: {_bench_ms(before.iteration_time_s)} -> "
+                         f"{_bench_ms(now.iteration_time_s)} ms{pct}")
+    return [table, *lines]
+
+
+def _edge(f) -> str:
+    if not f.at_bound:
+        return ""
+    return "; no slowdown measured" if f.split == "iid" else "; more slowdown than the bound fits"
+
+
+def convergence_table(data) -> list:
+    """A convergence file's measured factors, then one line per fit."""
+    table = Table(title=f"D-PSGD convergence of {data.family} (target: all-reduce's loss once at "
+                        f"{data.target_fraction:.0%} of its initial loss)")
+    for col in ("ranks", "split", "topology", "iterations factor"):
+        table.add_column(col, justify="right" if col != "topology" else "left")
+    for f in data.factors:
+        table.add_row(str(f.ranks), f.split, f.topology, f"{f.factor:.3f}" + (" (not reached)" if f.censored else ""))
+    return [table, *(f"{f.split} fit: sigma^2/eps = {f.noise_ratio:.3g}, zeta^2/eps = {f.heterogeneity_ratio:.3g} "
+                     f"(rms log error {f.rms_log_error:.3f}{_edge(f)})" for f in data.fits)]
+
+
+def profile_plan_lines(path: str, cl, stages: list[dict], config: str, t: float, dp: float,
+                       peak_bytes: float) -> list:
+    """``flexsearch plan graph.txt``'s stage table and summary lines."""
+    table = Table(title=f"{path}: PipeDream plan on {cl.devices} x {cl.device.name} ({cl.name})")
+    table.add_column("stage")
+    table.add_column("layers")
+    table.add_column("replicas", justify="right")
+    table.add_column("devices")
+    for i, s in enumerate(stages):
+        table.add_row(str(i), f"{s['first']} .. {s['last']} ({s['layers']})", str(s["replicas"]),
+                      f"{s['devices'][0]}-{s['devices'][-1]}" if len(s["devices"]) > 1 else str(s["devices"][0]))
+    return [table, f"configuration {config}, asynchronous 1F1B with weight stashing",
+            f"predicted time per minibatch {ms(t)}; data parallel {ms(dp)} ({dp / t:.2f}x); "
+            f"peak memory per device {si(peak_bytes, 'B')}"]

@@ -62,7 +62,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from flexsearch.errors import FlexsearchError
-from flexsearch.strategy.topology import build, iteration_bound, mixing_parameters
+from flexsearch.strategy.topology import (
+    bound_factor as model_factor,  # the fit's model: the planner's factor
+)
+from flexsearch.strategy.topology import build, mixing_parameters
 
 SPLITS = ("iid", "non-iid")
 TARGET_FRACTION = 0.25
@@ -213,15 +216,6 @@ def measured_factors(curves: Iterable[Curve], fraction: float = TARGET_FRACTION)
 
 
 # --- the fit ------------------------------------------------------------------------------
-
-def model_factor(p: float, tau: int, n: int, noise_ratio: float, heterogeneity_ratio: float) -> float:
-    """The bound's factor ``B(p, tau, n) / B(1, 1, n)`` (>= 1), as
-    :func:`~flexsearch.strategy.topology.iterations_factor` computes it."""
-    if p >= 1.0 and tau == 1:
-        return 1.0
-    kw = {"noise_ratio": noise_ratio, "heterogeneity_ratio": heterogeneity_ratio}
-    return max(1.0, iteration_bound(p, tau, n, **kw) / iteration_bound(1.0, 1, n, **kw))
-
 
 def _residuals(factors: Sequence[Factor], s: float, z: float) -> list[float]:
     out = []

@@ -330,11 +330,16 @@ def iterations_factor(topology: Topology, *, noise_ratio: float = 100.0,
     - torus (2 x 4, 8 x 8, 32 x 32): 1.08 / 2.18 / 13.2.
     """
     p, tau = mixing_parameters(topology)
+    return bound_factor(p, tau, topology.n, noise_ratio, heterogeneity_ratio)
+
+
+def bound_factor(p: float, tau: int, n: int, noise_ratio: float = 100.0, heterogeneity_ratio: float = 0.0) -> float:
+    """:func:`iterations_factor` from a topology's ``(p, tau)`` and rank count:
+    ``B(p, tau, n) / B(1, 1, n)``, at least 1, exactly 1 for ``p = 1, tau = 1``."""
     if p >= 1.0 and tau == 1:
         return 1.0
     kw = {"noise_ratio": noise_ratio, "heterogeneity_ratio": heterogeneity_ratio}
-    decentral = iteration_bound(p, tau, topology.n, **kw)
-    return max(1.0, decentral / iteration_bound(1.0, 1, topology.n, **kw))
+    return max(1.0, iteration_bound(p, tau, n, **kw) / iteration_bound(1.0, 1, n, **kw))
 
 
 # --- building ---------------------------------------------------------------------------

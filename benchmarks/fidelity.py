@@ -177,7 +177,7 @@ def describe(plan: Plan) -> str:
         return (f"{plan.schedule} p{len(plan.stages) // (plan.chunks or 1)}x{plan.stages[0].replicas}"
                 f"x{plan.tensor_degree} m{plan.microbatches}")
     if plan.kind == "data":
-        return "fsdp" if plan.shard_params else "ddp"
+        return {"none": "ddp", "zero3": "fsdp"}.get(plan.shard, plan.shard)
     if plan.kind == "decentralized":
         return f"dpsgd {plan.topology}"
     kinds: dict[str, int] = {}

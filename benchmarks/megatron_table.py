@@ -171,7 +171,7 @@ def describe(plan) -> str:
         return (f"{plan.kind} p={p} t={plan.tensor_degree} d={plan.stages[0].replicas} "
                 f"m={plan.microbatches} {plan.schedule} rc={plan.recompute}")
     extra = f" m={plan.microbatches}" if (plan.microbatches or 1) > 1 else ""
-    shard = " fsdp" if plan.shard_params else ""
+    shard = f" {plan.shard}" if plan.shard != "none" else ""
     return f"{plan.kind}{shard}{extra} rc={plan.recompute}"
 
 

@@ -6,7 +6,7 @@ Public API (DESIGN section 1): :func:`load_model`, :func:`trace`, :class:`Cluste
 
 from flexsearch.api import plan, simulate
 from flexsearch.cost.hardware import Cluster
-from flexsearch.emit import parallelize
+from flexsearch.emit import make_optimizer, parallelize
 from flexsearch.errors import (
     ClusterSpecError,
     FlexsearchError,
@@ -38,6 +38,7 @@ __all__ = [
     "PlanKindError",
     "ProfileError",
     "Simulation",
+    "make_optimizer",
     "TraceError",
     "UnsupportedOpError",
     "load_model",

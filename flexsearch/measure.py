@@ -165,7 +165,7 @@ def measure_job(rank: int, world: int, build: Callable, build_args: tuple, plan:
     plans) the median seconds of a no-grad forward too."""
     import torch.distributed as dist
 
-    from flexsearch.emit import parallelize
+    from flexsearch.emit import make_optimizer, parallelize
     from flexsearch.emit.data import batch_shard
 
     pin_malloc(1 << 16)
@@ -173,7 +173,7 @@ def measure_job(rank: int, world: int, build: Callable, build_args: tuple, plan:
     module = parallelize(model, plan)
     del model
     params = list(module.parameters())
-    opt = torch.optim.Adam(params, lr=1e-4)
+    opt = make_optimizer(module, torch.optim.Adam, lr=1e-4)
     param_bytes = sum(_local_bytes(p) for p in params)
 
     def step():

@@ -25,8 +25,9 @@ from flexsearch.strategy.config import Config, legal, parse_config
 from flexsearch.strategy.fsdp import fsdp_units
 from flexsearch.strategy.kinds import DataParallel, Decentralized, Pipelined, Soap, Strategy
 
-PLAN_VERSION = 4
-"""4: the training precision and model FLOPs, recompute modes (``none``, ``selective``,
+PLAN_VERSION = 5
+"""5: the sharding of a data-parallel plan (``shard``: ``none``, ``zero1``, ``zero2``,
+``zero3``, ``hsdp``, with ``shard_group``; was ``shard_params``, true reads as ``zero3``); 4: the training precision and model FLOPs, recompute modes (``none``, ``selective``,
 ``full``), gradient accumulation for data-parallel plans; 3: the FSDP units of a sharded data-parallel plan; 2: search curve, notes,
 decentralized topology fields (files of versions 1 to 3 still load)."""
 PlanKind = Literal["data", "soap", "pipeline", "hybrid", "decentralized"]
@@ -108,11 +109,15 @@ class Plan(_Frozen):
     """Batch statistics of BatchNorm layers: ``local``, each replica's own samples (per
     microbatch in a pipeline or under accumulation), as DDP computes them; ``sync``,
     SyncBatchNorm over the data-parallel replicas (GPUs only)."""
-    shard_params: bool = False
-    """Data parallel with parameters, gradients and optimizer state sharded over the
-    devices (FSDP2 ``fully_shard``, ZeRO-3) instead of replicated (DDP)."""
+    shard: Literal["none", "zero1", "zero2", "zero3", "hsdp"] = "none"
+    """How a data-parallel plan shards its training state over the devices
+    (:data:`flexsearch.strategy.kinds.SHARDINGS`): replicated (DDP), ZeRO-1 (DDP and
+    ``ZeroRedundancyOptimizer``), ZeRO-2/ZeRO-3 (FSDP2 ``fully_shard`` without/with
+    ``reshard_after_forward``), or HSDP (FSDP2 on a ``(replicate, shard)`` mesh)."""
+    shard_group: int | None = None
+    """``hsdp`` plans: devices per shard group (consecutive devices)."""
     fsdp_units: tuple[str, ...] = ()
-    """Sharded data-parallel plans: the module paths wrapped as FSDP units
+    """FSDP-sharded data-parallel plans: the module paths wrapped as FSDP units
     (:mod:`flexsearch.strategy.fsdp`), decided once for the simulator and the emitter."""
     inputs: tuple[TensorMeta, ...] = ()
     input_names: tuple[str, ...] = ()
@@ -147,10 +152,19 @@ class Plan(_Frozen):
 
     @model_validator(mode="before")
     @classmethod
-    def _old_recompute(cls, data):
+    def _old_fields(cls, data):
         if isinstance(data, dict) and isinstance(data.get("recompute"), bool):
             data = {**data, "recompute": "full" if data["recompute"] else "none"}
+        if isinstance(data, dict) and "shard_params" in data:  # version 4 and older: a bool, true for FSDP
+            old = data["shard_params"]
+            data = {k: v for k, v in data.items() if k != "shard_params"}
+            data.setdefault("shard", {True: "zero3", False: "none"}.get(old, old) if isinstance(old, bool) else old)
         return data
+
+    @property
+    def shard_params(self) -> bool:
+        """Are the parameters sharded at rest (FSDP2: ``zero2``, ``zero3``, ``hsdp``)?"""
+        return self.shard in ("zero2", "zero3", "hsdp")
 
     @model_validator(mode="after")
     def _decentralized_fields(self) -> Plan:
@@ -243,8 +257,12 @@ class Plan(_Frozen):
         if self.kind == "soap":
             return Soap(configs, decisions)
         units = self.fsdp_units or (fsdp_units(graph.modules) if self.shard_params else ())
-        return DataParallel(configs, decisions, shard=self.shard_params, fsdp_units=units,
-                            microbatches=self.microbatches or 1, recompute=self.recompute)
+        try:
+            return DataParallel(configs, decisions, shard=self.shard, fsdp_units=units,
+                                shard_group=self.shard_group or 0, microbatches=self.microbatches or 1,
+                                recompute=self.recompute)
+        except ValueError as e:
+            raise PlanFileError(f"the plan's data parallelism cannot be simulated: {e}; plan again") from None
 
     def check_graph(self, graph: OpGraph) -> None:
         """Raise PlanFileError unless this plan was made for ``graph`` (the same model,

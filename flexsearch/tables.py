@@ -32,6 +32,8 @@ def plan_summary(p, search_time_s: float | None) -> dict:
         "interrupted": p.interrupted,
         "objective": p.objective,
         "precision": p.precision,
+        "shard": p.shard,
+        "recompute": p.recompute,
         "model_flops": p.model_flops,
         "mfu": p.mfu,
         "topology": p.topology,
@@ -72,6 +74,9 @@ def plan_table(p, search_time_s: float | None, *, default_cluster: bool = False)
         for i, st in enumerate(p.stages):
             rows.append((f"stage {i}", f"{st.nodes[0]} .. {st.nodes[-1]} ({len(st.nodes)} ops) on devices "
                          f"{st.devices[0]}-{st.devices[-1]}"))
+    if p.shard != "none":
+        group = f", shard groups of {p.shard_group} devices, replicated across groups" if p.shard == "hsdp" else ""
+        rows.append(("sharding", f"{p.shard}{group}"))
     if not p.stages and (p.recompute != "none" or (p.microbatches or 1) > 1):
         rows.append(("training", f"{p.microbatches or 1} microbatches accumulated, {p.recompute} activation "
                                  "recomputation"))

@@ -44,7 +44,7 @@ def make_plans() -> dict[str, Plan]:
     data = base.model_copy(update={"kind": "data", "configs": configs(lambda _: "s2"), "stages": ()})
     return {
         "ddp": data,
-        "fsdp": data.model_copy(update={"shard_params": True}),
+        "fsdp": data.model_copy(update={"shard": "zero3"}),
         "soap": base.model_copy(update={"kind": "soap", "configs": configs(SOAP.__getitem__)}),
     }
 

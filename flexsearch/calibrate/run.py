@@ -116,7 +116,7 @@ def probe_strategy(graph: OpGraph, cl: Cluster, mode: str, microbatches: int = 2
     if mode == "ddp":
         return DataParallel(configs, dp)
     if mode == "fsdp":
-        return DataParallel(configs, dp, shard=True, fsdp_units=fsdp_units(graph.modules))
+        return DataParallel(configs, dp, shard="zero3", fsdp_units=fsdp_units(graph.modules))
     if mode in ("sharded", "plain"):  # plain: one process, the model as it is
         return Soap(configs, dp)
     if mode == "pipeline":

@@ -16,6 +16,8 @@ Every emitted module has ``train_step(inputs, target, loss_fn) -> loss``: every 
 passes the same global batch and target; the step runs forward and backward as the
 plan says, leaves the gradients on the module's parameters for any torch optimizer,
 and returns the global mean loss (``loss_fn`` must average over the batch).
+:func:`make_optimizer` builds the optimizer the plan trains with (ZeRO-1 plans shard
+its state; any other plan takes a plain torch optimizer over the module's parameters).
 """
 
 from __future__ import annotations
@@ -104,4 +106,16 @@ def parallelize(model: nn.Module, plan: Plan, *, group: dist.ProcessGroup | None
     return pipeline(model, graph, plan, rt)
 
 
-__all__ = ["EMITTABLE_KINDS", "parallelize"]
+def make_optimizer(module: nn.Module, cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
+                   **kwargs) -> torch.optim.Optimizer:
+    """The optimizer ``cls(..., **kwargs)`` for an emitted ``module``, as its plan runs
+    it: sharded (``ZeroRedundancyOptimizer``) for a ``zero1`` plan, else ``cls`` over
+    the module's trainable parameters (FSDP and DTensor plans shard the state with the
+    parameters)."""
+    own = getattr(module, "make_optimizer", None)
+    if own is not None:
+        return own(cls, **kwargs)
+    return cls([p for p in module.parameters() if p.requires_grad], **kwargs)
+
+
+__all__ = ["EMITTABLE_KINDS", "make_optimizer", "parallelize"]

@@ -1,6 +1,10 @@
-"""Data-parallel plans: ``DistributedDataParallel``, or FSDP2 ``fully_shard`` when the
-plan shards parameters (``Plan.shard_params``), over the FSDP units the plan records
-(:mod:`flexsearch.strategy.fsdp`; the same rule for plans that record none).
+"""Data-parallel plans, by their sharding (``Plan.shard``,
+:data:`flexsearch.strategy.kinds.SHARDINGS`): ``DistributedDataParallel`` (``none``;
+``zero1`` adds ``ZeroRedundancyOptimizer`` from :meth:`DataParallelModule.make_optimizer`),
+or FSDP2 ``fully_shard`` over the FSDP units the plan records
+(:mod:`flexsearch.strategy.fsdp`; the same rule for plans that record none):
+``reshard_after_forward=False`` for ``zero2``, ``True`` for ``zero3``, and on a 2-D
+``(replicate, shard)`` mesh of the plan's shard groups for ``hsdp``.
 
 Calling convention: ``module(x)`` is the wrapped model on *this rank's* shard of the
 batch (as with DDP); :meth:`DataParallelModule.train_step` takes the global batch on
@@ -29,6 +33,7 @@ from flexsearch.graph.modules import module_facts
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.plan import Plan
 from flexsearch.strategy.fsdp import fsdp_units
+from flexsearch.strategy.kinds import FSDP_SHARDINGS
 
 
 def has_batch_norm(model: nn.Module) -> bool:
@@ -61,21 +66,31 @@ def shard_units(model: nn.Module, units: tuple[str, ...] | None = None) -> list[
 class DataParallelModule(nn.Module):
     """A data-parallel model: ``module`` is the DDP wrapper or the fully-sharded model."""
 
-    def __init__(self, model: nn.Module, rt: Runtime, shard_params: bool, units: tuple[str, ...] | None = None,
-                 microbatches: int = 1):
+    def __init__(self, model: nn.Module, rt: Runtime, shard: str = "none", units: tuple[str, ...] | None = None,
+                 microbatches: int = 1, shard_group: int = 0):
         super().__init__()
         self._rt = rt
-        self.sharded = shard_params
+        self.shard = shard
+        self.sharded = shard in FSDP_SHARDINGS
         self.microbatches = microbatches
         cast_model(model, rt.precision)
-        if shard_params:
+        if self.sharded:
             from torch.distributed.fsdp import fully_shard
 
-            mesh = rt.mesh(list(range(len(rt.ranks))), ("dp",))
+            n = len(rt.ranks)
+            if shard == "hsdp":
+                if not 1 < shard_group < n or n % shard_group:
+                    raise EmitError(f"the hsdp plan's shard groups of {shard_group} do not split {n} ranks into "
+                                    "2 or more groups; plan again")
+                mesh = rt.mesh([[k + j for j in range(shard_group)] for k in range(0, n, shard_group)],
+                               ("replicate", "shard"))
+            else:
+                mesh = rt.mesh(list(range(n)), ("dp",))
             kw = {"mp_policy": policy} if (policy := fsdp_policy(rt.precision)) is not None else {}
+            kw["reshard_after_forward"] = shard != "zero2"
             for unit in shard_units(model, units):  # the plan's units, then the root
-                fully_shard(unit, mesh=mesh, reshard_after_forward=True, **kw)
-            fully_shard(model, mesh=mesh, reshard_after_forward=True, **kw)
+                fully_shard(unit, mesh=mesh, **kw)
+            fully_shard(model, mesh=mesh, **kw)
             self.module = model
         else:
             self.module = DistributedDataParallel(model, process_group=rt.group)
@@ -92,6 +107,17 @@ class DataParallelModule(nn.Module):
 
     def named_original_parameters(self):
         return self.model.named_parameters()
+
+    def make_optimizer(self, cls: type[torch.optim.Optimizer], **kwargs: Any) -> torch.optim.Optimizer:
+        """The optimizer the plan trains with: ``cls`` over the trainable parameters, as
+        ``ZeroRedundancyOptimizer`` (each rank keeps and updates its share of the state,
+        then broadcasts its parameters) under ``zero1``."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        if self.shard != "zero1":
+            return cls(params, **kwargs)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=self._rt.group, **kwargs)
 
     def train_step(self, inputs: tuple, target: Any = None,
                    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> torch.Tensor:
@@ -134,4 +160,5 @@ def data_parallel(model: nn.Module, rt: Runtime, plan: Plan, graph: OpGraph) -> 
         if rt.device_type == "cpu":
             raise EmitError("SyncBatchNorm runs on GPUs only; on CPU plan with --batch-norm local")
         copied = nn.SyncBatchNorm.convert_sync_batchnorm(copied, process_group=rt.group)
-    return DataParallelModule(copied, rt, plan.shard_params, plan.fsdp_units or None, plan.microbatches or 1)
+    return DataParallelModule(copied, rt, plan.shard, plan.fsdp_units or None, plan.microbatches or 1,
+                              plan.shard_group or 0)

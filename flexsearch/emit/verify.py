@@ -127,7 +127,7 @@ def verify(model: nn.Module, plan: Plan, inputs: tuple, target: Any = None,
 def _compare(model, plan, inputs, target, loss_fn, steps, lr, group, rtol, atol, seen) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from flexsearch.emit import parallelize
+    from flexsearch.emit import make_optimizer, parallelize
 
     prec = precision_of(plan.precision)
     rtol = TOLERANCES[plan.precision][0] if rtol is None else rtol
@@ -175,7 +175,7 @@ def _compare(model, plan, inputs, target, loss_fn, steps, lr, group, rtol, atol,
             continue
         _close(g, ref_params[name].grad, rtol, atol, low, lambda m, name=name: f"gradient of {name} differs: {m}",
                seen, f"gradient {name}")
-    opt = torch.optim.SGD([p for p in emitted.parameters() if p.requires_grad], lr=lr)
+    opt = make_optimizer(emitted, torch.optim.SGD, lr=lr)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
     opt.step()
     ref_opt.step()

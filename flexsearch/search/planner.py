@@ -79,7 +79,7 @@ from flexsearch.strategy import recipes as bl
 from flexsearch.strategy.config import Config
 from flexsearch.strategy.convergence import DEFAULT_CONSTANTS, Constants, constants_for
 from flexsearch.strategy.fsdp import fsdp_units
-from flexsearch.strategy.kinds import KINDS, DataParallel, Pipelined, Soap
+from flexsearch.strategy.kinds import FSDP_SHARDINGS, KINDS, DataParallel, Pipelined, Soap
 from flexsearch.strategy.space import Space
 
 DEFAULT_MAX_ITERS = 2000
@@ -372,12 +372,16 @@ def plan_synchronous(
         elif (fit := fitting_variant(graph, data_strategy, ctx, optimizer, sim)) is not None:
             candidates.append(("data", *fit))
     if "fsdp" in kinds and _splits(graph, cluster.devices):
-        sharded = dataclasses.replace(data_strategy, shard=True, fsdp_units=fsdp_units(graph.modules))
-        fsdp_sim = predict(graph, sharded, ctx, optimizer=optimizer, timeline=False, simulator=sim)
-        if fsdp_sim.feasible:
-            candidates.append(("fsdp", sharded, fsdp_sim))
-        elif (fit := fitting_variant(graph, sharded, ctx, optimizer, sim)) is not None:
-            candidates.append(("fsdp", *fit))
+        shared = sim if sim is not None else Simulator(graph, ctx, optimizer=optimizer)
+        units = fsdp_units(graph.modules)
+        for shard, group in shardings(cluster):
+            sharded = dataclasses.replace(data_strategy, shard=shard, shard_group=group,
+                                          fsdp_units=units if shard in FSDP_SHARDINGS else ())
+            fsdp_sim = predict(graph, sharded, ctx, optimizer=optimizer, timeline=False, simulator=shared)
+            if fsdp_sim.feasible:
+                candidates.append(("fsdp", sharded, fsdp_sim))
+            elif (fit := fitting_variant(graph, sharded, ctx, optimizer, shared)) is not None:
+                candidates.append(("fsdp", *fit))
     pipes: list[PipelineResult] = []
     dream = None
     if want_pipes and not interrupted:
@@ -395,7 +399,8 @@ def plan_synchronous(
                 raise
             pipes, dream, interrupted = [], None, True
     pipe = next((r for r in pipes if r.simulation.feasible), None)
-    oplevel = min(candidates, key=lambda c: (not c[2].feasible, c[2].iteration_time_s), default=None)
+    oplevel = min(candidates, key=lambda c: (not c[2].feasible, c[2].iteration_time_s, c[2].peak_memory_bytes),
+                  default=None)
     if oplevel is None and pipe is None:
         if set(kinds) >= {"data", "soap", "pipeline", "hybrid"}:
             raise _infeasible(base, cluster)
@@ -425,15 +430,32 @@ def plan_synchronous(
     if isinstance(strategy, DataParallel) and (strategy.recompute != "none" or strategy.microbatches > 1):
         how = [f"{strategy.recompute} activation checkpointing"] if strategy.recompute != "none" else []
         how += [f"{strategy.microbatches} accumulated microbatches"] if strategy.microbatches > 1 else []
-        plain = "fsdp" if strategy.shard else "data"
+        plain = "data" if strategy.shard == "none" else strategy.shard
         plan = plan.model_copy(update={"notes": (*plan.notes, (
             f"{' and '.join(how)}: {plain} parallelism without them does not fit in memory"),)})
+    if isinstance(strategy, DataParallel) and strategy.shard != "none":
+        others = [f"{c[1].shard} {c[2].iteration_time_s * 1e3:.3f} ms" for c in candidates
+                  if c[0] == "fsdp" and c[1] is not strategy]
+        tried = f" (also simulated: {', '.join(others)})" if others else ""
+        plan = plan.model_copy(update={"notes": (*plan.notes, (
+            f"sharding {strategy.shard}: the fastest sharded data parallelism that fits{tried}"),)})
     if interrupted:
         plan = plan.model_copy(update={"notes": (*plan.notes, (
             f"search interrupted (Ctrl-C) after {result.iterations} MCMC steps: the best plan found so far, "
             "pipelines and decentralized plans not searched"),)})
         plan = plan.with_interrupted()
     return plan.with_search_time(time.perf_counter() - t0)
+
+
+def shardings(cluster: Cluster) -> list[tuple[str, int]]:
+    """The sharded data-parallel layouts the search tries on ``cluster`` (``shard``,
+    ``shard_group``): ZeRO-1, ZeRO-2 and ZeRO-3 over every device, and HSDP sharded
+    within a node and replicated across nodes when there is more than one whole node."""
+    out = [("zero1", 0), ("zero2", 0), ("zero3", 0)]
+    per_node = cluster.devices_per_node
+    if 1 < per_node < cluster.devices and cluster.devices % per_node == 0:
+        out.append(("hsdp", per_node))
+    return out
 
 
 def _splits(graph: OpGraph, devices: int) -> bool:
@@ -454,7 +476,7 @@ def fitting_variant(graph: OpGraph, strategy: DataParallel, ctx: CostContext, op
         per_device = batch_size(graph) // ctx.cluster.devices
     except ValueError:
         per_device = 1
-    steps = [1] if strategy.shard else [1, *(m for m in microbatch_options(max(per_device, 1), 2) if m > 1)]
+    steps = [1] if strategy.shard != "none" else [1, *(m for m in microbatch_options(max(per_device, 1), 2) if m > 1)]
     best = None
     for m in steps:
         for mode in RECOMPUTE_ORDER:

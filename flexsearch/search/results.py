@@ -53,7 +53,8 @@ def strategy_fields(graph: OpGraph, strategy: Strategy) -> dict[str, Any]:
     """The plan fields that describe ``strategy``."""
     if isinstance(strategy, DataParallel):
         return {"kind": "data", "decisions": _texts(strategy.decisions), "configs": _texts(strategy.configs),
-                "shard_params": strategy.shard, "fsdp_units": strategy.fsdp_units if strategy.shard else (),
+                "shard": strategy.shard, "shard_group": strategy.shard_group or None,
+                "fsdp_units": strategy.fsdp_units if strategy.fsdp else (),
                 "microbatches": strategy.microbatches if strategy.microbatches > 1 else None,
                 "recompute": strategy.recompute}
     if isinstance(strategy, Soap):

@@ -7,8 +7,9 @@ plan kinds are costed by one cost model under one explicit context
 
 - :class:`~flexsearch.strategy.kinds.Soap`: the op-level simulator
   (:mod:`flexsearch.sim.simulator`), each op on DTensors;
-- :class:`~flexsearch.strategy.kinds.DataParallel`: as the emitter runs it: with FSDP2
-  over its units when sharded; with gradient accumulation as one stage on every device
+- :class:`~flexsearch.strategy.kinds.DataParallel`: as the emitter runs it: sharded
+  (``zero1``: the op-level simulation with DDP and a sharded update; ``zero2``, ``zero3``,
+  ``hsdp``: with FSDP2 over its units); with gradient accumulation as one stage on every device
   running its microbatches, then one gradient synchronisation; with DDP otherwise,
   which is the op-level simulation with DDP's buckets when calibrated, and else the
   faster of the op-level simulation
@@ -60,15 +61,14 @@ def predict(graph: OpGraph, strategy: Strategy, ctx: CostContext, *, optimizer: 
         raise TypeError(f"not a strategy: {type(strategy).__name__}")
     whole = ((0, len(graph.nodes)),)
     if strategy.microbatches > 1:  # accumulation: every replica runs m microbatches, then one sync
-        if strategy.shard:
-            raise ValueError("FSDP with gradient accumulation is not modelled; use microbatches=1")
         # one stage under 1F1B: each microbatch's backward right after its forward
         return predict(graph, Pipelined(whole, tensor=1, replicas=ctx.cluster.devices, schedule="1f1b",
                                         microbatches=strategy.microbatches, recompute=strategy.recompute),
                        ctx, optimizer=optimizer, timeline=timeline)
-    if strategy.shard:
-        return sim.simulate(strategy.configs, timeline=timeline, shard_params=True,
-                            fsdp_units=strategy.fsdp_units, recompute=strategy.recompute)
+    if strategy.shard != "none":
+        return sim.simulate(strategy.configs, timeline=timeline, shard=strategy.shard,
+                            shard_group=strategy.shard_group, fsdp_units=strategy.fsdp_units,
+                            recompute=strategy.recompute, ddp=True)
     oplevel = sim.simulate(strategy.configs, timeline=timeline, ddp=True, recompute=strategy.recompute)
     if ctx.calibration is not None:
         return oplevel

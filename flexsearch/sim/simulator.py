@@ -12,8 +12,9 @@ with compute on the devices. The iteration time is the end of the last task.
 **Execution modes.** A plan the emitter runs on DTensors (SOAP) synchronises each
 layer's gradients on its own; one it runs with DDP (``ddp``, calibrated: the ``data``
 plan) all-reduces them in DDP's buckets (:meth:`Simulator._buckets`); one it runs with
-FSDP2 (``shard_params``) gathers and reduce-scatters each FSDP unit
-(:meth:`Simulator._fsdp`).
+FSDP2 (``shard``: ``zero2``, ``zero3``, ``hsdp``) gathers and reduce-scatters each FSDP
+unit (:meth:`Simulator._fsdp`); ZeRO-1 (``zero1``) runs DDP, then each device updates
+its share of the parameters and all-gathers the result (:meth:`Simulator._schedule`).
 
 **Memory** per device: :mod:`flexsearch.sim.accounting`, with the device's parameter
 shard, the activations its fragments keep (plus, calibrated, the loss's gradient of the
@@ -33,13 +34,20 @@ from dataclasses import replace
 
 from flexsearch.cost.hardware import Cluster
 from flexsearch.graph.opgraph import OpGraph
-from flexsearch.sim.accounting import DeviceMemory, check_optimizer, peak_bytes, update_s
+from flexsearch.sim.accounting import (
+    OPTIMIZER_STATE,
+    DeviceMemory,
+    check_optimizer,
+    peak_bytes,
+    update_s,
+)
 from flexsearch.sim.context import CostContext, collective_task
 from flexsearch.sim.result import Simulation
 from flexsearch.sim.taskgraph import Fragment, build_fragment, kept_bytes
 from flexsearch.sim.tasks import Scheduled, Task, run_tasks
 from flexsearch.strategy.config import Config
 from flexsearch.strategy.fsdp import ROOT, fsdp_units, node_units
+from flexsearch.strategy.kinds import FSDP_SHARDINGS
 from flexsearch.strategy.recompute import Checkpointing
 
 
@@ -83,17 +91,22 @@ class Simulator:
         return all(c.kind in ("", "x") and c.n == n and c.first == 0 for c in configs.values())
 
     def simulate(self, configs: Mapping[str, Config], *, timeline: bool = True,
-                 ddp: bool | None = None, shard_params: bool = False,
+                 ddp: bool | None = None, shard: str = "none", shard_group: int = 0,
                  fsdp_units: tuple[str, ...] | None = None, recompute: str = "none") -> Simulation:
         """Simulate one iteration; ``timeline=False`` skips the per-task record and the
         critical path (what a search needs: time and memory). ``ddp``: the plan runs
         with DDP (default: :meth:`is_ddp`; a plan's kind says it: ``data``).
-        ``shard_params``: a data-parallel plan run fully sharded (FSDP, :meth:`_fsdp`),
-        ``fsdp_units`` the paths of its units (default: the rule of
-        :func:`flexsearch.strategy.fsdp.fsdp_units` on the graph's modules).
+        ``shard``: how a data-parallel plan shards its state
+        (:data:`~flexsearch.strategy.kinds.SHARDINGS`): ``zero1`` shards the optimizer
+        update (:meth:`_schedule`), the FSDP shardings run in :meth:`_fsdp` over
+        ``fsdp_units`` (default: the rule of :func:`flexsearch.strategy.fsdp.fsdp_units`
+        on the graph's modules), HSDP's groups of ``shard_group`` devices.
         ``recompute``: activation checkpointing (:meth:`_checkpoint`)."""
-        if shard_params:
-            return self._fsdp(configs, timeline, fsdp_units, recompute)
+        if shard in FSDP_SHARDINGS:
+            return self._fsdp(configs, timeline, fsdp_units, recompute, reshard=shard != "zero2",
+                              group=shard_group if shard == "hsdp" else 0)
+        if shard not in ("none", "zero1"):
+            raise ValueError(f"unknown sharding {shard!r}")
         ddp = self.is_ddp(configs) if ddp is None else ddp and self.ctx.calibration is not None
         frags, working = self._checkpoint([self.fragment(n.name, configs, ddp=ddp) for n in self.graph.nodes],
                                           configs, recompute)
@@ -106,7 +119,7 @@ class Simulator:
             if i in buckets:
                 ordered.append(buckets[i])
         return self._schedule(frags, ordered, timeline, ddp, list(buckets.values()), configs=configs,
-                              working=working)
+                              working=working, zero1=shard == "zero1")
 
     def _checkpoint(self, frags: list[Fragment], configs: Mapping[str, Config],
                     mode: str) -> tuple[list[Fragment], dict[int, float]]:
@@ -158,18 +171,29 @@ class Simulator:
         return out
 
     def _fsdp(self, configs: Mapping[str, Config], keep_timeline: bool,
-              given: tuple[str, ...] | None = None, recompute: str = "none") -> Simulation:
-        """A data-parallel plan with parameters, gradients and optimizer state sharded
-        over the ``n`` devices (FSDP2, ``reshard_after_forward``). Per unit of
-        :meth:`unit_nodes` (``P_u`` bytes): an all-gather of ``P_u`` before its first
-        forward, another before its backward, a reduce-scatter of its gradients after it
-        (each with a copy in and out of the flat buffer, ``2 P_u`` bytes at memory
-        bandwidth, when calibrated). Parameters are gathered in the precision's
-        ``param_dtype`` (bf16 under bf16-mixed: half the bytes) and gradients
-        reduce-scattered in their own dtype. Memory: ``(2 + k) P / n`` + activations + the
-        unsharded parameters of two units (one prefetched) and the gradients of one."""
-        devices = list(range(self.cluster.devices))
-        frags, working = self._checkpoint([self.fragment(n.name, configs, ddp=True) for n in self.graph.nodes],
+              given: tuple[str, ...] | None = None, recompute: str = "none", *, reshard: bool = True,
+              group: int = 0) -> Simulation:
+        """A data-parallel plan run by FSDP2, parameters, gradients and optimizer state
+        sharded over groups of ``g`` devices (``group``, default all ``n``; HSDP when
+        ``g < n``: the groups are replicas). Per unit of :meth:`unit_nodes` (``P_u``
+        bytes), in each group: an all-gather of ``P_u`` before its first forward, another
+        before its backward when ``reshard`` (``reshard_after_forward``: ZeRO-3; without
+        it, ZeRO-2, the gathered parameters stay until the unit's backward), a
+        reduce-scatter of its gradients after it; under HSDP then an all-reduce of the
+        ``P_u / g`` shard across the ``n / g`` groups (each collective with a copy in and
+        out of the flat buffer, ``2`` bytes moved per byte at memory bandwidth, and the
+        fixed ``fsdp_collective_s``, when calibrated). Parameters are gathered in the
+        precision's ``param_dtype`` (bf16 under bf16-mixed: half the bytes) and gradients
+        reduced in their own dtype. Memory: ``(2 + k) P / g`` + activations + the gathered
+        parameters (two units, one prefetched, under ZeRO-3; every unit at the start of
+        the backward under ZeRO-2) and the unreduced gradients of one unit."""
+        n = self.cluster.devices
+        g = group if 1 < group < n else n
+        if n % g:
+            raise ValueError(f"{n} devices do not split into shard groups of {g}")
+        groups = [list(range(k, k + g)) for k in range(0, n, g)]
+        group_of = {d: k for k, members in enumerate(groups) for d in members}
+        frags, working = self._checkpoint([self.fragment(nd.name, configs, ddp=True) for nd in self.graph.nodes],
                                           configs, recompute)
         ctx = self.ctx.as_ddp()
         units = self.unit_nodes(given)
@@ -180,14 +204,17 @@ class Simulator:
         copy_s = 2 / self.cluster.device.memory_bandwidth.value if cal is not None else 0.0
         fixed = cal.fsdp_collective_s.value if cal is not None else 0.0
 
-        def coll(op: str, u: str, key: tuple, deps: tuple = ()) -> Task:
+        def coll(op: str, u: str, members: list[int], nbytes: float, key: tuple, deps: tuple = ()) -> Task:
             label = u if u != ROOT else "root"
-            nbytes = size[u] * (gather if op == "all_gather" else 1.0)
-            t = collective_task(ctx, op, devices, nbytes, f"fsdp {label}", deps, (key,), f"FSDP unit {label}")
+            t = collective_task(ctx, op, members, nbytes, f"fsdp {label}", deps, (key,), f"FSDP unit {label}")
             return replace(t, duration=t.duration + copy_s * nbytes + fixed)
 
-        def waiting(tasks: list[Task], key: tuple) -> list[Task]:
-            return [replace(t, deps=t.deps + (key,)) if t.kind in ("fwd", "bwd") else t for t in tasks]
+        def gathers(u: str, tag: str) -> list[Task]:
+            return [coll("all_gather", u, members, size[u] * gather, (tag, u, k)) for k, members in enumerate(groups)]
+
+        def waiting(tasks: list[Task], tag: str, u: str) -> list[Task]:
+            return [replace(t, deps=t.deps + ((tag, u, group_of[t.resources[0]]),)) if t.kind in ("fwd", "bwd")
+                    else t for t in tasks]
 
         ordered: list[Task] = []
         gathered: set[str] = set()
@@ -198,8 +225,8 @@ class Simulator:
                 continue
             if u not in gathered:
                 gathered.add(u)
-                ordered.append(coll("all_gather", u, ("ag", u)))
-            ordered.extend(waiting(f.forward, ("ag", u)))
+                ordered.extend(gathers(u, "ag"))
+            ordered.extend(waiting(f.forward, "ag", u))
         gathered.clear()
         reduced: list[Task] = []
         for i in reversed(range(len(frags))):
@@ -207,17 +234,28 @@ class Simulator:
             if u is None:
                 ordered.extend(frags[i].backward)
                 continue
-            if u not in gathered:
+            if reshard and u not in gathered:
                 gathered.add(u)
-                ordered.append(coll("all_gather", u, ("agb", u)))
-            ordered.extend(waiting(frags[i].backward, ("agb", u)))
+                ordered.extend(gathers(u, "agb"))
+            ordered.extend(waiting(frags[i].backward, "agb" if reshard else "ag", u))
             if i == units[u][0]:
-                deps = tuple(("b", self.graph.nodes[j].name, d) for j in units[u] for d in devices)
-                reduced.append(coll("reduce_scatter", u, ("s", "fsdp", u), deps))
-                ordered.append(reduced[-1])
+                scattered = []
+                for k, members in enumerate(groups):
+                    deps = tuple(("b", self.graph.nodes[j].name, d) for j in units[u] for d in members)
+                    scattered.append(coll("reduce_scatter", u, members, size[u], ("rs", u, k), deps))
+                ordered.extend(scattered)
+                if len(groups) == 1:
+                    reduced.extend(scattered)
+                    continue
+                for j in range(g):  # HSDP: the shard's replicas, one device per group
+                    across = [members[j] for members in groups]
+                    deps = tuple(("rs", u, k) for k in range(len(groups)))
+                    reduced.append(coll("all_reduce", u, across, size[u] / g, ("ar", u, j), deps))
+                    ordered.append(reduced[-1])
         peak = sorted(size.values(), reverse=True)
-        unsharded = gather * sum(peak[:2]) + (peak[0] if peak else 0.0)
-        return self._schedule(frags, ordered, keep_timeline, True, reduced, shards=len(devices),
+        held = sum(peak[:2]) if reshard else sum(peak)
+        unsharded = gather * held + (peak[0] if peak else 0.0)
+        return self._schedule(frags, ordered, keep_timeline, True, reduced, shards=g,
                               unsharded=unsharded, configs=configs, working=working)
 
     def _param_dtype(self) -> str:
@@ -274,11 +312,17 @@ class Simulator:
 
     def _schedule(self, frags: list[Fragment], ordered: list[Task], keep_timeline: bool, ddp: bool = False,
                   buckets: list[Task] = (), shards: int = 1, unsharded: float = 0.0,
-                  configs: Mapping[str, Config] | None = None, working: Mapping[int, float] = {}) -> Simulation:
+                  configs: Mapping[str, Config] | None = None, working: Mapping[int, float] = {},
+                  zero1: bool = False) -> Simulation:
         """List-schedule ``ordered``, then one optimizer update per device; memory.
         ``buckets``: gradient collectives every update waits for (DDP, FSDP); ``shards``:
         parameters, gradients and optimizer state divided over this many devices (FSDP),
-        with ``unsharded`` bytes gathered at a time."""
+        with ``unsharded`` bytes gathered at a time. ``zero1`` (ZeRO-1, replicated
+        parameters and gradients): each device holds and updates ``1 / n`` of the
+        optimizer state and parameters (``ZeroRedundancyOptimizer`` partitions whole
+        tensors, by size), then the updated parameters are all-gathered over every
+        device (torch broadcasts each rank's share: the same bytes on every link) before
+        the iteration ends."""
         devices = self.cluster.devices
         run = run_tasks(ordered, devices, len(self._links), keep_timeline)
         free, end, timeline, compute, chain = run.free, run.end, run.timeline, run.compute, run.chain
@@ -316,10 +360,12 @@ class Simulator:
         sharded = (not ddp and devices > 1) or shards > 1  # DTensor parameters
         mode = "fsdp" if shards > 1 else "sharded" if sharded else "ddp" if ddp else "plain"
         dev = self.cluster.device
+        owned = [p / devices for p in params] if zero1 else params  # the share each device updates
         for d in range(devices):
             if not params[d]:
                 continue
-            dur = update_s(self.ctx, self.optimizer, params[d], tensors[d], mode, sharded=sharded)
+            share = tensors[d] / devices if zero1 else tensors[d]
+            dur = update_s(self.ctx, self.optimizer, owned[d], share, mode, sharded=sharded)
             start = max([free[d]] + [end.get(k, 0.0) for k in after[d]])
             cstart = max([chain.get(k, 0.0) for k in after[d]], default=0.0)
             t = Task("update", "optimizer", dur, (d,), tuple(after[d]), (("u", d),))
@@ -329,13 +375,23 @@ class Simulator:
             compute[d] += dur
             if keep_timeline:
                 timeline.append(Scheduled(t, start, start + dur))
+        if zero1 and devices > 1:  # after every update, the updated shares all-gathered over every device
+            t = collective_task(self.ctx.as_ddp(), "all_gather", list(range(devices)), max(params), "zero1 params",
+                                tuple(("u", d) for d in range(devices) if params[d]), (("zero1",),),
+                                "ZeRO-1 parameter broadcast")
+            start = max(free[r] for r in (*range(devices), *t.resources))
+            for r in (*range(devices), *t.resources):
+                free[r] = start + t.duration
+            chain[("zero1",)] = max(chain.get(k, 0.0) for k in t.deps) + t.duration if t.deps else t.duration
+            serial += t.duration
+            if keep_timeline:
+                timeline.append(Scheduled(t, start, start + t.duration))
         makespan = max(free[:devices] + free[devices:], default=0.0)
         loss_grad = self._output_grad(configs)
         buckets_held = ddp and shards == 1  # DDP keeps a flat copy of the gradients
-        memory = [peak_bytes(DeviceMemory.replicated(params[d], acts[d], self.optimizer, largest=largest[d],
-                                                     buffers=unsharded,
-                                                     grad_buckets=params[d] if buckets_held else 0.0,
-                                                     loss_grad=loss_grad.get(d, 0.0)), cal, mode)
+        memory = [peak_bytes(DeviceMemory(params[d], params[d], OPTIMIZER_STATE[self.optimizer] * owned[d], acts[d],
+                                          largest[d], unsharded, params[d] if buckets_held else 0.0,
+                                          loss_grad.get(d, 0.0)), cal, mode)
                   for d in range(devices)]
         return Simulation(
             iteration_time_s=makespan,

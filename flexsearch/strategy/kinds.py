@@ -1,8 +1,8 @@
 """One small immutable value per plan kind: what the simulator predicts
 (:func:`flexsearch.sim.predict.predict`), the planner chooses and a plan file records.
 
-- :class:`DataParallel`: every op data parallel over all devices; DDP, or FSDP2
-  ``fully_shard`` over :attr:`DataParallel.fsdp_units` when ``shard`` (``fsdp``);
+- :class:`DataParallel`: every op data parallel over all devices; DDP, or sharded data
+  parallelism (``fsdp``) at one of the ZeRO stages of :data:`SHARDINGS`;
 - :class:`Soap`: a configuration per op (FlexFlow's SOAP), run on DTensors;
 - :class:`Pipelined`: a uniform pipeline of stages (node positions ``bounds``), each on
   ``replicas`` data-parallel replicas of ``tensor`` devices (Megatron's layout inside a
@@ -10,7 +10,7 @@
 - :class:`Decentralized`: D-PSGD, every device its own replica, gossip on a topology.
 
 ``Strategy`` is their union. :data:`KINDS` names the plan kinds a search may be
-restricted to (``fsdp`` is a data-parallel plan with ``shard``).
+restricted to (``fsdp`` is a data-parallel plan whose ``shard`` is not ``none``).
 """
 
 from __future__ import annotations
@@ -25,17 +25,37 @@ from flexsearch.strategy.topology import Topology
 KINDS = ("data", "fsdp", "soap", "pipeline", "hybrid", "decentralized")
 """The plan kinds (``plan --kind``)."""
 
+SHARDINGS = ("none", "zero1", "zero2", "zero3", "hsdp")
+"""How a data-parallel plan shards its training state over the ``n`` devices (ZeRO's
+stages, Rajbhandari et al. 2020), each as the emitter runs it:
+
+- ``none``: replicated, DDP;
+- ``zero1``: optimizer state sharded (DDP, then ``ZeroRedundancyOptimizer``: each rank
+  updates its share of the parameters and broadcasts it);
+- ``zero2``: optimizer state and gradients sharded, parameters gathered once per
+  iteration and kept through the backward (FSDP2, ``reshard_after_forward=False``);
+- ``zero3``: parameters too, gathered again for the backward (FSDP2,
+  ``reshard_after_forward=True``);
+- ``hsdp``: ``zero3`` within groups of ``shard_group`` devices (a node), replicated across
+  the groups (FSDP2 on a 2-D ``(replicate, shard)`` mesh): the gradient shards are
+  all-reduced across the groups."""
+FSDP_SHARDINGS = ("zero2", "zero3", "hsdp")
+"""The shardings FSDP2 runs (parameters sharded at rest, over FSDP units)."""
+
 
 @dataclass(frozen=True)
 class DataParallel:
     """Data parallel over every device: ``configs`` gives every node its data-parallel
-    configuration (``decisions`` the decision units'); ``shard`` runs it fully sharded
-    over the FSDP units ``fsdp_units`` (module paths, :mod:`flexsearch.strategy.fsdp`)."""
+    configuration (``decisions`` the decision units'); ``shard`` (:data:`SHARDINGS`) how it
+    shards the training state, FSDP's over the units ``fsdp_units`` (module paths,
+    :mod:`flexsearch.strategy.fsdp`), HSDP's within groups of ``shard_group`` devices."""
 
     configs: Mapping[str, Config]
     decisions: Mapping[str, Config] = field(default_factory=dict)
-    shard: bool = False
+    shard: str = "none"
     fsdp_units: tuple[str, ...] = ()
+    shard_group: int = 0
+    """``hsdp``: devices per shard group (consecutive devices; the groups replicate)."""
     microbatches: int = 1
     """Gradient accumulation: the per-device batch runs as this many microbatches, one
     gradient synchronisation after the last."""
@@ -46,10 +66,21 @@ class DataParallel:
         check_mode(self.recompute)
         if self.microbatches < 1:
             raise ValueError(f"microbatches must be >= 1 (got {self.microbatches})")
+        if self.shard not in SHARDINGS:
+            raise ValueError(f"unknown sharding {self.shard!r}; use one of {', '.join(SHARDINGS)}")
+        if (self.shard == "hsdp") != (self.shard_group > 1):
+            raise ValueError("an hsdp plan needs shard_group > 1 devices per group, and only hsdp has one")
+        if self.shard != "none" and self.microbatches > 1:
+            raise ValueError("gradient accumulation is modelled and emitted for unsharded data parallelism only")
 
     @property
     def kind(self) -> str:
-        return "fsdp" if self.shard else "data"
+        return "fsdp" if self.shard != "none" else "data"
+
+    @property
+    def fsdp(self) -> bool:
+        """Run with FSDP2 (parameters sharded at rest, :data:`FSDP_SHARDINGS`)?"""
+        return self.shard in FSDP_SHARDINGS
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,7 @@ def train(args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(args.seed)  # the same target on every rank
     target = torch.randn(out.shape, generator=gen).to(device)
     module = parallelize(model, plan)
-    opt = torch.optim.Adam([p for p in module.parameters() if p.requires_grad], lr=args.lr)
+    opt = flexsearch.make_optimizer(module, torch.optim.Adam, lr=args.lr)  # ZeRO-1 plans shard it
     if rank == 0:
         print(f"{plan.kind} plan on {dist.get_world_size()} ranks ({dist.get_backend()}), "
               f"{args.steps} steps", flush=True)

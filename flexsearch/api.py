@@ -18,6 +18,7 @@ from typing import Literal
 
 from torch import nn
 
+from flexsearch import precision as precision_mod
 from flexsearch.cost.calibration import DeviceCalibration, load_calibration
 from flexsearch.cost.compute import MeasuredCosts
 from flexsearch.cost.hardware import Cluster, user_dir
@@ -129,9 +130,13 @@ def resolve_precision(name: str, cluster: Cluster) -> tuple[Precision, str]:
     """``(precision, why)`` for ``name`` (``auto`` or a precision's name) on ``cluster``'s
     device (:func:`flexsearch.precision.resolve`); an unknown name is a FlexsearchError."""
     try:
-        return resolve(name, cluster.device)
+        prec, why = resolve(name, cluster.device)
     except ValueError as e:
         raise FlexsearchError(str(e)) from None
+    if name == "auto" and prec.autocast == "bfloat16" and cluster.name == "cpu" and not precision_mod.host_runs_bf16():
+        return precision_mod.FP32, ("auto: the cpu preset stands for this machine, whose CPU has no bf16 support (oneDNN); "
+                      "its bf16 peak was measured on another host")
+    return prec, why
 
 
 def with_precision_note(plan: Plan, why: str) -> Plan:

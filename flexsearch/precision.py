@@ -95,3 +95,14 @@ def resolve(name: str, device) -> tuple[Precision, str]:
                                            f"{ratio:.0f}x its fp32 peak (tensor cores)")
     return FP32, (f"auto: {device.name} has no bf16 tensor cores (bf16 peak {ratio:.1f}x its fp32 peak); "
                   "pass --precision bf16-mixed to plan for it anyway")
+
+
+def host_runs_bf16() -> bool:
+    """Does this machine's CPU run bf16 natively (oneDNN's check: AVX512-BF16 or AMX)?
+    Without it, CPU autocast has no low-precision LSTM and bf16 matmuls are emulated."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False

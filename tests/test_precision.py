@@ -134,3 +134,28 @@ def test_emitted_plans_run_the_precision(family, precision_name, kinds):
     res = run_ranks(check_job, 2, spec, plans, timeout_s=600)[0]
     for (kind, _schedule, loss, ref, _params), plan in zip(res, plans, strict=True):
         assert kind == plan.kind and loss == pytest.approx(ref, rel=2e-2)
+
+
+def test_auto_on_this_machine_follows_its_cpu(monkeypatch):
+    """The ``cpu`` preset stands for this machine: ``auto`` is fp32 where its CPU has no
+    bf16 (the preset's bf16 peak was measured on an AMX host), and an LSTM under CPU
+    autocast, which oneDNN cannot run there, is refused with a one-line EmitError."""
+    from flexsearch import precision as precision_mod
+    from flexsearch.api import resolve_precision
+    from flexsearch.emit.precision import check_runs_here
+    from flexsearch.errors import EmitError
+
+    cpu = Cluster.preset("cpu", 2)
+    monkeypatch.setattr(precision_mod, "host_runs_bf16", lambda: False)
+    p, why = resolve_precision("auto", cpu)
+    assert p.name == "fp32" and "no bf16 support" in why
+    assert resolve_precision("bf16-mixed", cpu)[0].name == "bf16-mixed"  # asked for: kept
+    assert resolve_precision("auto", Cluster.preset("dgx-h100", 8))[0].name == "bf16-mixed"
+    lstm = flexsearch.load_model(str(ROOT / "benchmarks/models/rnn.py:rnnlm_tiny"))[0]
+    with pytest.raises(EmitError, match="LSTM cannot run under bf16-mixed"):
+        check_runs_here(lstm, precision("bf16-mixed"), "cpu")
+    check_runs_here(lstm, precision("fp32"), "cpu")
+    check_runs_here(lstm, precision("bf16"), "cpu")
+    monkeypatch.setattr(precision_mod, "host_runs_bf16", lambda: True)
+    assert resolve_precision("auto", cpu)[0].name == "bf16-mixed"
+    check_runs_here(lstm, precision("bf16-mixed"), "cpu")

@@ -27,10 +27,12 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
+from flexsearch.emit.precision import check_runs_here
 from flexsearch.emit.runtime import Runtime
 from flexsearch.errors import EmitError, FlexsearchError
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.plan import Plan
+from flexsearch.precision import precision as precision_of
 
 EMITTABLE_KINDS = ("data", "soap", "pipeline", "hybrid", "decentralized")
 
@@ -85,6 +87,7 @@ def parallelize(model: nn.Module, plan: Plan, *, group: dist.ProcessGroup | None
         raise EmitError(f"the emitter cannot run {plan.kind!r} plans yet (it runs {', '.join(EMITTABLE_KINDS)}); "
                         "plan again without that kind")
     rt = Runtime(plan, group)
+    check_runs_here(model, precision_of(plan.precision), rt.device_type)
     graph = graph_of(model, plan)
     if plan.kind == "data":
         from flexsearch.emit.data import data_parallel

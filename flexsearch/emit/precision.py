@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from flexsearch import precision as precision_mod
+from flexsearch.errors import EmitError
 from flexsearch.precision import Precision
 
 LOSS_SCALE = 2.0 ** 10
@@ -50,6 +52,17 @@ class Autocast(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with autocast(self._precision, self._device_type):
             return self.inner(*args, **kwargs)
+
+
+def check_runs_here(model: nn.Module, precision: Precision, device_type: str) -> None:
+    """EmitError when ``model`` cannot run in ``precision`` on this machine: CPU autocast
+    runs an LSTM through oneDNN, which has no low-precision LSTM on a CPU without
+    AVX512-BF16/AMX (it fails on the first forward)."""
+    if precision.autocast is None or device_type != "cpu" or not any(isinstance(m, nn.LSTM) for m in model.modules()):
+        return
+    if not precision_mod.host_runs_bf16():
+        raise EmitError(f"this CPU has no bf16 support, so the model's LSTM cannot run under {precision.name} "
+                        "autocast here (oneDNN); plan it with --precision fp32 or bf16")
 
 
 def cast_model(model: nn.Module, precision: Precision) -> nn.Module:

@@ -9,7 +9,8 @@ these terms here, in one place.
 **Memory** of one device, bytes. Terms: ``P`` parameters it holds (its shard), ``G``
 their gradients, ``O`` optimizer state (``k P`` for Adam ``k = 2``, momentum 1, SGD 0),
 ``A`` activations kept for the backward pass (outputs of non-view ops, stashed
-microbatches, inputs received from other devices, the loss's gradient of the output),
+microbatches, inputs received from other devices, the loss's gradient of the output,
+and under activation checkpointing the largest unit's, rebuilt in the backward),
 ``B`` buffers (FSDP's gathered parameters, a gossip snapshot and receive buffers,
 PipeDream's extra weight versions, a parameter server's accumulation buffer), ``L`` the
 largest parameter tensor it holds::
@@ -77,6 +78,10 @@ class DeviceMemory:
     loss_grad: float = 0.0
     """The loss's gradient of the model's output held by the device (counted with the
     activations when calibrated; the uncalibrated model leaves it out)."""
+    rebuilt: float = 0.0
+    """Activation checkpointing: the activations one checkpointed unit rebuilds during
+    the backward (the largest unit's), on top of those kept from the forward (counted
+    with the activations)."""
 
     @classmethod
     def replicated(cls, params: float, activations: float, optimizer: str, *, largest: float = 0.0,
@@ -89,10 +94,10 @@ class DeviceMemory:
 def peak_bytes(m: DeviceMemory, calibration: DeviceCalibration | None, mode: Mode) -> float:
     """The device's peak memory (module docstring)."""
     if calibration is None:
-        return m.params + m.grads + m.optimizer + m.activations + m.buffers
+        return m.params + m.grads + m.optimizer + m.activations + m.rebuilt + m.buffers
     working = m.grads + calibration.optimizer_working_tensors.value * m.largest
     return (m.params + m.optimizer + m.buffers + calibration.runtime(mode)
-            + max(m.activations + m.loss_grad, working) + m.grad_buckets)
+            + max(m.activations + m.rebuilt + m.loss_grad, working) + m.grad_buckets)
 
 
 def largest_tensor(shard_bytes: float, tensors: int) -> float:

@@ -124,9 +124,12 @@ def _others(pairs: Iterable, rank: int) -> list[int]:
     return out
 
 
-def _finish(ctx: CostContext, ordered: list[Task], memory: Sequence[float], iterations: int,
-            timeline: bool) -> Simulation:
+def _finish(ctx: CostContext, ordered: list[Task], terms: Sequence[DeviceMemory], iterations: int,
+            timeline: bool, calibrated: bool = True) -> Simulation:
+    """Schedule ``ordered`` (``iterations`` of them) and price the memory ``terms``
+    (uncalibrated for plans the emitter does not run: ``calibrated`` False)."""
     n = ctx.cluster.devices
+    memory = [peak_bytes(m, ctx.calibration if calibrated else None, "decentralized") for m in terms]
     run = run_tasks(ordered, n, len(ctx.cluster.links), timeline)
     compute = busy_compute(ordered, n)
     return Simulation(
@@ -138,6 +141,7 @@ def _finish(ctx: CostContext, ordered: list[Task], memory: Sequence[float], iter
         link_names=tuple(link.id for link in ctx.cluster.links),
         critical_path_s=max(run.chain.values(), default=0.0) / iterations if timeline else float("nan"),
         serial_s=run.serial / iterations,
+        memory_terms=tuple(terms),
     )
 
 
@@ -170,11 +174,10 @@ def simulate_gossip(ctx: CostContext, cost: StageCost, topology: Topology, *, op
             ordered.append(Task("update", "average", average_time(ctx, p, d_in), (i,), (("x", t), ("b", t, i)),
                                 (("a", t, i),), detail=f"{1 + d_in} models"))
             ordered.append(Task("update", "optimizer", upd, (i,), (("a", t, i),), (("u", t, i),)))
-    acts = cost.stash_bytes + cost.working_bytes
     largest = stage_largest(cost.largest_param_bytes, p)
-    memory = [peak_bytes(DeviceMemory.replicated(p, acts, optimizer, largest=largest, buffers=(1 + in_max[i]) * p),
-                         ctx.calibration, "decentralized") for i in range(n)]
-    return _finish(ctx, ordered, memory, period, timeline)
+    terms = [DeviceMemory(p, p, OPTIMIZER_STATE[optimizer] * p, cost.stash_bytes, largest, (1 + in_max[i]) * p,
+                          rebuilt=cost.working_bytes) for i in range(n)]
+    return _finish(ctx, ordered, terms, period, timeline)
 
 
 def simulate_parameter_server(ctx: CostContext, cost: StageCost, *, servers: Sequence[int] = (0,),
@@ -202,11 +205,9 @@ def simulate_parameter_server(ctx: CostContext, cost: StageCost, *, servers: Seq
     ordered.append(exchange_task(ctx, "pull parameters", pull, tuple(("u", s) for s in srv), (("pull",),),
                                  f"{len(srv)} server(s), {len(pull)} shards of {shard:.0f} bytes"))
     k = OPTIMIZER_STATE[optimizer]
-    acts = cost.stash_bytes + cost.working_bytes
-    memory = [peak_bytes(DeviceMemory(p, p, k * shard if i in srv else 0.0, acts,
-                                      buffers=shard if i in srv else 0.0), None, "decentralized")
-              for i in range(n)]
-    return _finish(ctx, ordered, memory, 1, timeline)
+    terms = [DeviceMemory(p, p, k * shard if i in srv else 0.0, cost.stash_bytes, buffers=shard if i in srv else 0.0,
+                          rebuilt=cost.working_bytes) for i in range(n)]
+    return _finish(ctx, ordered, terms, 1, timeline, calibrated=False)
 
 
 def simulate_all_reduce(ctx: CostContext, cost: StageCost, *, optimizer: str = "adam",

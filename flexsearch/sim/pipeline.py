@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from flexsearch.sim.accounting import (
@@ -353,25 +353,26 @@ def sync_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLay
 
 
 def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLayout, optimizer: str,
-                    by_lane: dict[tuple[int, int], tuple[Action, ...]]) -> list[float]:
-    """Peak memory per device (module docstring)."""
+                    by_lane: dict[tuple[int, int], tuple[Action, ...]]) -> list[DeviceMemory]:
+    """The memory terms per device (module docstring), for :func:`peak_bytes`."""
     devices = ctx.cluster.devices
     params = [0.0] * devices
     acts = [0.0] * devices
     largest = [0.0] * devices
     versions = [0.0] * devices
+    rebuilt = [0.0] * devices
     for (r, i), lane_actions in by_lane.items():
         for s, q in in_flight(lane_actions).items():
             c_s = costs[s]
             for d in layout.ranks[r][i]:
                 params[d] += c_s.param_bytes
-                acts[d] += c_s.stash_bytes * q + c_s.working_bytes
+                acts[d] += c_s.stash_bytes * q
+                rebuilt[d] += c_s.working_bytes
                 largest[d] = max(largest[d], stage_largest(c_s.largest_param_bytes, c_s.param_bytes))
                 if layout.asynchronous:
                     versions[d] += c_s.param_bytes * (q - 1)
-    return [peak_bytes(DeviceMemory.replicated(params[d], acts[d], optimizer, largest=largest[d],
-                                               buffers=versions[d]), ctx.calibration, "pipeline")
-            for d in range(devices)]
+    return [replace(DeviceMemory.replicated(params[d], acts[d], optimizer, largest=largest[d], buffers=versions[d]),
+                    rebuilt=rebuilt[d]) for d in range(devices)]
 
 
 def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLayout, *,
@@ -394,13 +395,15 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
         time_s = per_unit * (layout.units or 1)
     else:
         time_s = max(run.free, default=0.0)
+    terms = pipeline_memory(ctx, costs, layout, optimizer, by_lane)
     return Simulation(
         iteration_time_s=time_s,
-        memory_bytes=tuple(pipeline_memory(ctx, costs, layout, optimizer, by_lane)),
+        memory_bytes=tuple(peak_bytes(m, ctx.calibration, "pipeline") for m in terms),
         capacity_bytes=ctx.cluster.device.memory_capacity.value,
         compute_s=tuple(busy_compute(ordered, devices)),
         timeline=tuple(run.timeline) if timeline else (),
         link_names=tuple(link.id for link in ctx.cluster.links),
         critical_path_s=max(run.chain.values(), default=0.0) if timeline else float("nan"),
         serial_s=run.serial,
+        memory_terms=tuple(terms),
     )

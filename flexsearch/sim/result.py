@@ -11,6 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 
+from flexsearch.sim.accounting import DeviceMemory
 from flexsearch.sim.tasks import Scheduled
 
 
@@ -28,6 +29,9 @@ class Simulation:
     """Longest chain of dependent tasks (durations only, no waiting for resources)."""
     serial_s: float
     """Sum of all task durations."""
+    memory_terms: tuple[DeviceMemory, ...] = ()
+    """Per device, the terms its peak is made of (:mod:`flexsearch.sim.accounting`):
+    what the memory model is checked against torch's memory trackers by."""
 
     @property
     def peak_memory_bytes(self) -> float:

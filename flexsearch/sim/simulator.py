@@ -349,8 +349,6 @@ class Simulator:
                     acts[d] += b
             for d, key in f.sync:
                 after[d].append(key)
-        for d, b in working.items():  # checkpointing: one unit's activations rebuilt at a time
-            acts[d] += b
         if shards > 1:
             params = [p / shards for p in params]
             largest = [b / shards for b in largest]
@@ -389,10 +387,11 @@ class Simulator:
         makespan = max(free[:devices] + free[devices:], default=0.0)
         loss_grad = self._output_grad(configs)
         buckets_held = ddp and shards == 1  # DDP keeps a flat copy of the gradients
-        memory = [peak_bytes(DeviceMemory(params[d], params[d], OPTIMIZER_STATE[self.optimizer] * owned[d], acts[d],
-                                          largest[d], unsharded, params[d] if buckets_held else 0.0,
-                                          loss_grad.get(d, 0.0)), cal, mode)
-                  for d in range(devices)]
+        terms = [DeviceMemory(params[d], params[d], OPTIMIZER_STATE[self.optimizer] * owned[d], acts[d], largest[d],
+                              unsharded, params[d] if buckets_held else 0.0, loss_grad.get(d, 0.0),
+                              working.get(d, 0.0))  # checkpointing: one unit's activations rebuilt at a time
+                 for d in range(devices)]
+        memory = [peak_bytes(m, cal, mode) for m in terms]
         return Simulation(
             iteration_time_s=makespan,
             memory_bytes=tuple(memory),
@@ -402,6 +401,7 @@ class Simulator:
             link_names=self._links,
             critical_path_s=max(chain.values(), default=0.0) if keep_timeline else float("nan"),
             serial_s=serial,
+            memory_terms=tuple(terms),
         )
 
 

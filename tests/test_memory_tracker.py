@@ -1,0 +1,147 @@
+"""The memory model against torch's own memory trackers, per category.
+
+Every data-parallel sharding (DDP, ZeRO-1, ZeRO-2, ZeRO-3) x precision (fp32,
+bf16-mixed) x recompute (none, full) of the zoo's tiny GPT is emitted on 2 gloo ranks
+and run for two steps under ``MemTracker`` (``FSDPMemTracker`` for FSDP2). Each term of
+the simulator's :class:`~flexsearch.sim.accounting.DeviceMemory` for rank 0 is compared
+with what the tracker saw on that rank:
+
+- parameters (``PARAM``, FSDP's ``SHARDED_PARAM``), gradients (``GRAD``,
+  ``SHARDED_GRAD``) and optimizer state (``OPT``, Adam's two moments and its step
+  counters) after the optimizer step: the model's state terms, to 1%;
+- activations kept for the backward: the tracker's ``ACT`` when the loss has been
+  computed minus what stays allocated after the step (the batch, DDP's gradient
+  buckets), against the model's ``A`` (without the unit it rebuilds in the backward)
+  within :data:`ACTIVATION_RTOL`.
+
+Under full activation checkpointing the model's kept activations are short of the
+tracker's by 29% (fp32) to 53% (bf16-mixed) on this model: a known miss, held by a
+strict ``xfail`` until fixed. Two errors of opposite sign: the loss keeps an output-sized
+tensor for its backward that the uncalibrated peak leaves out (``loss_grad`` counts it
+only when calibrated), and outputs autograd frees (dropout with p=0, adds) are counted;
+without checkpointing they roughly cancel, with it the first dominates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from emit_cases import FAMILIES, load, mse
+
+from flexsearch.cost.hardware import Cluster
+from flexsearch.emit.launch import run_ranks
+from flexsearch.graph.tracer import trace
+from flexsearch.precision import precision as precision_of
+from flexsearch.search.planner import plan_graph
+from flexsearch.search.results import plan_from
+from flexsearch.sim.context import CostContext
+from flexsearch.sim.predict import predict
+from flexsearch.strategy.fsdp import fsdp_units
+from flexsearch.strategy.kinds import FSDP_SHARDINGS
+
+STATE_RTOL = 0.01
+ACTIVATION_RTOL = 0.20
+"""Without checkpointing the activation term's measured error on this matrix is +3.9%
+(fp32) and -13% to -16% (bf16-mixed): outputs of non-view ops kept for the backward vs
+the tensors autograd keeps alive."""
+
+
+def tracked_job(rank: int, world: int, spec: str, plans: list) -> list[dict[str, float]]:
+    """On every rank: each plan emitted, two Adam steps under torch's tracker; per plan
+    the tracked state after the step and the activations held when the loss is known."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from flexsearch.emit import make_optimizer, parallelize
+
+    out = []
+    for plan in plans:
+        model, x = load(spec)
+        torch.manual_seed(1)
+        with torch.no_grad():
+            y = torch.randn(model(*x).shape)
+        module = parallelize(model, plan)
+        opt = make_optimizer(module, torch.optim.Adam, lr=1e-3)
+        tracker = FSDPMemTracker(module.module, opt) if plan.shard_params else MemTracker()
+        if not plan.shard_params:
+            tracker.track_external(module, opt)
+        snaps: dict[str, dict[str, int]] = {}
+
+        def loss_fn(out_, target, snaps=snaps, tracker=tracker):
+            loss = mse(out_, target)
+            snaps["loss"] = next(iter(tracker.get_tracker_snapshot("current").values()))
+            return loss
+
+        with tracker:
+            for _ in range(2):
+                opt.zero_grad(set_to_none=True)
+                module.train_step(x, y, loss_fn)
+                opt.step()
+                snaps["step"] = next(iter(tracker.get_tracker_snapshot("current").values()))
+                tracker.reset_mod_stats()
+
+        def cat(snap, *names):
+            return float(sum(v for k, v in snap.items() if str(k).rsplit(".", 1)[-1] in names))
+
+        out.append({"params": cat(snaps["step"], "PARAM", "SHARDED_PARAM"),
+                    "grads": cat(snaps["step"], "GRAD", "SHARDED_GRAD"),
+                    "optimizer": cat(snaps["step"], "OPT"),
+                    "activations": cat(snaps["loss"], "ACT") - cat(snaps["step"], "ACT")})
+    return out
+
+
+def _matrix(precision: str):
+    model, x = load(FAMILIES["gpt"])
+    g = trace(model, x, precision=precision)
+    cl = Cluster.resolve("cpu", 2)
+    base = plan_graph(g, cl, kinds=("data",), max_iters=0).strategy(g)
+    ctx = CostContext(cl, precision=precision_of(precision))
+    plans, terms = [], []
+    for shard in ("none", "zero1", "zero2", "zero3"):
+        for recompute in ("none", "full"):
+            s = dataclasses.replace(base, shard=shard, recompute=recompute,
+                                    fsdp_units=fsdp_units(g.modules) if shard in FSDP_SHARDINGS else ())
+            sim = predict(g, s, ctx)
+            plans.append(plan_from(g, cl, s, sim, baselines={}, lower_bound_s=0.0))
+            terms.append(sim.memory_terms[0])
+    return plans, terms
+
+
+_MEASURED: dict[str, tuple] = {}
+
+
+def _measured(precision: str) -> list[tuple[str, object, dict[str, float]]]:
+    """(case, model terms, tracker figures) per plan of the matrix, run once per precision."""
+    if precision not in _MEASURED:
+        plans, terms = _matrix(precision)
+        got = run_ranks(tracked_job, 2, FAMILIES["gpt"], plans, timeout_s=600)[0]
+        _MEASURED[precision] = tuple((f"{p.shard}/{p.recompute}/{precision}", m, g)
+                                     for p, m, g in zip(plans, terms, got, strict=True))
+    return list(_MEASURED[precision])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_memory_terms_match_torchs_trackers(precision):
+    rows = _measured(precision)
+    for case, m, got in rows:
+        for term in ("params", "grads", "optimizer"):
+            assert getattr(m, term) == pytest.approx(got[term], rel=STATE_RTOL), (case, term)
+        print(f"{case}: activations model {m.activations:.0f} B, tracker {got['activations']:.0f} B "
+              f"({m.activations / got['activations'] - 1:+.1%})")
+    for case, m, got in rows:
+        if case.split("/")[1] == "none":
+            assert m.activations == pytest.approx(got["activations"], rel=ACTIVATION_RTOL), case
+    # checkpointing saves memory in the model where the tracker sees it save memory
+    for (c1, m1, g1), (c2, m2, g2) in zip(rows[::2], rows[1::2], strict=True):
+        assert m2.activations < m1.activations and g2["activations"] < g1["activations"], (c1, c2)
+
+
+@pytest.mark.xfail(strict=True, reason="known miss: under full checkpointing the model's kept activations are "
+                                       "29-53% short of torch's tracker on the tiny GPT")
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_checkpointed_activations_match_torchs_trackers(precision):
+    for case, m, got in _measured(precision):
+        if case.split("/")[1] == "full":
+            assert m.activations == pytest.approx(got["activations"], rel=ACTIVATION_RTOL), case

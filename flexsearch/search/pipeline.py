@@ -38,6 +38,7 @@ from flexsearch.sim.stages import (
     NodeCost,
     crossing_bytes,
     cut_bytes,
+    kept_bytes,
     simulate_stages,
     stage_cost,
     stage_node_costs,
@@ -269,8 +270,7 @@ def stage_chain(costs: Sequence[NodeCost], cuts: Sequence[float], recompute: Che
                      params=tuple(c.param_bytes for c in costs), cut_bytes=tuple(cuts),
                      stash=(0.0,) * len(costs))
     cp = recompute or Checkpointing.none(len(costs))
-    stash = [(c.stash_bytes if cp.kept(i) else 0.0) + (0.0 if cp.dropped[i] else c.cast_bytes)
-             for i, c in enumerate(costs)]
+    stash = [kept_bytes(c, i, cp) for i, c in enumerate(costs)]
     return Chain(compute=tuple(c.forward_s * (2 if cp.dropped[i] else 1) + c.backward_s for i, c in enumerate(costs)),
                  params=tuple(c.param_bytes for c in costs), cut_bytes=tuple(cuts), stash=tuple(stash))
 

@@ -8,15 +8,18 @@ these terms here, in one place.
 
 **Memory** of one device, bytes. Terms: ``P`` parameters it holds (its shard), ``G``
 their gradients, ``O`` optimizer state (``k P`` for Adam ``k = 2``, momentum 1, SGD 0),
-``A`` activations kept for the backward pass (outputs of non-view ops, stashed
-microbatches, inputs received from other devices, the loss's gradient of the output,
-and under activation checkpointing the largest unit's, rebuilt in the backward),
+``A`` activations kept for the backward pass (what autograd saves, as the tracer
+measured it, stashed microbatches, inputs received from other devices, and under
+activation checkpointing the largest unit's, rebuilt in the backward), ``Y`` an
+output-sized tensor the loss holds (its gradient of the output; measured with
+``MemTracker``, a loss over the output also holds one output-sized tensor at its
+peak: ``tests/test_memory_tracker.py``),
 ``B`` buffers (FSDP's gathered parameters, a gossip snapshot and receive buffers,
 PipeDream's extra weight versions, a parameter server's accumulation buffer), ``L`` the
 largest parameter tensor it holds::
 
-    uncalibrated:  P + G + O + A + B
-    calibrated:    P + O + B + max(A, G + w L) + R_mode + D
+    uncalibrated:  P + G + O + A + Y + B
+    calibrated:    P + O + B + max(A + Y, G + w L) + R_mode + D
 
 Calibrated (:mod:`flexsearch.cost.calibration`), the peak follows the measured runtime:
 gradients are allocated as the backward frees the activations (``zero_grad`` frees
@@ -76,8 +79,8 @@ class DeviceMemory:
     buffers: float = 0.0
     grad_buckets: float = 0.0
     loss_grad: float = 0.0
-    """The loss's gradient of the model's output held by the device (counted with the
-    activations when calibrated; the uncalibrated model leaves it out)."""
+    """``Y``: the output-sized tensor the loss holds on the device (its gradient of the
+    model's output)."""
     rebuilt: float = 0.0
     """Activation checkpointing: the activations one checkpointed unit rebuilds during
     the backward (the largest unit's), on top of those kept from the forward (counted
@@ -94,7 +97,7 @@ class DeviceMemory:
 def peak_bytes(m: DeviceMemory, calibration: DeviceCalibration | None, mode: Mode) -> float:
     """The device's peak memory (module docstring)."""
     if calibration is None:
-        return m.params + m.grads + m.optimizer + m.activations + m.rebuilt + m.buffers
+        return m.params + m.grads + m.optimizer + m.activations + m.rebuilt + m.loss_grad + m.buffers
     working = m.grads + calibration.optimizer_working_tensors.value * m.largest
     return (m.params + m.optimizer + m.buffers + calibration.runtime(mode)
             + max(m.activations + m.rebuilt + m.loss_grad, working) + m.grad_buckets)

@@ -82,6 +82,8 @@ class StageCost:
     """Parameter tensors per device (a calibrated update pays a fixed cost per tensor)."""
     largest_param_bytes: float = 0.0
     """The largest parameter tensor per device (a calibrated update's temporaries)."""
+    loss_bytes: float = 0.0
+    """What the loss holds over one microbatch's output (the stage that returns it)."""
 
 
 @dataclass(frozen=True)
@@ -361,6 +363,7 @@ def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: Pipeli
     largest = [0.0] * devices
     versions = [0.0] * devices
     rebuilt = [0.0] * devices
+    loss = [0.0] * devices  # one microbatch's loss at a time
     for (r, i), lane_actions in by_lane.items():
         for s, q in in_flight(lane_actions).items():
             c_s = costs[s]
@@ -368,10 +371,12 @@ def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: Pipeli
                 params[d] += c_s.param_bytes
                 acts[d] += c_s.stash_bytes * q
                 rebuilt[d] += c_s.working_bytes
+                loss[d] = max(loss[d], c_s.loss_bytes)
                 largest[d] = max(largest[d], stage_largest(c_s.largest_param_bytes, c_s.param_bytes))
                 if layout.asynchronous:
                     versions[d] += c_s.param_bytes * (q - 1)
-    return [replace(DeviceMemory.replicated(params[d], acts[d], optimizer, largest=largest[d], buffers=versions[d]),
+    return [replace(DeviceMemory.replicated(params[d], acts[d], optimizer, largest=largest[d], buffers=versions[d],
+                                            loss_grad=loss[d]),
                     rebuilt=rebuilt[d]) for d in range(devices)]
 
 

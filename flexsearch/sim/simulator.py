@@ -43,7 +43,14 @@ from flexsearch.sim.accounting import (
 )
 from flexsearch.sim.context import CostContext, collective_task
 from flexsearch.sim.result import Simulation
-from flexsearch.sim.taskgraph import Fragment, build_fragment, kept_bytes
+from flexsearch.sim.taskgraph import (
+    Fragment,
+    activation_split,
+    build_fragment,
+    kept_bytes,
+    loss_held_bytes,
+    loss_operands,
+)
 from flexsearch.sim.tasks import Scheduled, Task, run_tasks
 from flexsearch.strategy.config import Config
 from flexsearch.strategy.fsdp import ROOT, fsdp_units, node_units
@@ -124,10 +131,11 @@ class Simulator:
     def _checkpoint(self, frags: list[Fragment], configs: Mapping[str, Config],
                     mode: str) -> tuple[list[Fragment], dict[int, float]]:
         """The fragments under activation checkpointing (:mod:`flexsearch.strategy.recompute`):
-        a dropped node's backward task also reruns its forward, it keeps neither its
-        output share (unless a node outside its unit reads it) nor autocast's weight
-        copies; per device, the largest unit's dropped bytes are rebuilt at a time (the
-        second result). Cached fragments are copied, not changed."""
+        a dropped node's backward task also reruns its forward, it keeps neither what
+        autograd saves nor autocast's weight copies, but its whole output when a node
+        outside its unit reads it (checkpointing keeps a unit's inputs); per device,
+        the largest unit's dropped bytes are rebuilt at a time (the second result).
+        Cached fragments are copied, not changed."""
         if mode == "none":
             return frags, {}
         cp = self._checkpointing.get(mode)
@@ -141,13 +149,15 @@ class Simulator:
                 continue
             node, c = self.graph.nodes[i], configs[self.graph.nodes[i].name]
             again = {t.resources[0]: t.duration for t in f.forward if t.kind == "fwd"}
-            own = kept_bytes(node) / (c.s * (c.t if c.kind in ("a", "p") else 1))
+            split = activation_split(c)
+            own = kept_bytes(node) / split
+            whole = node.output_bytes / split if cp.boundary[i] else 0.0
             acts = dict(f.activations)
             unit = rebuilt.setdefault(cp.unit_of[i], {})
             for d in set(again) | set(f.cast):
                 share = f.cast.get(d, 0.0)
-                if not cp.boundary[i] and d in again:
-                    acts[d] = max(0.0, acts.get(d, 0.0) - own)
+                if d in again:
+                    acts[d] = max(0.0, acts.get(d, 0.0) - own) + whole
                     share += own
                 unit[d] = unit.get(d, 0.0) + share
             out.append(replace(f, activations=acts, cast={}, backward=[
@@ -294,20 +304,18 @@ class Simulator:
         return out
 
     def _output_grad(self, configs: Mapping[str, Config] | None) -> dict[int, float]:
-        """Per device, the bytes of the gradient of the model's outputs it holds."""
+        """Per device, the bytes the loss holds over its share of the model's outputs
+        (:func:`~flexsearch.sim.taskgraph.loss_held_bytes`)."""
         out: dict[int, float] = {}
         if configs is None:
             return out
-        for n in self.graph.nodes:
-            if n.kind != "output":
+        for name in loss_operands(self.graph):
+            p, c = self.graph.node(name), configs.get(name)
+            if c is None or not p.outputs:
                 continue
-            for name in n.inputs:
-                p, c = self.graph.node(name), configs.get(name)
-                if c is None or not p.outputs:
-                    continue
-                share = p.outputs[0].nbytes / (c.s * (c.t if c.kind in ("a", "p") else 1))
-                for d in c.devices:
-                    out[d] = out.get(d, 0.0) + share
+            held = loss_held_bytes(p, p.outputs[0].nbytes / activation_split(c))
+            for d in c.devices:
+                out[d] = out.get(d, 0.0) + held
         return out
 
     def _schedule(self, frags: list[Fragment], ordered: list[Task], keep_timeline: bool, ddp: bool = False,

@@ -18,7 +18,7 @@ gradients are all-reduced between them (:func:`tied_weights`).
 **Stages** (:func:`stage_cost`) sum their nodes; with activation checkpointing
 (:mod:`flexsearch.strategy.recompute`) the dropped ops keep
 nothing per microbatch and rerun their forward in the backward, each unit keeps its
-input, and one unit's activations are rebuilt at a time.
+input (:func:`kept_bytes`), and one unit's activations are rebuilt at a time.
 :func:`simulate_stages` lays a uniform pipeline out on the cluster and simulates it
 (:func:`flexsearch.sim.pipeline.simulate_pipeline`); :func:`replica_cost` is one
 data-parallel replica's step as one stage (decentralized plans and their baselines).
@@ -37,6 +37,7 @@ from flexsearch.sim.context import CostContext
 from flexsearch.sim.pipeline import PipelineLayout, StageCost, simulate_pipeline
 from flexsearch.sim.result import Simulation
 from flexsearch.sim.simulator import Simulator
+from flexsearch.sim.taskgraph import activation_split, loss_held_bytes, loss_operands
 from flexsearch.strategy.config import Config
 from flexsearch.strategy.recipes import stage_configs
 from flexsearch.strategy.recompute import Checkpointing
@@ -57,6 +58,12 @@ class NodeCost:
     cast_bytes: float = 0.0
     """Autocast's low-precision copy of the weights it reads (once per step, however many
     microbatches: the cast cache lives for the whole autocast region)."""
+    output_bytes: float = 0.0
+    """Its output share (what checkpointing keeps of a dropped node read outside its
+    unit)."""
+    loss_bytes: float = 0.0
+    """What a loss over its output share holds, for a node whose output the model
+    returns (:func:`~flexsearch.sim.taskgraph.loss_held_bytes`)."""
 
 
 def _span(tasks) -> float:
@@ -76,16 +83,19 @@ def node_costs(graph: OpGraph, configs: Mapping[str, Config], ctx: CostContext) 
     sim = Simulator(graph, ctx)
     memo: dict[tuple, NodeCost] = {}
     out: dict[str, NodeCost] = {}
+    returned = set(loss_operands(graph))
     for node in graph.nodes:
-        key = (node.signature or node.name, node.kind, node.outputs, configs[node.name],
+        key = (node.signature or node.name, node.kind, node.outputs, configs[node.name], node.name in returned,
                tuple((graph.node(i).signature or i, graph.node(i).outputs, configs[i]) for i in node.inputs))
         hit = memo.get(key)
         if hit is None:
             frag = sim.fragment(node.name, configs)
             fw = frag.forward
             bw = [t for t in frag.backward if not any(k[0] == "s" for k in t.defines)]
+            share = node.output_bytes / activation_split(configs[node.name])
             hit = memo[key] = NodeCost(_span(fw), _span(bw), frag.params.get(0, 0.0), frag.activations.get(0, 0.0),
-                                       frag.tensors.get(0, 0), frag.largest.get(0, 0.0), frag.cast.get(0, 0.0))
+                                       frag.tensors.get(0, 0), frag.largest.get(0, 0.0), frag.cast.get(0, 0.0),
+                                       share, loss_held_bytes(node, share) if node.name in returned else 0.0)
         out[node.name] = hit
     return out
 
@@ -123,6 +133,22 @@ def shared_params(graph: OpGraph) -> dict[str, tuple[int, ...]]:
     return {p: tuple(v) for p, v in uses.items() if len(v) > 1}
 
 
+def kept_bytes(c: NodeCost, i: int, cp: Checkpointing) -> float:
+    """Bytes node ``i`` keeps per microbatch under checkpointing ``cp``: what autograd
+    saves and autocast's weight copies when it is not dropped; its output when it is
+    dropped but read outside its unit; else nothing."""
+    if not cp.dropped[i]:
+        return c.stash_bytes + c.cast_bytes
+    return c.output_bytes if cp.boundary[i] else 0.0
+
+
+def rebuilt_bytes(c: NodeCost, i: int, cp: Checkpointing) -> float:
+    """Bytes a dropped node ``i`` rebuilds in the backward (0 if not dropped)."""
+    if not cp.dropped[i]:
+        return 0.0
+    return c.cast_bytes + (max(0.0, c.stash_bytes - c.output_bytes) if cp.boundary[i] else c.stash_bytes)
+
+
 def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float], extra_params: float = 0.0,
                recompute: Checkpointing | None = None) -> StageCost:
     """A stage's cost (nodes ``[a, b)``). With checkpointing
@@ -135,14 +161,13 @@ def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float],
     seg = range(a, b)
     fwd = sum(costs[i].forward_s for i in seg)
     again = sum(costs[i].forward_s for i in seg if cp.dropped[i])
-    kept = sum(costs[i].stash_bytes + (0.0 if cp.dropped[i] else costs[i].cast_bytes)
-               for i in seg if cp.kept(i))
+    kept = sum(kept_bytes(costs[i], i, cp) for i in seg)
     inputs = cuts[a] if 0 < a < b and cp.dropped[a] else 0.0  # the received input, kept by its unit
     rebuilt: dict[int, float] = {}
     for i in seg:
         if cp.dropped[i]:
             u = cp.unit_of[i]
-            rebuilt[u] = rebuilt.get(u, 0.0) + costs[i].cast_bytes + (0.0 if cp.kept(i) else costs[i].stash_bytes)
+            rebuilt[u] = rebuilt.get(u, 0.0) + rebuilt_bytes(costs[i], i, cp)
     return StageCost(
         forward_s=fwd,
         backward_s=sum(costs[i].backward_s for i in seg) + again,
@@ -152,6 +177,7 @@ def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float],
         working_bytes=max(rebuilt.values(), default=0.0),
         tensors=sum(costs[i].tensors for i in seg),
         largest_param_bytes=max((costs[i].largest_param_bytes for i in seg), default=0.0),
+        loss_bytes=sum(costs[i].loss_bytes for i in seg),
     )
 
 

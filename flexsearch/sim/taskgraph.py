@@ -21,7 +21,7 @@ Per node ``n`` with configuration ``c`` (:class:`~flexsearch.strategy.config.Con
 - **gradient synchronisation**: an all-reduce of the node's (owned) parameter
   gradients over each group of devices holding the same parameter shard;
 - memory terms: parameter shard, activations kept for the backward pass
-  (:func:`kept_bytes`: outputs of non-view ops, a recurrent layer's gates; and
+  (:func:`kept_bytes`: what autograd saves, as traced, a recurrent layer's gates; and
   received inputs).
 
 Dependencies are symbolic keys resolved when fragments are scheduled in program
@@ -73,8 +73,14 @@ the hidden output itself."""
 
 
 def kept_bytes(node: OpNode) -> float:
-    """Bytes of activations ``node`` keeps for the backward pass (whole op): its
-    outputs, none for a view (:func:`aliases`), a recurrent layer's gates too."""
+    """Bytes of activations ``node`` keeps for the backward pass (whole op): what
+    autograd saves that the node created, as the tracer measured it
+    (``OpNode.saved_bytes``), a recurrent layer's gates and states by
+    :data:`_RNN_SAVED` (the tracer runs it decomposed, not as the fused kernel that
+    trains). Without a measurement (a profile from elsewhere): its outputs, none for a
+    view (:func:`aliases`)."""
+    if node.kind != "rnn" and node.saved_bytes is not None:
+        return float(node.saved_bytes)
     if node.bytes_written <= 0 or aliases(node):
         return 0.0
     if node.kind == "rnn" and node.outputs:
@@ -82,6 +88,34 @@ def kept_bytes(node: OpNode) -> float:
         if factor is not None:
             return float(factor * node.outputs[0].nbytes + sum(t.nbytes for t in node.outputs[1:]))
     return float(node.output_bytes)
+
+
+def loss_operands(graph) -> tuple[str, ...]:
+    """The nodes whose outputs a loss outside the model reads: the producers of the
+    model's outputs; none when the model returns its own loss (a 0-dim output, traced
+    with the rest)."""
+    for n in graph.nodes:
+        if n.kind == "output":
+            return () if any(not t.shape for t in n.outputs) else n.inputs
+    return ()
+
+
+def loss_held_bytes(node: OpNode, share: float) -> float:
+    """Bytes a loss computed in fp32 over ``share`` bytes of ``node``'s output holds
+    (``Y`` of :mod:`flexsearch.sim.accounting`): one output-sized fp32 tensor, and the
+    fp32 copy of a lower-precision output it saves (autocast runs losses in fp32).
+    Measured with ``MemTracker`` (``tests/test_memory_tracker.py``)."""
+    if not node.outputs:
+        return 0.0
+    size = dtype_size(node.outputs[0].dtype)
+    fp32 = share * 4 / size
+    return fp32 * (2 if size < 4 else 1)
+
+
+def activation_split(c: Config) -> int:
+    """Into how many pieces a node's activations are split under ``c`` (its sample
+    split, times its attribute or parameter split)."""
+    return c.s * (c.t if c.kind in ("a", "p") else 1)
 
 
 def cast_copy_bytes(node: OpNode, precision: Precision) -> float:
@@ -315,7 +349,7 @@ def node_tasks(
     needs = needs or {}
     cost = ctx.op_cost(node, c, first)
     fwd_time, bwd_time = cost
-    out_bytes = kept_bytes(node) / (c.s * (c.t if c.kind in ("a", "p") else 1))
+    out_bytes = kept_bytes(node) / activation_split(c)
     keeps = out_bytes > 0
     for _, _, d in parts:
         frag.forward.append(Task("fwd", n, fwd_time, (d,), tuple(needs.get(d, ())), (("f", n, d),),

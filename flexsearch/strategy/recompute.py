@@ -128,7 +128,3 @@ class Checkpointing:
     @classmethod
     def none(cls, n: int) -> Checkpointing:
         return cls("none", (False,) * n, (-1,) * n, (False,) * n)
-
-    def kept(self, i: int) -> bool:
-        """Is position ``i``'s output kept for the backward (per microbatch)?"""
-        return not self.dropped[i] or self.boundary[i]

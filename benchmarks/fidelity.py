@@ -15,7 +15,11 @@ LSTM(256) language model) and each plan kind the emitter runs (``data`` = DDP, `
 DTensor, pipelines ``gpipe`` / ``1f1b`` / ``interleaved`` (the pipeline search's best of
 that schedule), ``hybrid`` = pipeline x tensor parallel, which needs 4 ranks; ``dpsgd`` =
 D-PSGD on the best gossip topology for the rank count), every plan made by
-``plan_graph(kinds=...)``:
+``plan_graph(kinds=...)``; and the data-parallel plan changed in one field
+(:func:`variant_of`): ``zero1`` (ZeroRedundancyOptimizer), ``zero2`` / ``zero3``
+(FSDP2 without / with resharding after the forward), ``recompute`` (DDP with every
+block checkpointed). Not yet here: bf16-mixed cases (the profiler times ops at the
+traced dtypes, not under autocast, and the CI machines' CPUs have no native bf16):
 
 1. **profile**: every distinct op measured alone by the profiler
    (:func:`flexsearch.cost.profiler.profile_model`, ``--threads`` threads) at the whole
@@ -43,6 +47,7 @@ Last line: ``median_error=... max_error=... memory_median_error=... kendall_tau=
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -68,8 +73,18 @@ from flexsearch.graph.tracer import trace  # noqa: E402
 from flexsearch.measure import load_average, measure_plan  # noqa: E402
 from flexsearch.plan import Plan  # noqa: E402
 from flexsearch.search.planner import plan_graph  # noqa: E402
+from flexsearch.search.results import plan_from  # noqa: E402
+from flexsearch.sim.context import CostContext  # noqa: E402
+from flexsearch.sim.predict import predict  # noqa: E402
+from flexsearch.strategy.fsdp import fsdp_units  # noqa: E402
+from flexsearch.strategy.kinds import FSDP_SHARDINGS  # noqa: E402
 
-KINDS = ("data", "fsdp", "soap", "gpipe", "1f1b", "interleaved", "hybrid", "dpsgd")
+KINDS = ("data", "fsdp", "soap", "gpipe", "1f1b", "interleaved", "hybrid", "dpsgd", "zero1", "zero2", "zero3",
+         "recompute")
+VARIANTS = {"zero1": {"shard": "zero1"}, "zero2": {"shard": "zero2"}, "zero3": {"shard": "zero3"},
+            "recompute": {"recompute": "full"}}
+"""Kinds made from the data-parallel plan by changing one field: a ZeRO stage, or full
+activation checkpointing of every block (DDP)."""
 CLUSTER = "cpu"
 PROFILE = ROOT / "costmodels" / "measurements" / "fidelity-profile-cpu-1t.json"
 DEGREES = (2, 4, 8, 16, 32)  # profiled splits: SOAP degrees and pipeline microbatches
@@ -127,6 +142,8 @@ def plan_for(graph: OpGraph, cl: Cluster, kind: str, measured=None, calibration:
              seed: int = 0) -> Plan | None:
     """The planner's best plan of ``kind`` for ``graph`` on ``cl`` (None where the model
     has none), costed with ``measured`` op times and ``calibration``."""
+    if kind in VARIANTS:
+        return variant_of(graph, cl, VARIANTS[kind], measured, calibration, seed)
     kinds = {"dpsgd": "decentralized", "hybrid": "hybrid", "data": "data", "fsdp": "fsdp", "soap": "soap"}
     want = kinds.get(kind, "pipeline")
     schedules = {"hybrid": ("1f1b",)}.get(kind, (kind,)) if want in ("pipeline", "hybrid") else ("1f1b",)
@@ -135,6 +152,20 @@ def plan_for(graph: OpGraph, cl: Cluster, kind: str, measured=None, calibration:
                           max_iters=200 if want == "soap" else 0, schedules=schedules)
     except PlanKindError:
         return None
+
+
+def variant_of(graph: OpGraph, cl: Cluster, change: dict, measured, calibration: DeviceCalibration | None,
+               seed: int) -> Plan:
+    """The data-parallel plan with ``change`` applied to its strategy (FSDP units as the
+    planner decides them for a sharding that gathers parameters), predicted with the
+    same costs."""
+    base = plan_graph(graph, cl, kinds=("data",), measured=measured, calibration=calibration, seed=seed,
+                      max_iters=0).strategy(graph)
+    if change.get("shard") in FSDP_SHARDINGS:
+        change = {**change, "fsdp_units": fsdp_units(graph.modules)}
+    strategy = dataclasses.replace(base, **change)
+    ctx = CostContext(cl, measured, calibration=calibration)
+    return plan_from(graph, cl, strategy, predict(graph, strategy, ctx), baselines={}, lower_bound_s=0.0)
 
 
 def profile(model, inputs, threads: int, path: Path = PROFILE):
@@ -177,7 +208,8 @@ def describe(plan: Plan) -> str:
         return (f"{plan.schedule} p{len(plan.stages) // (plan.chunks or 1)}x{plan.stages[0].replicas}"
                 f"x{plan.tensor_degree} m{plan.microbatches}")
     if plan.kind == "data":
-        return {"none": "ddp", "zero3": "fsdp"}.get(plan.shard, plan.shard)
+        name = {"none": "ddp", "zero3": "fsdp"}.get(plan.shard, plan.shard)
+        return name + (f" rc={plan.recompute}" if plan.recompute != "none" else "")
     if plan.kind == "decentralized":
         return f"dpsgd {plan.topology}"
     kinds: dict[str, int] = {}

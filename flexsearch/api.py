@@ -13,6 +13,7 @@ told not to (``calibration=None``); nothing below them reads it on its own.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterable
 from typing import Literal
 
@@ -86,13 +87,16 @@ def plan(
     measured: MeasuredCosts | None = None,
     calibration: Calibration = "auto",
     batch_norm: Literal["local", "sync"] = "local",
+    workers: int | None = None,
 ) -> Plan:
     """Search every plan kind (or those in ``kinds``, :data:`flexsearch.strategy.kinds.KINDS`)
     for ``model`` on ``devices`` devices of ``cluster`` and return the fastest that fits
     in memory.
 
     Budgets: ``max_iters`` (reproducible: same seed, same plan) or ``budget_s``
-    (seconds); neither means the default iteration budget. ``objective``
+    (seconds for the whole call, tracing included: every phase checks the clock and the
+    best plan found in time comes back, its notes naming the phases cut); neither means
+    the default iteration budget. ``objective``
     ``time_to_accuracy`` (default) ranks plans by iteration time x the iterations they
     need relative to synchronous SGD: 1 for every synchronous kind, a D-PSGD plan's
     measured or default factor (:mod:`flexsearch.strategy.convergence`);
@@ -100,7 +104,9 @@ def plan(
     ``decentralized=False`` keeps synchronous training: D-PSGD plans are simulated for
     the notes but never returned. ``measured``: op costs measured by the profiler.
     ``precision`` (:mod:`flexsearch.precision`): ``auto`` is ``bf16-mixed`` on devices
-    with bf16 tensor cores, else ``fp32``; the plan's notes say which and why."""
+    with bf16 tensor cores, else ``fp32``; the plan's notes say which and why.
+    ``workers``: processes the search may use (default: this machine's CPUs); the plan
+    is the same whatever the number."""
     from flexsearch.search.planner import check_kinds, plan_graph
 
     if objective not in ("iteration", "time_to_accuracy"):
@@ -109,6 +115,8 @@ def plan(
         raise FlexsearchError(f"max_iters must be >= 0 (got {max_iters!r})")
     if budget_s is not None and not budget_s > 0:
         raise FlexsearchError(f"budget_s must be > 0 seconds (got {budget_s!r})")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise FlexsearchError(f"workers must be a whole number >= 1 (got {workers!r})")
     try:
         kinds = check_kinds(kinds)
     except ValueError as e:
@@ -118,11 +126,14 @@ def plan(
                               f"not {batch_norm!r}")
     cl = resolve_cluster(cluster, devices)
     prec, why = resolve_precision(precision, cl)
+    t0 = time.perf_counter()
     graph = trace(model, example_inputs, precision=prec)
+    if budget_s is not None:  # the budget bounds the whole call, tracing included
+        budget_s = max(1e-3, budget_s - (time.perf_counter() - t0))
     p = plan_graph(graph, cl, kinds=kinds, budget_s=budget_s, max_iters=max_iters, seed=seed,
                    optimizer=optimizer, objective=objective, progress=progress, decentralized=decentralized,
                    measured=measured, calibration=resolve_calibration(calibration, cl), batch_norm=batch_norm,
-                   convergence=resolve_convergence(graph.family))
+                   convergence=resolve_convergence(graph.family), workers=workers)
     return with_precision_note(p, why)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -260,7 +261,8 @@ def plan(
     model: ModelArg,
     devices: Annotated[int, typer.Option(help="Number of devices.", min=1)] = 8,
     cluster: Annotated[str | None, typer.Option(help="Cluster preset name or cluster JSON file [default: dgx-h100].", show_default=False)] = None,
-    budget: Annotated[float | None, typer.Option(help="Search budget in seconds.", min=0.001)] = None,
+    budget: Annotated[float | None, typer.Option(help="Time budget in seconds, tracing included: when it runs out "
+                                                     "the best plan found so far is returned.", min=0.001)] = None,
     max_iters: Annotated[int | None, typer.Option(help="Search budget in MCMC steps (reproducible).", min=0)] = None,
     seed: Annotated[int, typer.Option(help="Random seed of the search.")] = 0,
     objective: Annotated[str, typer.Option(help="time_to_accuracy (iteration time x iterations needed relative to "
@@ -277,6 +279,8 @@ def plan(
     out: Annotated[str | None, typer.Option(help="Write the plan JSON here.")] = None,
     trace_out: Annotated[str | None, typer.Option("--trace", help="Write the plan's timeline (Chrome trace JSON) here.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out / --trace files that exist.")] = False,
+    workers: Annotated[int | None, typer.Option(help="Processes the search may use [default: this machine's CPUs]; "
+                                                     "the plan does not depend on it.", min=1, show_default=False)] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Search parallelization plans for MODEL and print the fastest that fits.
@@ -322,7 +326,10 @@ def plan(
     of = f"/{total}" if total is not None else ""
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("tracing", total=None)
+        started = time.perf_counter()
         graph = trace_graph(module, inputs, name=model, precision=prec)
+        if budget is not None:  # the budget bounds the whole command, tracing included
+            budget = max(1e-3, budget - (time.perf_counter() - started))
         bar.update(task, description="searching: baselines and ILP seed", total=total, completed=0)
 
         def progress(it: int, best: float) -> None:
@@ -332,7 +339,7 @@ def plan(
         calibration = resolve_calibration("auto", cl)
         p = plan_graph(graph, cl, kinds=kinds, budget_s=budget, max_iters=max_iters, seed=seed, objective=objective,
                        progress=progress, decentralized=decentralized, calibration=calibration,
-                       batch_norm=batch_norm, convergence=resolve_convergence(graph.family))
+                       batch_norm=batch_norm, convergence=resolve_convergence(graph.family), workers=workers)
     p = with_precision_note(p, why)
     if p.interrupted:
         err.print(f"interrupted: returning the best plan found so far ({p.search.iterations} MCMC steps; "

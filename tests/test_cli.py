@@ -145,6 +145,7 @@ plan --kind default=None
 plan --out default=None
 plan --trace default=None
 plan --force default=False
+plan --workers default=None min=1
 plan --json default=False
 profile MODEL default=None
 profile --out default=None

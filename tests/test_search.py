@@ -425,3 +425,52 @@ def test_plan_argument_errors():
         flexsearch.plan(model, inputs, devices=2, objective="speed")  # type: ignore[arg-type]
     with pytest.raises(flexsearch.ClusterSpecError):
         flexsearch.plan(model, inputs, devices=0)
+
+
+# --------------------------------------------------------------------------- speed ([v2 4/6])
+
+
+@pytest.mark.parametrize("name,cluster,devices", [("gpt_tiny", "flexflow-k80", 4), ("mlp_tiny", "commodity", 4)])
+def test_the_plan_file_does_not_depend_on_the_workers(name, cluster, devices):
+    """The pipeline search and the ILP run in a forked worker with two or more workers;
+    the plan file is the same byte for byte."""
+    model, inputs = zoo.build(name)
+    files = {w: flexsearch.plan(model, inputs, devices=devices, cluster=cluster, max_iters=120, seed=3,
+                                workers=w).to_json() for w in (1, 2)}
+    assert files[1] == files[2]
+    with pytest.raises(flexsearch.FlexsearchError, match="workers must be"):
+        flexsearch.plan(model, inputs, devices=devices, cluster=cluster, workers=0)
+
+
+def test_mcmc_is_skipped_when_a_plan_is_close_to_the_lower_bound(monkeypatch):
+    """GPT-2 small on 8 H100s: data parallelism is within 1% of the lower bound, so no
+    SOAP plan could be faster by more; with the gap at 0 the MCMC runs and finds nothing
+    faster."""
+    from flexsearch.search import planner
+
+    g = zoo_graph("gpt2_small", precision="bf16-mixed")
+    cl = Cluster.preset("dgx-h100", 8)
+    quick = planner.plan_graph(g, cl, max_iters=30, decentralized=False)
+    assert quick.search.iterations == 0 and any(n.startswith("MCMC skipped") for n in quick.notes)
+    margin = quick.predicted.iteration_time_s / quick.lower_bound_s - 1
+    assert 0 <= margin <= planner.BOUND_GAP
+    monkeypatch.setattr(planner, "BOUND_GAP", 0.0)
+    full = planner.plan_graph(g, cl, max_iters=30, decentralized=False)
+    assert full.search.iterations > 0 and not any(n.startswith("MCMC skipped") for n in full.notes)
+    assert full.predicted.iteration_time_s >= quick.predicted.iteration_time_s / (1 + margin)
+
+
+def test_mcmc_may_stop_after_the_same_simulated_work_on_a_large_graph(monkeypatch):
+    """The early stop waits for min_iters steps or MIN_WORK op-device tasks, whichever
+    comes first: all of min_iters on a small graph, fewer steps on a larger one."""
+    from flexsearch.search import mcmc as chain
+
+    g = zoo_graph("mlp_tiny")
+    space = Space(g, 4)
+    sim = Simulator(g, Cluster.preset("flexflow-k80", 4))
+    assert mcmc(space, sim, [{}], max_iters=2000, seed=0).iterations >= 200
+    size = len(g.nodes) * 4
+    monkeypatch.setattr(chain, "MIN_WORK", 40 * size)  # as if the graph were 5x larger
+    run = mcmc(space, sim, [{}], max_iters=2000, seed=0)
+    assert 40 <= run.iterations < 200
+    assert run.iterations == mcmc(space, sim, [{}], max_iters=2000, seed=0).iterations

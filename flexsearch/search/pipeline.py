@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from flexsearch.cost.hardware import Cluster
 from flexsearch.graph.microbatch import batch_size, microbatch_graph
 from flexsearch.graph.opgraph import OpGraph
+from flexsearch.search.clock import past
 from flexsearch.search.partition import Chain, Level, Memory, partition
 from flexsearch.sim.accounting import param_copies
 from flexsearch.sim.context import CostContext
@@ -181,10 +182,12 @@ def even_pipeline(graph: OpGraph, ctx: CostContext, schedule: str, tensor: int =
 
 def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam",
                      simulate_top: int = SIMULATE_TOP, schedules: Sequence[str] = SYNC_SCHEDULES,
-                     max_stages: int | None = None) -> list[PipelineResult]:
+                     max_stages: int | None = None, deadline: float | None = None) -> list[PipelineResult]:
     """Every emittable pipeline and hybrid candidate on ``ctx``'s cluster (module
-    docstring), the best ``simulate_top`` by the partitioner's estimate simulated;
-    results sorted fastest first, feasible ones first."""
+    docstring), the best ``simulate_top`` by the partitioner's estimate simulated
+    (past ``deadline``, a ``time.perf_counter()`` time, no more layouts are estimated
+    and no more are simulated once one is); results sorted fastest first, feasible
+    ones first."""
     cluster = ctx.cluster
     n = cluster.devices
     try:
@@ -210,6 +213,8 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
     cps = {mode: Checkpointing.of(graph, mode) for mode in RECOMPUTE_ORDER}
     estimates = []
     for t in tensor_degrees(cluster):
+        if estimates and past(deadline):
+            break
         # one stage: Megatron's tensor x data parallelism with accumulation (t = 1 is a data plan)
         for p in range(1 if t > 1 else 2, min(n // t, max_stages or layers, layers) + 1):
             if (n // t) % p:
@@ -246,6 +251,8 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
     estimates.sort(key=lambda e: (e[0], RECOMPUTE_ORDER.index(e[7])))
     results = []
     for _, t, p, d, m, schedule, v, recompute, part in estimates[:simulate_top]:
+        if results and past(deadline):
+            break
         bounds = [(s.start, s.end) for s in part.stages]
         costs, local = costs_for(d * m, t)
         sim = simulate_stages(graph, ctx, bounds=bounds, tensor=t, replicas=d, schedule=schedule,

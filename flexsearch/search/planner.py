@@ -2,14 +2,16 @@
 that fits in memory.
 
 1. Baselines (:mod:`flexsearch.strategy.recipes`): data parallel, Megatron-style (best
-   tensor degree), FlexFlow's expert plan, each simulated by the same simulator.
+   tensor degree), FlexFlow's expert plan, each simulated by the same simulator; data
+   parallelism with each sharding (``fsdp``).
 2. The lower bound: the single-device iteration time (memory ignored) divided by N.
-3. The exact ILP (:mod:`.assignment`) over all-device configurations, when the graph
-   has at most ``ilp_max_units`` decision units after clustering repeated blocks.
-4. MCMC (:mod:`.mcmc`) seeded with the baselines and the ILP solution.
-5. Pipeline and hybrid plans (:mod:`.pipeline`): the partitioner over every emittable
+3. Pipeline and hybrid plans (:mod:`.pipeline`): the partitioner over every emittable
    (tensor degree, stages, microbatches, schedule), the best simulated; and PipeDream's
    own plan (per-stage replication, asynchronous 1F1B) as the ``pipedream`` baseline.
+4. The exact ILP (:mod:`.assignment`) over all-device configurations, when the graph
+   has at most ``ilp_max_units`` decision units after clustering repeated blocks.
+5. MCMC (:mod:`.mcmc`) seeded with the baselines and the ILP solution; skipped when a
+   plan of steps 1 and 3 is within :data:`BOUND_GAP` of the bound.
 6. Decentralized plans (:mod:`.decentralized`): D-PSGD on every applicable topology
    and the parameter-server baselines, on the same replica cost, against the best
    synchronous plan under the objective (:func:`with_decentralized`); the plan's
@@ -45,8 +47,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import multiprocessing
+import os
+import pickle
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 
 from flexsearch.cost.calibration import DeviceCalibration
@@ -59,6 +65,7 @@ from flexsearch.plan import Plan, SearchInfo
 from flexsearch.precision import precision as precision_of
 from flexsearch.search import decentralized as dz
 from flexsearch.search.assignment import AssignmentBuilder
+from flexsearch.search.clock import past
 from flexsearch.search.mcmc import SearchResult, mcmc, sigint_restored
 from flexsearch.search.pipeline import (
     RECOMPUTE_ORDER,
@@ -93,6 +100,17 @@ REFERENCE_BASELINES = ("pipedream", "ps", "ps-sharded")
 """Baselines the emitter does not run (PipeDream's asynchronous pipeline changes the
 training semantics with stale weights; parameter servers): reported for comparison,
 not a bound the returned plan must beat."""
+ILP_EARLY_MAX = 20_000
+"""Ops x devices up to which the ILP is built before the pipelines are known (in the
+worker, alongside them); a larger one is built only when the MCMC will run (no plan
+within :data:`BOUND_GAP` of the bound): its build grows with ops x devices x candidate
+pairs (137 s for GPT 18.4B on 256 devices)."""
+BOUND_GAP = 0.05
+"""The MCMC is skipped when a data, sharded or pipeline plan already found is within this
+fraction of the lower bound (the single-device time over ``N``, which no plan beats): no
+SOAP plan could be more than this much faster, a gain below the simulator's measured
+error (:data:`DECENTRALIZED_MARGIN`). The SOAP baselines and the ILP's plan (a seed the
+MCMC would start from) still compete."""
 DECENTRALIZED_MARGIN = 0.10
 """A D-PSGD plan replaces the synchronous plan only when its effective time is more than
 this fraction shorter: it changes the algorithm (the ranks' models differ; a checkpoint
@@ -131,11 +149,15 @@ def lower_bound(graph: OpGraph, ctx: CostContext, optimizer: str = "adam") -> fl
     return sim.iteration_time_s / ctx.cluster.devices
 
 
-def run_baselines(space: Space, sim: Simulator, devices_per_node: int) -> dict[str, BaselineRun]:
+def run_baselines(space: Space, sim: Simulator, devices_per_node: int,
+                  deadline: float | None = None) -> dict[str, BaselineRun]:
     """Simulate every baseline recipe at op level (the data baseline as DDP runs it);
-    Megatron degrees collapse into the best one."""
+    Megatron degrees collapse into the best one. Past ``deadline`` (a
+    ``time.perf_counter()`` time) only the first recipe, data parallelism, is run."""
     out: dict[str, BaselineRun] = {}
     for name, dec in bl.baselines(space, devices_per_node).items():
+        if out and past(deadline):
+            break
         configs = space.expand(dec)
         strategy = DataParallel(configs, dec) if name == "data" else Soap(configs, dec)
         run = BaselineRun(name, dec, predict(space.graph, strategy, sim.ctx, optimizer=sim.optimizer,
@@ -147,12 +169,15 @@ def run_baselines(space: Space, sim: Simulator, devices_per_node: int) -> dict[s
     return out
 
 
-def flat_baselines(graph: OpGraph, ctx: CostContext, optimizer: str = "adam") -> dict[str, BaselineRun]:
+def flat_baselines(graph: OpGraph, ctx: CostContext, optimizer: str = "adam",
+                   deadline: float | None = None) -> dict[str, BaselineRun]:
     """Data parallel and Megatron (best tensor degree within a node) simulated as one
     pipeline stage on every device (one replica stands for all): the baselines of a
-    graph too large for the op-level simulator."""
+    graph too large for the op-level simulator (past ``deadline``, data parallelism only)."""
     out: dict[str, BaselineRun] = {}
     for t in tensor_degrees(ctx.cluster):
+        if out and past(deadline):
+            break
         one_stage = Pipelined(((0, len(graph.nodes)),), tensor=t, replicas=ctx.cluster.devices // t,
                               schedule="1f1b", microbatches=1)
         try:
@@ -211,7 +236,10 @@ def plan_graph(
         plan = plan_synchronous(graph, ctx, kinds=sync_kinds, optimizer=optimizer, objective=objective, **kw)
     if plan.interrupted:
         return plan
-    if "decentralized" in kinds or default:
+    budget_s = kw.get("budget_s")
+    if budget_s is not None and time.perf_counter() - t0 >= budget_s and sync_kinds:
+        notes.append(f"budget {budget_s:g} s: spent before the decentralized candidates; D-PSGD not simulated")
+    elif "decentralized" in kinds or default:
         plan = with_decentralized(plan, graph, ctx, allow=decentralized and "decentralized" in kinds,
                                   require=not sync_kinds,
                                   convergence=convergence or constants_for(graph.family or graph.model))
@@ -324,10 +352,15 @@ def plan_synchronous(
     pipelines: bool = True,
     soap_max_tasks: int = 400_000,
     schedules: Sequence[str] = SYNC_SCHEDULES,
+    workers: int | None = None,
 ) -> Plan:
     """The best synchronous plan of ``kinds`` for ``graph`` on ``ctx``'s cluster
-    (module docstring, steps 1-5). ``pipelines=False`` skips step 5; ``schedules``
-    restricts the pipeline schedules tried."""
+    (module docstring, steps 1-5; pipelines before the SOAP search, which they may make
+    unnecessary). ``pipelines=False`` skips step 3; ``schedules`` restricts the pipeline
+    schedules tried. ``workers``: processes to use (default: the CPUs this process may
+    run on); with two or more, step 3 runs in a forked worker while steps 1 and 2 run
+    here, then step 4. Each step is deterministic, so the plan does not depend on
+    ``workers``."""
     t0 = time.perf_counter()
     cluster = ctx.cluster
     if max_iters is None and budget_s is None:
@@ -337,114 +370,212 @@ def plan_synchronous(
     large = want_pipes and len(graph.nodes) * cluster.devices > soap_max_tasks
     result = SearchResult(None, None, 0, 0, (), 0.0)
     data_strategy = DataParallel(space.expand(bl.data_parallel(space)), bl.data_parallel(space))
-    sim = None
-    if large:
-        base = flat_baselines(graph, ctx, optimizer)
-        ilp_status = f"skipped: {len(graph.nodes)} ops x {cluster.devices} devices > {soap_max_tasks}"
-    else:
-        sim = Simulator(graph, ctx, optimizer=optimizer)
-        base = run_baselines(space, sim, cluster.devices_per_node)
-        ilp_status = "skipped: no SOAP plan asked for"
-        if "soap" in kinds:
+    deadline = None if budget_s is None else t0 + budget_s
+    cut: list[str] = []  # phases the budget cut short
+    want_ilp = "soap" in kinds and not large and len(space.units) <= ilp_max_units
+    # a large ILP is built only when the SOAP search is worth running (decided after the pipelines)
+    ilp_early = want_ilp and len(graph.nodes) * cluster.devices <= ILP_EARLY_MAX
+    ilp_limit = ilp_time_limit_s if budget_s is None else min(ilp_time_limit_s, budget_s / 4)
+    pool = pending = ilp_pending = None
+    if (want_pipes or ilp_early) and _workers(workers) > 1:  # the pipeline search and the ILP on another core
+        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"))
+        if want_pipes:
+            pending = _submit(pool, pipeline_candidates, graph, ctx, tuple(kinds), optimizer, tuple(schedules),
+                              deadline)
+        if ilp_early:
+            ilp_pending = _submit(pool, ilp_seed, space, ctx, optimizer, ilp_limit, seed, budget_s is None)
+    try:
+        bound = lower_bound(graph, ctx, optimizer)
+        sim = None
+        if large:
+            base = flat_baselines(graph, ctx, optimizer, deadline)
+            ilp_status = f"skipped: {len(graph.nodes)} ops x {cluster.devices} devices > {soap_max_tasks}"
+        else:
+            sim = Simulator(graph, ctx, optimizer=optimizer)
+            base = run_baselines(space, sim, cluster.devices_per_node, deadline)
+            ilp_status = "skipped: no SOAP plan asked for"
+        # the op-level candidates: data parallel as DDP (or FSDP) runs it, then the best SOAP plan
+        candidates: list[tuple[str, object, Simulation]] = []
+        if "data" in kinds and "data" in base:
+            if base["data"].simulation.feasible:
+                candidates.append(("data", data_strategy, base["data"].simulation))
+            elif (fit := fitting_variant(graph, data_strategy, ctx, optimizer, sim, deadline)) is not None:
+                candidates.append(("data", *fit))
+        if "fsdp" in kinds and _splits(graph, cluster.devices):
+            shared = sim if sim is not None else Simulator(graph, ctx, optimizer=optimizer)
+            units = fsdp_units(graph.modules)
+            for shard, group in shardings(cluster):
+                if past(deadline):
+                    cut.append("sharded data parallelism")
+                    break
+                sharded = dataclasses.replace(data_strategy, shard=shard, shard_group=group,
+                                              fsdp_units=units if shard in FSDP_SHARDINGS else ())
+                fsdp_sim = predict(graph, sharded, ctx, optimizer=optimizer, timeline=False, simulator=shared)
+                if fsdp_sim.feasible:
+                    candidates.append(("fsdp", sharded, fsdp_sim))
+                elif (fit := fitting_variant(graph, sharded, ctx, optimizer, shared, deadline)) is not None:
+                    candidates.append(("fsdp", *fit))
+        pipes: list[PipelineResult] = []
+        dream = None
+        interrupted = False
+        if want_pipes:
+            try:
+                pipes, dream, pipes_cut = pending.result() if pending is not None else \
+                    pipeline_candidates(graph, ctx, tuple(kinds), optimizer, tuple(schedules), deadline)
+                if pipes_cut:
+                    cut.append("pipeline layouts")
+            except KeyboardInterrupt:
+                if not candidates:
+                    raise
+                pipes, dream, interrupted = [], None, True
+        notes: list[str] = []
+        if "soap" in kinds and sim is not None and not interrupted:
             seeds = [b.decisions for b in base.values()]
+            exclude = [] if "data" in kinds else [base["data"].decisions]
+            found = [c[2].iteration_time_s for c in candidates if c[2].feasible]
+            found += [r.simulation.iteration_time_s for r in pipes if r.simulation.feasible]
+            close = bool(found) and min(found) <= (1 + BOUND_GAP) * bound  # little left for SOAP to gain
             ilp_status = f"skipped: {len(space.units)} decision units > {ilp_max_units}"
-            if len(space.units) <= ilp_max_units:
-                limit = ilp_time_limit_s if budget_s is None else min(ilp_time_limit_s, budget_s / 4)
-                builder = AssignmentBuilder(space, ctx, optimizer)
-                # reproducible runs (no seconds budget) limit the solver by deterministic time
-                with sigint_restored():  # CP-SAT would leave Ctrl-C killing the process
-                    dec, res = builder.solve(time_limit_s=limit, seed=seed, deterministic=budget_s is None)
-                ilp_status = res.status
+            if ilp_pending is not None or (want_ilp and (ilp_early or not close)):
+                if ilp_pending is not None:
+                    dec, ilp_status = ilp_pending.result()
+                elif past(deadline):
+                    dec, ilp_status = None, "skipped: past the budget"
+                    cut.append("ILP")
+                else:
+                    left = ilp_limit if deadline is None else min(ilp_limit, (deadline - time.perf_counter()) / 4)
+                    dec, ilp_status = ilp_seed(space, ctx, optimizer, left, seed, budget_s is None)
                 if dec is not None:
                     seeds.append(dec)
+            elif want_ilp:
+                ilp_status = (f"skipped: {len(graph.nodes)} ops x {cluster.devices} devices, and a plan within the "
+                              "lower bound's gap was found")
             remaining = None if budget_s is None else max(0.0, budget_s - (time.perf_counter() - t0))
-            exclude = [] if "data" in kinds else [base["data"].decisions]
-            result = mcmc(space, sim, seeds, max_iters=max_iters, budget_s=remaining, seed=seed,
-                          progress=progress, exclude=exclude)
-    interrupted = result.interrupted  # Ctrl-C: skip the remaining searches, keep the best so far
-    # the op-level candidates: the best SOAP plan, data parallel as DDP (or FSDP) runs it
-    candidates: list[tuple[str, object, Simulation]] = []
-    if result.decisions is not None and not (result.decisions == base["data"].decisions and "data" in kinds):
-        candidates.append(("soap", Soap(space.expand(result.decisions), result.decisions), result.simulation))
-    if "data" in kinds and "data" in base:
-        if base["data"].simulation.feasible:
-            candidates.append(("data", data_strategy, base["data"].simulation))
-        elif (fit := fitting_variant(graph, data_strategy, ctx, optimizer, sim)) is not None:
-            candidates.append(("data", *fit))
-    if "fsdp" in kinds and _splits(graph, cluster.devices):
-        shared = sim if sim is not None else Simulator(graph, ctx, optimizer=optimizer)
-        units = fsdp_units(graph.modules)
-        for shard, group in shardings(cluster):
-            sharded = dataclasses.replace(data_strategy, shard=shard, shard_group=group,
-                                          fsdp_units=units if shard in FSDP_SHARDINGS else ())
-            fsdp_sim = predict(graph, sharded, ctx, optimizer=optimizer, timeline=False, simulator=shared)
-            if fsdp_sim.feasible:
-                candidates.append(("fsdp", sharded, fsdp_sim))
-            elif (fit := fitting_variant(graph, sharded, ctx, optimizer, shared)) is not None:
-                candidates.append(("fsdp", *fit))
-    pipes: list[PipelineResult] = []
-    dream = None
-    if want_pipes and not interrupted:
-        try:
-            pipes = [r for r in search_pipelines(graph, ctx, optimizer=optimizer, schedules=schedules)
-                     if r.kind in kinds]
-            if not pipes and not {"data", "soap", "fsdp"} & set(kinds):  # a layout the emitter always runs
-                pipes = [r for s in schedules for t in (1, 2)
-                         if (r := even_pipeline(graph, ctx, s, t, optimizer=optimizer)) is not None
-                         and r.kind in kinds]
-                pipes.sort(key=lambda r: (not r.simulation.feasible, r.simulation.iteration_time_s))
-            dream = pipedream_plan(graph, ctx, optimizer=optimizer)
-        except KeyboardInterrupt:
-            if not candidates:
-                raise
-            pipes, dream, interrupted = [], None, True
-    pipe = next((r for r in pipes if r.simulation.feasible), None)
-    oplevel = min(candidates, key=lambda c: (not c[2].feasible, c[2].iteration_time_s, c[2].peak_memory_bytes),
-                  default=None)
-    if oplevel is None and pipe is None:
-        if set(kinds) >= {"data", "soap", "pipeline", "hybrid"}:
-            raise _infeasible(base, cluster)
-        raise PlanKindError(_no_plan_reason(kinds, base, pipes, cluster))
-    baselines = {k: b.simulation.iteration_time_s for k, b in base.items() if b.simulation.feasible}
-    infeasible = [k for k, b in base.items() if not b.simulation.feasible]
-    if dream is not None:
-        if dream.simulation.feasible:
-            baselines["pipedream"] = dream.simulation.iteration_time_s
-        else:
-            infeasible.append("pipedream")
-    search = SearchInfo(seed=seed, max_iters=max_iters, budget_s=budget_s, iterations=result.iterations,
-                        ilp=ilp_status, curve=tuple((it, t) for it, _, t in result.improvements))
-    common = dict(lower_bound_s=lower_bound(graph, ctx, optimizer), search=search, optimizer=optimizer,
-                  objective=objective, infeasible_baselines=tuple(infeasible))
-    if pipe is not None and (oplevel is None or pipe.simulation.iteration_time_s < oplevel[2].iteration_time_s):
-        if oplevel is not None and not large:  # the best op-level plan (SOAP or data parallel)
-            baselines["soap"] = oplevel[2].iteration_time_s
-        plan = plan_from(graph, cluster, pipe.strategy, pipe.simulation, baselines=baselines,
-                         configs=pipe.configs, **common)
+            if past(deadline):  # no time to simulate the seeds again: the best baseline as simulated
+                runs = [b for b in base.values() if b.simulation.feasible
+                        and not any(b.decisions == e for e in exclude)]
+                top = min(runs, key=lambda b: b.simulation.iteration_time_s, default=None)
+                result = SearchResult(None if top is None else top.decisions, None if top is None else top.simulation,
+                                      0, 0, (), 0.0)
+            else:
+                result = mcmc(space, sim, seeds, max_iters=0 if close else max_iters,
+                              budget_s=None if close else remaining, seed=seed, progress=progress, exclude=exclude)
+            interrupted = result.interrupted  # Ctrl-C: keep the best so far
+            if not close and past(deadline) and result.iterations < (max_iters or math.inf):
+                cut.append(f"MCMC after {result.iterations} steps")
+            if close:
+                margin = min(found) / bound - 1
+                notes.append(f"MCMC skipped: the best plan before it is {margin:.1%} over the lower bound "
+                             f"({bound * 1e3:.3f} ms; skipped within {BOUND_GAP:.0%}), so no SOAP plan could be more "
+                             f"than {margin:.1%} faster; the SOAP baselines and the ILP's plan compete")
+            if result.decisions is not None and not (result.decisions == base["data"].decisions and "data" in kinds):
+                candidates.insert(0, ("soap", Soap(space.expand(result.decisions), result.decisions),
+                                      result.simulation))
+        pipe = next((r for r in pipes if r.simulation.feasible), None)
+        oplevel = min(candidates, key=lambda c: (not c[2].feasible, c[2].iteration_time_s, c[2].peak_memory_bytes),
+                      default=None)
+        if oplevel is None and pipe is None:
+            if set(kinds) >= {"data", "soap", "pipeline", "hybrid"}:
+                raise _infeasible(base, cluster)
+            raise PlanKindError(_no_plan_reason(kinds, base, pipes, cluster))
+        baselines = {k: b.simulation.iteration_time_s for k, b in base.items() if b.simulation.feasible}
+        infeasible = [k for k, b in base.items() if not b.simulation.feasible]
+        if dream is not None:
+            if dream.simulation.feasible:
+                baselines["pipedream"] = dream.simulation.iteration_time_s
+            else:
+                infeasible.append("pipedream")
+        if cut:
+            notes.append(f"budget {budget_s:g} s: cut short: {', '.join(cut)} (the best plan found so far)")
+        search = SearchInfo(seed=seed, max_iters=max_iters, budget_s=budget_s, iterations=result.iterations,
+                            ilp=ilp_status, curve=tuple((it, t) for it, _, t in result.improvements))
+        common = dict(lower_bound_s=bound, search=search, optimizer=optimizer, objective=objective,
+                      infeasible_baselines=tuple(infeasible))
+        if pipe is not None and (oplevel is None or pipe.simulation.iteration_time_s < oplevel[2].iteration_time_s):
+            if oplevel is not None and not large:  # the best op-level plan (SOAP or data parallel)
+                baselines["soap"] = oplevel[2].iteration_time_s
+            plan = plan_from(graph, cluster, pipe.strategy, pipe.simulation, baselines=baselines,
+                             configs=pipe.configs, **common)
+            if notes:
+                plan = plan.model_copy(update={"notes": (*plan.notes, *notes)})
+            return plan.with_search_time(time.perf_counter() - t0)
+        if pipe is not None:
+            baselines["pipeline"] = pipe.simulation.iteration_time_s
+        assert oplevel is not None
+        _, strategy, s = oplevel
+        plan = plan_from(graph, cluster, strategy, s, baselines=baselines, **common)
+        if notes:
+            plan = plan.model_copy(update={"notes": (*plan.notes, *notes)})
+        if isinstance(strategy, DataParallel) and (strategy.recompute != "none" or strategy.microbatches > 1):
+            how = [f"{strategy.recompute} activation checkpointing"] if strategy.recompute != "none" else []
+            how += [f"{strategy.microbatches} accumulated microbatches"] if strategy.microbatches > 1 else []
+            plain = "data" if strategy.shard == "none" else strategy.shard
+            plan = plan.model_copy(update={"notes": (*plan.notes, (
+                f"{' and '.join(how)}: {plain} parallelism without them does not fit in memory"),)})
+        if isinstance(strategy, DataParallel) and strategy.shard != "none":
+            others = [f"{c[1].shard} {c[2].iteration_time_s * 1e3:.3f} ms" for c in candidates
+                      if c[0] == "fsdp" and c[1] is not strategy]
+            tried = f" (also simulated: {', '.join(others)})" if others else ""
+            plan = plan.model_copy(update={"notes": (*plan.notes, (
+                f"sharding {strategy.shard}: the fastest sharded data parallelism that fits{tried}"),)})
+        if interrupted:
+            plan = plan.model_copy(update={"notes": (*plan.notes, (
+                f"search interrupted (Ctrl-C) after {result.iterations} MCMC steps: the best plan found so far, "
+                "the phases after the interrupted one (MCMC after pipelines, decentralized plans) not searched"),)})
+            plan = plan.with_interrupted()
         return plan.with_search_time(time.perf_counter() - t0)
-    if pipe is not None:
-        baselines["pipeline"] = pipe.simulation.iteration_time_s
-    assert oplevel is not None
-    _, strategy, s = oplevel
-    plan = plan_from(graph, cluster, strategy, s, baselines=baselines, **common)
-    if isinstance(strategy, DataParallel) and (strategy.recompute != "none" or strategy.microbatches > 1):
-        how = [f"{strategy.recompute} activation checkpointing"] if strategy.recompute != "none" else []
-        how += [f"{strategy.microbatches} accumulated microbatches"] if strategy.microbatches > 1 else []
-        plain = "data" if strategy.shard == "none" else strategy.shard
-        plan = plan.model_copy(update={"notes": (*plan.notes, (
-            f"{' and '.join(how)}: {plain} parallelism without them does not fit in memory"),)})
-    if isinstance(strategy, DataParallel) and strategy.shard != "none":
-        others = [f"{c[1].shard} {c[2].iteration_time_s * 1e3:.3f} ms" for c in candidates
-                  if c[0] == "fsdp" and c[1] is not strategy]
-        tried = f" (also simulated: {', '.join(others)})" if others else ""
-        plan = plan.model_copy(update={"notes": (*plan.notes, (
-            f"sharding {strategy.shard}: the fastest sharded data parallelism that fits{tried}"),)})
-    if interrupted:
-        plan = plan.model_copy(update={"notes": (*plan.notes, (
-            f"search interrupted (Ctrl-C) after {result.iterations} MCMC steps: the best plan found so far, "
-            "pipelines and decentralized plans not searched"),)})
-        plan = plan.with_interrupted()
-    return plan.with_search_time(time.perf_counter() - t0)
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+
+
+def pipeline_candidates(graph: OpGraph, ctx: CostContext, kinds: tuple[str, ...], optimizer: str,
+                        schedules: tuple[str, ...], deadline: float | None = None,
+                        ) -> tuple[list[PipelineResult], PipelineResult | None, bool]:
+    """Step 3 (module docstring): the pipeline and hybrid layouts of ``kinds``, best
+    first, PipeDream's own plan (None where it does not apply), and whether ``deadline``
+    cut the search short."""
+    pipes = [r for r in search_pipelines(graph, ctx, optimizer=optimizer, schedules=schedules, deadline=deadline)
+             if r.kind in kinds]
+    if past(deadline):
+        return pipes, None, True
+    if not pipes and not {"data", "soap", "fsdp"} & set(kinds):  # a layout the emitter always runs
+        pipes = [r for s in schedules for t in (1, 2)
+                 if (r := even_pipeline(graph, ctx, s, t, optimizer=optimizer)) is not None and r.kind in kinds]
+        pipes.sort(key=lambda r: (not r.simulation.feasible, r.simulation.iteration_time_s))
+    return pipes, pipedream_plan(graph, ctx, optimizer=optimizer), False
+
+
+def ilp_seed(space: Space, ctx: CostContext, optimizer: str, limit_s: float, seed: int,
+             deterministic: bool) -> tuple[dict[str, Config] | None, str]:
+    """Step 4 (module docstring): the exact solver's assignment (None when it found
+    none) and its status; ``deterministic`` limits the solver by deterministic time, so
+    runs without a seconds budget are reproducible."""
+    with sigint_restored():  # CP-SAT would leave Ctrl-C killing the process
+        dec, res = AssignmentBuilder(space, ctx, optimizer).solve(time_limit_s=limit_s, seed=seed,
+                                                                  deterministic=deterministic)
+    return dec, res.status
+
+
+def _submit(pool: ProcessPoolExecutor, fn: Callable, *args) -> Future:
+    """``pool.submit(fn, *args)`` with the call pickled here and now: the pool pickles in
+    a thread of its own, while this one goes on filling the cost context's caches."""
+    return pool.submit(_call_pickled, pickle.dumps((fn, args)))
+
+
+def _call_pickled(payload: bytes):
+    fn, args = pickle.loads(payload)
+    return fn(*args)
+
+
+def _workers(workers: int | None) -> int:
+    """Processes a search may use: ``workers``, else the CPUs this process may run on;
+    1 where processes cannot be forked."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return 1
+    if workers is not None:
+        return max(1, workers)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def shardings(cluster: Cluster) -> list[tuple[str, int]]:
@@ -467,11 +598,12 @@ def _splits(graph: OpGraph, devices: int) -> bool:
 
 
 def fitting_variant(graph: OpGraph, strategy: DataParallel, ctx: CostContext, optimizer: str,
-                    sim: Simulator | None) -> tuple[DataParallel, Simulation] | None:
+                    sim: Simulator | None, deadline: float | None = None) -> tuple[DataParallel, Simulation] | None:
     """The fastest variant of a data-parallel strategy that does not fit as it is, with
     activation checkpointing (:data:`~flexsearch.search.pipeline.RECOMPUTE_ORDER`) and, for
     DDP, gradient accumulation over microbatches of the per-device batch; None when
-    none fits. Neither makes an iteration faster, so they are tried only then."""
+    none fits. Neither makes an iteration faster, so they are tried only then. Past
+    ``deadline``, the first variant that fits."""
     try:
         per_device = batch_size(graph) // ctx.cluster.devices
     except ValueError:
@@ -480,6 +612,8 @@ def fitting_variant(graph: OpGraph, strategy: DataParallel, ctx: CostContext, op
     best = None
     for m in steps:
         for mode in RECOMPUTE_ORDER:
+            if best is not None and past(deadline):
+                return best
             variant = dataclasses.replace(strategy, microbatches=m, recompute=mode)
             if variant == strategy:
                 continue

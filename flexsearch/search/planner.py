@@ -100,6 +100,10 @@ REFERENCE_BASELINES = ("pipedream", "ps", "ps-sharded")
 """Baselines the emitter does not run (PipeDream's asynchronous pipeline changes the
 training semantics with stale weights; parameter servers): reported for comparison,
 not a bound the returned plan must beat."""
+FSDP_MAX_TASKS = 4_000_000
+"""Ops x devices beyond which sharded data parallelism is not simulated (it is simulated
+op by op): GPT-3 175B on 1,024 devices (2.4 M) is; GPT 1T on 3,072 (8.6 M) ran out of
+this machine's memory after minutes."""
 ILP_EARLY_MAX = 20_000
 """Ops x devices up to which the ILP is built before the pipelines are known (in the
 worker, alongside them); a larger one is built only when the MCMC will run (no plan
@@ -401,7 +405,11 @@ def plan_synchronous(
                 candidates.append(("data", data_strategy, base["data"].simulation))
             elif (fit := fitting_variant(graph, data_strategy, ctx, optimizer, sim, deadline)) is not None:
                 candidates.append(("data", *fit))
-        if "fsdp" in kinds and _splits(graph, cluster.devices):
+        notes: list[str] = []
+        if "fsdp" in kinds and len(graph.nodes) * cluster.devices > FSDP_MAX_TASKS:
+            notes.append(f"sharded data parallelism not simulated: {len(graph.nodes)} ops x {cluster.devices} devices "
+                         f"> {FSDP_MAX_TASKS}, beyond what the op-level simulator that costs it holds in memory")
+        elif "fsdp" in kinds and _splits(graph, cluster.devices):
             shared = sim if sim is not None else Simulator(graph, ctx, optimizer=optimizer)
             units = fsdp_units(graph.modules)
             for shard, group in shardings(cluster):
@@ -428,7 +436,6 @@ def plan_synchronous(
                 if not candidates:
                     raise
                 pipes, dream, interrupted = [], None, True
-        notes: list[str] = []
         if "soap" in kinds and sim is not None and not interrupted:
             seeds = [b.decisions for b in base.values()]
             exclude = [] if "data" in kinds else [base["data"].decisions]
@@ -603,7 +610,9 @@ def fitting_variant(graph: OpGraph, strategy: DataParallel, ctx: CostContext, op
     activation checkpointing (:data:`~flexsearch.search.pipeline.RECOMPUTE_ORDER`) and, for
     DDP, gradient accumulation over microbatches of the per-device batch; None when
     none fits. Neither makes an iteration faster, so they are tried only then. Past
-    ``deadline``, the first variant that fits."""
+    ``deadline``, the first variant that fits. Without an op-level simulator (``sim``
+    None: a graph too large for it) DDP's variants are simulated as one pipeline stage
+    on every device, as :func:`flat_baselines` simulates data parallelism."""
     try:
         per_device = batch_size(graph) // ctx.cluster.devices
     except ValueError:
@@ -617,8 +626,10 @@ def fitting_variant(graph: OpGraph, strategy: DataParallel, ctx: CostContext, op
             variant = dataclasses.replace(strategy, microbatches=m, recompute=mode)
             if variant == strategy:
                 continue
+            flat = Pipelined(((0, len(graph.nodes)),), tensor=1, replicas=ctx.cluster.devices, schedule="1f1b",
+                             microbatches=m, recompute=mode)
             try:
-                got = predict(graph, variant, ctx, optimizer=optimizer, timeline=False,
+                got = predict(graph, variant if sim is not None else flat, ctx, optimizer=optimizer, timeline=False,
                               simulator=sim if m == 1 else None)
             except ValueError:
                 continue

@@ -63,6 +63,15 @@ def make_plan(spec: str, devices: int, kind: str, seed: int = 0, cluster: str = 
         return None
 
 
+def with_target(spec: str):
+    """The model, its inputs and a fixed random target of its output's shape."""
+    model, x = load(spec)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        y = torch.randn(model(*x).shape)
+    return model, x, y
+
+
 def mse(out, target):
     return F.mse_loss(out.float(), target)
 
@@ -94,10 +103,7 @@ def check_job(rank: int, world: int, spec: str, plans: list) -> list:
 
     out = []
     for plan in plans:
-        model, x = load(spec)
-        torch.manual_seed(1)
-        with torch.no_grad():
-            y = torch.randn(model(*x).shape)
+        model, x, y = with_target(spec)
         r = verify(model, plan, x, y, mse)
         groups_agree(world)
         out.append((plan.kind, plan.schedule, r["loss"], r["reference_loss"], r["params"]))

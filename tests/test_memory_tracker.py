@@ -25,7 +25,7 @@ import dataclasses
 
 import pytest
 import torch
-from emit_cases import FAMILIES, load, mse
+from emit_cases import FAMILIES, load, mse, with_target
 
 from flexsearch.cost.hardware import Cluster
 from flexsearch.emit.launch import run_ranks
@@ -53,10 +53,7 @@ def tracked_job(rank: int, world: int, spec: str, plans: list) -> list[dict[str,
 
     out = []
     for plan in plans:
-        model, x = load(spec)
-        torch.manual_seed(1)
-        with torch.no_grad():
-            y = torch.randn(model(*x).shape)
+        model, x, y = with_target(spec)
         module = parallelize(model, plan)
         opt = make_optimizer(module, torch.optim.Adam, lr=1e-3)
         tracker = FSDPMemTracker(module.module, opt) if plan.shard_params else MemTracker()

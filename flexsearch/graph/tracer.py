@@ -12,7 +12,7 @@
    outputs; an output that aliases an input (a view) moves no bytes. What autograd
    saves for the backward is recorded too (``saved_tensors_hooks`` around each op's
    forward): each node is given the saved storages it created
-   (:meth:`_Measure.saved_bytes`; ``OpNode.saved_bytes``).
+   (:mod:`flexsearch.graph.saved`; ``OpNode.saved_bytes``).
 3. Label: the op registry gives each node its kind and SOAP dims; the batch dim is
    followed from the inputs (dim 0 of every example input).
 4. Find repeated blocks (:mod:`flexsearch.graph.blocks`).
@@ -31,7 +31,6 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
@@ -50,6 +49,7 @@ from flexsearch.graph.lift import (
 )
 from flexsearch.graph.modules import module_facts
 from flexsearch.graph.opgraph import OpGraph, OpNode, ParallelDims, TensorMeta
+from flexsearch.graph.saved import SavedTensors
 from flexsearch.precision import FP32, Precision
 from flexsearch.precision import precision as precision_of
 
@@ -121,7 +121,7 @@ def trace_calls(
         measure.run_all(fake_inputs, autocast=prec.autocast)
     finally:
         model.train(was_training)
-    saved = measure.saved_bytes()
+    saved = measure.saved.saved_bytes()
     nodes = tuple(n.model_copy(update={"saved_bytes": 0 if n.kind == "input" else saved.get(n.name, 0)})
                   for n in measure.nodes)
     used = set(measure.owner_of)
@@ -190,10 +190,6 @@ def _fused_attention(n: fx.Node) -> bool:
     backend, for FLOPs), which save the ``T x T`` probabilities; the fused kernels that
     train (flash, memory-efficient; CPU flash too) save their inputs and output."""
     return "scaled_dot_product" in str(getattr(n.target, "__name__", n.target))
-
-
-def _storage(t: torch.Tensor) -> StorageWeakRef:
-    return StorageWeakRef(t.untyped_storage())
 
 
 def _digest(signature: tuple) -> str:
@@ -268,16 +264,6 @@ class _Measure(fx.Interpreter):
         self.canon = canonical_names(model)
         self.fakes: dict[str, torch.Tensor] = {}
         self.is_param: dict[str, bool] = {}
-        # What autograd saves (_saved_bytes): storage -> (node that created it, bytes);
-        # storages some op saved; per node, bytes of saved storages that are neither its
-        # inputs nor its outputs; a fresh input clone's storage -> the original's. The
-        # tensors behind every key are held, so no storage is freed and its key reused.
-        self.storage_owner: dict[StorageWeakRef, tuple[str, int]] = {}
-        self.saved: set[StorageWeakRef] = set()
-        self.internal: dict[str, int] = {}
-        self.clone_of: dict[StorageWeakRef, StorageWeakRef] = {}
-        self.state_storages: set[StorageWeakRef] = set()
-        self._held: list[torch.Tensor] = []
         with fake_mode:
             for n, p in model.named_parameters():
                 f = _fake_like(p, cast).requires_grad_(p.requires_grad)
@@ -289,7 +275,7 @@ class _Measure(fx.Interpreter):
                 self.fakes[n] = f
                 self.is_param[n] = False
                 self.param_of[id(f)] = n
-        self.state_storages = {_storage(f) for f in self.fakes.values()}
+        self.saved = SavedTensors(self.fakes.values(), self.param_of)
 
     # -- running -------------------------------------------------------------------
 
@@ -372,7 +358,7 @@ class _Measure(fx.Interpreter):
         value = args[0]
         inputs = self._inputs_of(n)
         outs = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
-        self.saved.update(self._key(t) for t in outs)  # held for the loss and its backward
+        self.saved.returned(outs)
         metas = [_meta(t) for t in outs]
         self.nodes.append(
             OpNode(
@@ -493,8 +479,7 @@ class _Measure(fx.Interpreter):
                 leaf = x.detach().requires_grad_(True)
                 leaves.append(leaf)
                 copy = leaf.clone()  # in-place ops (ReLU(inplace=True), +=) need a non-leaf
-                self.clone_of[_storage(copy)] = self._key(x)
-                self._held.append(copy)
+                self.saved.cloned(copy, x)
                 return copy
             return x
 
@@ -524,7 +509,7 @@ class _Measure(fx.Interpreter):
             out = out.transpose(1, 2).contiguous().transpose(1, 2)
             packed = [t for t in largs[:3] if isinstance(t, torch.Tensor)]
             packed += [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        self._note_saved(n.name, packed, out)
+        self.saved.packed(n.name, packed, [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)])
         fwd = self.counter.get_total_flops() - before
         bwd = self._backward_flops.get(sig, 0)
         if sig not in self._backward_flops:
@@ -541,61 +526,6 @@ class _Measure(fx.Interpreter):
             self._backward_flops[sig] = bwd
         self.signature[n.name] = sig
         return out, fwd, bwd
-
-    # -- what autograd saves --------------------------------------------------------
-
-    def _key(self, t: torch.Tensor) -> StorageWeakRef:
-        """The storage ``t`` lives in, as the program sees it (an op's fresh input clone
-        stands for the tensor it was cloned from)."""
-        k = _storage(t)
-        return self.clone_of.get(k, k)
-
-    def _note_saved(self, name: str, packed: list[torch.Tensor], out: Any) -> None:
-        """Record the storages autograd saved while op ``name`` ran: another node's
-        output (or this op's own), or a tensor the op made and kept internally (a
-        dropout mask, a norm's statistics, autocast's low-precision copy of an
-        activation). Parameters and buffers are state, not activations, and autocast's
-        weight copies are costed apart (``cast_copy_bytes``)."""
-        outs = {self._key(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
-        internal: dict[StorageWeakRef, int] = {}
-        for t in packed:
-            k = self._key(t)
-            if k in self.state_storages:
-                continue
-            if k in self.storage_owner or k in outs:
-                self.saved.add(k)
-            elif not self._is_weight_cast(t):
-                internal[k] = t.untyped_storage().nbytes()
-                self._held.append(t)
-        if internal:
-            self.internal[name] = self.internal.get(name, 0) + sum(internal.values())
-
-    def _is_weight_cast(self, t: torch.Tensor) -> bool:
-        """Is ``t`` (a view of) autocast's low-precision copy of a parameter?"""
-        fn, cast = t.grad_fn, False
-        for _ in range(4):
-            if fn is None:
-                return False
-            name = type(fn).__name__
-            if name == "AccumulateGrad":
-                return cast and id(fn.variable) in self.param_of
-            cast = cast or name == "ToCopyBackward0"
-            nxt = [f for f, _ in fn.next_functions if f is not None]
-            if len(nxt) != 1:
-                return False
-            fn = nxt[0]
-        return False
-
-    def saved_bytes(self) -> dict[str, int]:
-        """Per op node, the bytes of activations autograd keeps for the backward that the
-        node created: its outputs some op saved (or the model returns), and what it saved
-        internally. The model's inputs (the batch) count for none."""
-        out = dict(self.internal)
-        for k in self.saved:
-            owner = self.storage_owner.get(k)
-            if owner is not None:
-                out[owner[0]] = out.get(owner[0], 0) + owner[1]
-        return out
 
     @staticmethod
     def _call(n: fx.Node, module, mod_params, args, kwargs) -> Any:
@@ -629,11 +559,7 @@ class _Measure(fx.Interpreter):
                 params=(), owned=(), used_param_bytes=0) -> None:  # fmt: skip
         flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         shapes = tuple(tuple(t.shape) for t in flat_out)
-        for t in flat_out:  # an input node owns the batch's storage; trace() counts it for none
-            k = self._key(t)
-            if k not in self.storage_owner and k not in self.state_storages:
-                self.storage_owner[k] = (n.name, t.untyped_storage().nbytes())
-                self._held.append(t)
+        self.saved.created(n.name, flat_out)  # an input node owns the batch; trace() counts it for none
         if n.op == "placeholder":
             self.signature[n.name] = ("input", shapes)
         else:  # measured ops have theirs; data movement is identified by target and shapes

@@ -47,19 +47,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import multiprocessing
-import os
-import pickle
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 
 from flexsearch.cost.calibration import DeviceCalibration
 from flexsearch.cost.compute import MeasuredCosts
 from flexsearch.cost.hardware import Cluster
 from flexsearch.errors import InfeasiblePlanError, PlanKindError
-from flexsearch.graph.microbatch import batch_size
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.plan import Plan, SearchInfo
 from flexsearch.precision import precision as precision_of
@@ -68,16 +63,17 @@ from flexsearch.search.assignment import AssignmentBuilder
 from flexsearch.search.clock import past
 from flexsearch.search.mcmc import SearchResult, mcmc, sigint_restored
 from flexsearch.search.pipeline import (
-    RECOMPUTE_ORDER,
     SYNC_SCHEDULES,
     PipelineResult,
     even_pipeline,
-    microbatch_options,
     pipedream_plan,
     search_pipelines,
     tensor_degrees,
 )
 from flexsearch.search.results import graph_inputs, plan_from, predicted
+from flexsearch.search.variants import fitting_variant, shardings, splits
+from flexsearch.search.workers import pool as worker_pool
+from flexsearch.search.workers import submit, worker_count
 from flexsearch.sim.context import CostContext
 from flexsearch.sim.predict import better, predict
 from flexsearch.sim.result import Simulation
@@ -381,13 +377,13 @@ def plan_synchronous(
     ilp_early = want_ilp and len(graph.nodes) * cluster.devices <= ILP_EARLY_MAX
     ilp_limit = ilp_time_limit_s if budget_s is None else min(ilp_time_limit_s, budget_s / 4)
     pool = pending = ilp_pending = None
-    if (want_pipes or ilp_early) and _workers(workers) > 1:  # the pipeline search and the ILP on another core
-        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"))
+    if (want_pipes or ilp_early) and worker_count(workers) > 1:  # the pipeline search and the ILP on another core
+        pool = worker_pool()
         if want_pipes:
-            pending = _submit(pool, pipeline_candidates, graph, ctx, tuple(kinds), optimizer, tuple(schedules),
+            pending = submit(pool, pipeline_candidates, graph, ctx, tuple(kinds), optimizer, tuple(schedules),
                               deadline)
         if ilp_early:
-            ilp_pending = _submit(pool, ilp_seed, space, ctx, optimizer, ilp_limit, seed, budget_s is None)
+            ilp_pending = submit(pool, ilp_seed, space, ctx, optimizer, ilp_limit, seed, budget_s is None)
     try:
         bound = lower_bound(graph, ctx, optimizer)
         sim = None
@@ -409,7 +405,7 @@ def plan_synchronous(
         if "fsdp" in kinds and len(graph.nodes) * cluster.devices > FSDP_MAX_TASKS:
             notes.append(f"sharded data parallelism not simulated: {len(graph.nodes)} ops x {cluster.devices} devices "
                          f"> {FSDP_MAX_TASKS}, beyond what the op-level simulator that costs it holds in memory")
-        elif "fsdp" in kinds and _splits(graph, cluster.devices):
+        elif "fsdp" in kinds and splits(graph, cluster.devices):
             shared = sim if sim is not None else Simulator(graph, ctx, optimizer=optimizer)
             units = fsdp_units(graph.modules)
             for shard, group in shardings(cluster):
@@ -562,82 +558,6 @@ def ilp_seed(space: Space, ctx: CostContext, optimizer: str, limit_s: float, see
         dec, res = AssignmentBuilder(space, ctx, optimizer).solve(time_limit_s=limit_s, seed=seed,
                                                                   deterministic=deterministic)
     return dec, res.status
-
-
-def _submit(pool: ProcessPoolExecutor, fn: Callable, *args) -> Future:
-    """``pool.submit(fn, *args)`` with the call pickled here and now: the pool pickles in
-    a thread of its own, while this one goes on filling the cost context's caches."""
-    return pool.submit(_call_pickled, pickle.dumps((fn, args)))
-
-
-def _call_pickled(payload: bytes):
-    fn, args = pickle.loads(payload)
-    return fn(*args)
-
-
-def _workers(workers: int | None) -> int:
-    """Processes a search may use: ``workers``, else the CPUs this process may run on;
-    1 where processes cannot be forked."""
-    if "fork" not in multiprocessing.get_all_start_methods():
-        return 1
-    if workers is not None:
-        return max(1, workers)
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def shardings(cluster: Cluster) -> list[tuple[str, int]]:
-    """The sharded data-parallel layouts the search tries on ``cluster`` (``shard``,
-    ``shard_group``): ZeRO-1, ZeRO-2 and ZeRO-3 over every device, and HSDP sharded
-    within a node and replicated across nodes when there is more than one whole node."""
-    out = [("zero1", 0), ("zero2", 0), ("zero3", 0)]
-    per_node = cluster.devices_per_node
-    if 1 < per_node < cluster.devices and cluster.devices % per_node == 0:
-        out.append(("hsdp", per_node))
-    return out
-
-
-def _splits(graph: OpGraph, devices: int) -> bool:
-    """Does the batch split evenly over ``devices`` (a data-parallel plan's premise)?"""
-    try:
-        return batch_size(graph) % devices == 0
-    except ValueError:
-        return False
-
-
-def fitting_variant(graph: OpGraph, strategy: DataParallel, ctx: CostContext, optimizer: str,
-                    sim: Simulator | None, deadline: float | None = None) -> tuple[DataParallel, Simulation] | None:
-    """The fastest variant of a data-parallel strategy that does not fit as it is, with
-    activation checkpointing (:data:`~flexsearch.search.pipeline.RECOMPUTE_ORDER`) and, for
-    DDP, gradient accumulation over microbatches of the per-device batch; None when
-    none fits. Neither makes an iteration faster, so they are tried only then. Past
-    ``deadline``, the first variant that fits. Without an op-level simulator (``sim``
-    None: a graph too large for it) DDP's variants are simulated as one pipeline stage
-    on every device, as :func:`flat_baselines` simulates data parallelism."""
-    try:
-        per_device = batch_size(graph) // ctx.cluster.devices
-    except ValueError:
-        per_device = 1
-    steps = [1] if strategy.shard != "none" else [1, *(m for m in microbatch_options(max(per_device, 1), 2) if m > 1)]
-    best = None
-    for m in steps:
-        for mode in RECOMPUTE_ORDER:
-            if best is not None and past(deadline):
-                return best
-            variant = dataclasses.replace(strategy, microbatches=m, recompute=mode)
-            if variant == strategy:
-                continue
-            flat = Pipelined(((0, len(graph.nodes)),), tensor=1, replicas=ctx.cluster.devices, schedule="1f1b",
-                             microbatches=m, recompute=mode)
-            try:
-                got = predict(graph, variant if sim is not None else flat, ctx, optimizer=optimizer, timeline=False,
-                              simulator=sim if m == 1 else None)
-            except ValueError:
-                continue
-            if got.feasible and (best is None or got.iteration_time_s < best[1].iteration_time_s):
-                best = (variant, got)
-        if best is not None:  # more microbatches only add time
-            return best
-    return best
 
 
 def _no_plan_reason(kinds: Sequence[str], base: dict[str, BaselineRun], pipes: list[PipelineResult],

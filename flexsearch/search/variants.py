@@ -1,0 +1,74 @@
+"""Data-parallel variants the planner tries: the sharded layouts (ZeRO-1/2/3, HSDP) and,
+for a data-parallel strategy that does not fit, activation checkpointing and gradient
+accumulation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flexsearch.cost.hardware import Cluster
+from flexsearch.graph.microbatch import batch_size
+from flexsearch.graph.opgraph import OpGraph
+from flexsearch.search.clock import past
+from flexsearch.search.pipeline import RECOMPUTE_ORDER, microbatch_options
+from flexsearch.sim.context import CostContext
+from flexsearch.sim.predict import predict
+from flexsearch.sim.result import Simulation
+from flexsearch.sim.simulator import Simulator
+from flexsearch.strategy.kinds import DataParallel, Pipelined
+
+
+def shardings(cluster: Cluster) -> list[tuple[str, int]]:
+    """The sharded data-parallel layouts the search tries on ``cluster`` (``shard``,
+    ``shard_group``): ZeRO-1, ZeRO-2 and ZeRO-3 over every device, and HSDP sharded
+    within a node and replicated across nodes when there is more than one whole node."""
+    out = [("zero1", 0), ("zero2", 0), ("zero3", 0)]
+    per_node = cluster.devices_per_node
+    if 1 < per_node < cluster.devices and cluster.devices % per_node == 0:
+        out.append(("hsdp", per_node))
+    return out
+
+
+def splits(graph: OpGraph, devices: int) -> bool:
+    """Does the batch split evenly over ``devices`` (a data-parallel plan's premise)?"""
+    try:
+        return batch_size(graph) % devices == 0
+    except ValueError:
+        return False
+
+
+def fitting_variant(graph: OpGraph, strategy: DataParallel, ctx: CostContext, optimizer: str,
+                    sim: Simulator | None, deadline: float | None = None) -> tuple[DataParallel, Simulation] | None:
+    """The fastest variant of a data-parallel strategy that does not fit as it is, with
+    activation checkpointing (:data:`~flexsearch.search.pipeline.RECOMPUTE_ORDER`) and, for
+    DDP, gradient accumulation over microbatches of the per-device batch; None when
+    none fits. Neither makes an iteration faster, so they are tried only then. Past
+    ``deadline``, the first variant that fits. Without an op-level simulator (``sim``
+    None: a graph too large for it) DDP's variants are simulated as one pipeline stage
+    on every device, as :func:`flat_baselines` simulates data parallelism."""
+    try:
+        per_device = batch_size(graph) // ctx.cluster.devices
+    except ValueError:
+        per_device = 1
+    steps = [1] if strategy.shard != "none" else [1, *(m for m in microbatch_options(max(per_device, 1), 2) if m > 1)]
+    best = None
+    for m in steps:
+        for mode in RECOMPUTE_ORDER:
+            if best is not None and past(deadline):
+                return best
+            variant = dataclasses.replace(strategy, microbatches=m, recompute=mode)
+            if variant == strategy:
+                continue
+            flat = Pipelined(((0, len(graph.nodes)),), tensor=1, replicas=ctx.cluster.devices, schedule="1f1b",
+                             microbatches=m, recompute=mode)
+            try:
+                got = predict(graph, variant if sim is not None else flat, ctx, optimizer=optimizer, timeline=False,
+                              simulator=sim if m == 1 else None)
+            except ValueError:
+                continue
+            if got.feasible and (best is None or got.iteration_time_s < best[1].iteration_time_s):
+                best = (variant, got)
+        if best is not None:  # more microbatches only add time
+            return best
+    return best
+

@@ -5,6 +5,7 @@ of the emitted plans on this machine's gloo processes.
     python benchmarks/fidelity.py --quick              # one case, two plans (under a minute)
     python benchmarks/fidelity.py --reprofile          # the op profile measured afresh first
     python benchmarks/fidelity.py --calibrate          # `flexsearch calibrate` first, whatever is on disk
+    python benchmarks/fidelity.py --repeat 3           # the table three times; the last line the worst run
     python benchmarks/fidelity.py [--ranks 2] [--threads 1] [--steps 10] [--warmup 3]
         [--cases mlp,gpt:data+soap] [--retries 3] [--max-wait 60] [--json out.json]
 
@@ -39,9 +40,19 @@ that its predictions are uncalibrated for this host and goes on.
 
 **Ranking.** Per case, Kendall's tau-b between the predicted and the measured order of
 its plans; the headline is the mean over cases weighted by their number of plan pairs.
+Two plans whose predictions differ by less than the calibration's step spread (the
+run-to-run noise ``flexsearch calibrate`` measured) are within noise: the model does
+not claim to order them. ``kendall_tau`` counts the pairs it separates,
+``kendall_tau_all`` every pair; ``separated`` is the fraction of pairs the first counts.
 
-Last line: ``median_error=... max_error=... memory_median_error=... kendall_tau=...``
-(|relative error| of the iteration time over all runs; of the peak memory; ranking).
+**4 ranks.** Hybrid plans (pipeline x tensor parallel) need 4 devices: their rows run
+on 4 ranks after the table and are kept out of its figures (on a machine with fewer
+than 4 cores the ranks share cores; the table says so).
+
+Last line: ``median_error=... max_error=... memory_median_error=... kendall_tau=...
+kendall_tau_all=... separated=...`` (|relative error| of the iteration time over all
+runs; of the peak memory; ranking); with ``--repeat N``, each run's line and then the
+worst of the N (the largest errors, the smallest taus).
 """
 
 from __future__ import annotations
@@ -50,6 +61,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -64,7 +76,7 @@ from zoo import get, load_module  # noqa: E402
 
 import flexsearch  # noqa: E402
 from flexsearch.calibrate.probes import build_probe  # noqa: E402
-from flexsearch.cost.calibration import DeviceCalibration, load_calibration  # noqa: E402
+from flexsearch.cost.calibration import DeviceCalibration, load_calibration, within_noise  # noqa: E402
 from flexsearch.cost.hardware import Cluster  # noqa: E402
 from flexsearch.cost.profiler import host_info, local_device, profile_model  # noqa: E402
 from flexsearch.errors import PlanKindError  # noqa: E402
@@ -89,6 +101,9 @@ CLUSTER = "cpu"
 PROFILE = ROOT / "costmodels" / "measurements" / "fidelity-profile-cpu-1t.json"
 DEGREES = (2, 4, 8, 16, 32)  # profiled splits: SOAP degrees and pipeline microbatches
 QUICK = "mlp:data+1f1b"
+FOUR_RANKS = [("gpt", "hybrid"), ("mlp", "hybrid")]
+"""Rows on 4 ranks: pipeline x tensor parallel needs 4 devices (on a 2-core machine the
+ranks share cores, so these are kept out of the headline figures)."""
 
 
 # ----------------------------------------------------------------------------- cases
@@ -251,12 +266,15 @@ def run_case(family: str, kind: str, *, ranks: int, threads: int, steps: int, wa
 # ----------------------------------------------------------------------------- statistics
 
 
-def kendall_tau(x: list[float], y: list[float]) -> float:
-    """Kendall's tau-b of two equally long sequences (nan for fewer than 2 items)."""
+def kendall_tau(x: list[float], y: list[float], pairs=None) -> float:
+    """Kendall's tau-b of two equally long sequences (nan for fewer than 2 items), over
+    the index pairs ``(i, j)``, ``i < j``, that ``pairs(i, j)`` accepts (default all)."""
     n = len(x)
     conc = disc = tx = ty = 0
     for i in range(n):
         for j in range(i + 1, n):
+            if pairs is not None and not pairs(i, j):
+                continue
             a = (x[i] > x[j]) - (x[i] < x[j])
             b = (y[i] > y[j]) - (y[i] < y[j])
             if a == 0 and b == 0:
@@ -273,23 +291,47 @@ def kendall_tau(x: list[float], y: list[float]) -> float:
     return (conc - disc) / denom if denom else math.nan
 
 
-def summary(rows: list[Row]) -> dict[str, float]:
+def summary(rows: list[Row], noise: float = 0.0) -> dict[str, float]:
+    """Headline figures: median and max |time error|, median |memory error|, and per
+    case Kendall's tau between predicted and measured order, weighted by the case's
+    plan pairs: ``kendall_tau`` over the pairs the model separates (predictions not
+    :func:`~flexsearch.cost.calibration.within_noise` at ``noise``), ``kendall_tau_all``
+    over all; ``separated`` the fraction of pairs the first counts."""
     ok = [r for r in rows if not r.error]
     errs = [abs(r.time_error) for r in ok]
     mems = [abs(r.memory_error) for r in ok]
-    taus, weights = [], []
+    taus: dict[str, list[tuple[float, int]]] = {"sep": [], "all": []}
+    n_sep = n_all = 0
     for case in dict.fromkeys(r.case for r in ok):
         rs = [r for r in ok if r.case == case]
-        tau = kendall_tau([r.predicted_s for r in rs], [r.measured_s for r in rs])
-        if not math.isnan(tau):
-            taus.append(tau)
-            weights.append(len(rs) * (len(rs) - 1) / 2)
+        pred, meas = [r.predicted_s for r in rs], [r.measured_s for r in rs]
+        apart = {(i, j) for i in range(len(rs)) for j in range(i + 1, len(rs))
+                 if not within_noise(pred[i], pred[j], noise)}
+        pairs = len(rs) * (len(rs) - 1) // 2
+        n_sep, n_all = n_sep + len(apart), n_all + pairs
+        for key, tau, weight in (("sep", kendall_tau(pred, meas, lambda i, j, a=apart: (i, j) in a), len(apart)),
+                                 ("all", kendall_tau(pred, meas), pairs)):
+            if not math.isnan(tau):
+                taus[key].append((tau, weight))
+
+    def mean(key: str) -> float:
+        w = sum(x for _, x in taus[key])
+        return sum(t * x for t, x in taus[key]) / w if w else math.nan
+
     return {
         "median_error": statistics.median(errs) if errs else math.nan,
         "max_error": max(errs) if errs else math.nan,
         "memory_median_error": statistics.median(mems) if mems else math.nan,
-        "kendall_tau": sum(t * w for t, w in zip(taus, weights, strict=True)) / sum(weights) if taus else math.nan,
+        "kendall_tau": mean("sep"),
+        "kendall_tau_all": mean("all"),
+        "separated": n_sep / n_all if n_all else math.nan,
     }
+
+
+def worst(runs: list[dict[str, float]]) -> dict[str, float]:
+    """The worst of several runs' summaries: the largest errors, the smallest taus."""
+    lo = {"kendall_tau", "kendall_tau_all", "separated"}
+    return {k: (min if k in lo else max)(r[k] for r in runs) for k in runs[0]}
 
 
 def parse_cases(text: str | None) -> list[tuple[str, str]]:
@@ -350,9 +392,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-wait", type=float, default=60.0,
                     help="seconds to wait for a quiet machine before each measurement")
     ap.add_argument("--calibrate", action="store_true", help="run `flexsearch calibrate` first, whatever is on disk")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the whole table this often; the last line is the worst of the runs")
+    ap.add_argument("--no-four-ranks", dest="four_ranks", action="store_false",
+                    help="leave out the 4-rank hybrid rows (kept apart from the headline figures)")
     ap.add_argument("--no-calibrate", dest="allow_calibrate", action="store_false",
                     help="never calibrate: predict uncalibrated when the calibration on disk is not this host's")
     args = ap.parse_args(argv)
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
     if args.quick:
         args.cases, args.steps, args.warmup, args.max_wait, args.retries = args.cases or QUICK, 3, 2, 0.0, 1
         if args.profile == PROFILE:  # measure afresh, and leave the repository's profile alone
@@ -365,14 +413,47 @@ def main(argv: list[str] | None = None) -> None:
     cal = this_hosts_calibration(args.ranks, args.threads, calibrate=args.calibrate,
                                  allowed=args.allow_calibrate and not args.quick, retries=args.retries,
                                  max_wait_s=args.max_wait)
+    noise = cal.step_spread.value if cal is not None and cal.step_spread is not None else 0.0
     print(f"# {load_average()}; {args.ranks} ranks x {args.threads} threads, device {local_device(args.threads)}, "
-          f"torch {torch.__version__}, {'calibrated' if cal is not None else 'uncalibrated'}", flush=True)
+          f"torch {torch.__version__}, {'calibrated' if cal is not None else 'uncalibrated'}; plans whose "
+          f"predictions differ by less than {noise:.1%} (the calibration's step spread) are within noise", flush=True)
+    runs, four = [], []
+    for k in range(args.repeat):
+        if args.repeat > 1:
+            print(f"# run {k + 1} of {args.repeat}", flush=True)
+        rows = table(parse_cases(args.cases), args, cal, args.ranks)
+        runs.append(summary(rows, noise))
+        if args.repeat > 1:
+            print(f"# run {k + 1}: " + line(runs[-1]), flush=True)
+        if args.four_ranks and not args.quick:
+            cores = os.cpu_count() or 1
+            print(f"# 4 ranks on {cores} cores{' (oversubscribed: ranks share cores)' if cores < 4 else ''}: "
+                  "hybrid plans, kept out of the figures above", flush=True)
+            rows4 = table(FOUR_RANKS, args, cal, 4)
+            four.append(summary(rows4, noise))
+            print("# 4 ranks: " + line(four[-1]), flush=True)
+            rows += rows4
+        if args.json is not None:
+            args.json.write_text(json.dumps({"rows": [asdict(r) for r in rows], "runs": runs, "four_ranks": four,
+                                             "noise": noise, "load": load_average(),
+                                             "calibrated": cal is not None}, indent=1))
+    print(f"# {load_average()}")
+    out = worst(runs)
+    print(line(out) + (f" runs={len(runs)} (the worst of them)" if len(runs) > 1 else ""))
+
+
+def line(s: dict[str, float]) -> str:
+    return " ".join(f"{k}={v:.3f}" for k, v in s.items())
+
+
+def table(cases: list[tuple[str, str]], args, cal: DeviceCalibration | None, ranks: int) -> list[Row]:
+    """Run and print the rows of ``cases`` on ``ranks`` ranks."""
     print(f"{'case':5} {'kind':11} {'plan':26} {'pred ms':>9} {'meas ms':>9} {'err':>7} "
           f"{'pred MB':>9} {'meas MB':>9} {'err':>7} {'other':>5}", flush=True)
     rows = []
-    for fam, kind in parse_cases(args.cases):
+    for fam, kind in cases:
         t0 = time.perf_counter()
-        row = run_case(fam, kind, ranks=args.ranks, threads=args.threads, steps=args.steps, warmup=args.warmup,
+        row = run_case(fam, kind, ranks=ranks, threads=args.threads, steps=args.steps, warmup=args.warmup,
                        profile_path=args.profile, retries=args.retries, max_wait_s=args.max_wait, calibration=cal)
         rows.append(row)
         if row.error:
@@ -381,13 +462,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{fam:5} {kind:11} {row.plan:26} {row.predicted_s * 1e3:9.2f} {row.measured_s * 1e3:9.2f} "
               f"{row.time_error:+7.1%} {row.predicted_bytes / 1e6:9.1f} {row.measured_bytes / 1e6:9.1f} "
               f"{row.memory_error:+7.1%} {row.foreign:5.2f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
-    s = summary(rows)
-    if args.json is not None:
-        args.json.write_text(json.dumps({"rows": [asdict(r) for r in rows], "summary": s, "load": load_average(),
-                                         "calibrated": cal is not None}, indent=1))
-    print(f"# {load_average()}")
-    print(" ".join(f"{k}={v:.3f}" for k, v in s.items()))
-
+    return rows
 
 if __name__ == "__main__":
     main()

@@ -8,6 +8,7 @@ from flexsearch.api import plan, simulate
 from flexsearch.cost.hardware import Cluster
 from flexsearch.emit import make_optimizer, parallelize
 from flexsearch.errors import (
+    CalibrationWarning,
     ClusterSpecError,
     FlexsearchError,
     InfeasiblePlanError,
@@ -26,6 +27,7 @@ from flexsearch.sim.result import Simulation
 __version__ = "0.1.0"
 
 __all__ = [
+    "CalibrationWarning",
     "Cluster",
     "ClusterSpecError",
     "FlexsearchError",

@@ -7,23 +7,26 @@ the one prediction entry point (:func:`flexsearch.sim.predict.predict`).
 
 Both read this device's calibration (:func:`flexsearch.cost.calibration.load_calibration`:
 this machine's file, else the built-in one) unless given one (``calibration=``) or
-told not to (``calibration=None``); nothing below them reads it on its own.
+told not to (``calibration=None``); nothing below them reads it on its own. For this
+host's devices (the ``cpu`` preset) they warn (:class:`~flexsearch.errors.CalibrationWarning`,
+one line) when the calibration on disk is missing or was measured on another host.
 """
 
 from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Literal
 
 from torch import nn
 
 from flexsearch import precision as precision_mod
-from flexsearch.cost.calibration import DeviceCalibration, load_calibration
+from flexsearch.cost.calibration import DeviceCalibration, host_warning, load_calibration
 from flexsearch.cost.compute import MeasuredCosts
 from flexsearch.cost.hardware import Cluster, user_dir
-from flexsearch.errors import ClusterSpecError, FlexsearchError, PlanFileError
+from flexsearch.errors import CalibrationWarning, ClusterSpecError, FlexsearchError, PlanFileError
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.graph.tracer import trace
 from flexsearch.plan import Plan
@@ -59,6 +62,24 @@ def resolve_calibration(calibration: Calibration, cluster: Cluster) -> DeviceCal
             raise FlexsearchError(f"calibration must be 'auto', None or a DeviceCalibration (got {calibration!r})")
         return load_calibration(cluster.device.name)
     return calibration
+
+
+def calibration_warning(calibration: Calibration, cluster: Cluster) -> str | None:
+    """One line when ``"auto"`` finds no calibration of this host's devices, or one
+    measured on another host (:func:`flexsearch.cost.calibration.host_warning`). Only
+    the ``cpu`` preset's devices are this host's, what ``flexsearch calibrate``
+    measures; an accelerator's predictions are uncalibrated by design."""
+    if calibration != "auto" or cluster.name != "cpu":
+        return None
+    from flexsearch.cost.profiler import host_info
+
+    return host_warning(cluster.device.name, load_calibration(cluster.device.name), host_info())
+
+
+def _warn_calibration(calibration: Calibration, cluster: Cluster) -> None:
+    msg = calibration_warning(calibration, cluster)
+    if msg is not None:
+        warnings.warn(msg, CalibrationWarning, stacklevel=3)
 
 
 def resolve_convergence(family: str) -> Constants:
@@ -126,6 +147,7 @@ def plan(
                               f"not {batch_norm!r}")
     cl = resolve_cluster(cluster, devices)
     prec, why = resolve_precision(precision, cl)
+    _warn_calibration(calibration, cl)
     t0 = time.perf_counter()
     graph = trace(model, example_inputs, precision=prec)
     if budget_s is not None:  # the budget bounds the whole call, tracing included
@@ -164,6 +186,7 @@ def simulate(graph: OpGraph, plan: Plan, cluster: str | os.PathLike[str] | Clust
     when given (as the plan was searched with them) and ``calibration``."""
     strategy = plan.strategy(graph)
     cl = Cluster.from_spec(plan.cluster, plan.devices) if cluster is None else resolve_cluster(cluster, plan.devices)
+    _warn_calibration(calibration, cl)
     ctx = CostContext(cl, measured, precision=precision_of(plan.precision),
                       calibration=resolve_calibration(calibration, cl))
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Annotated
 
@@ -16,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from flexsearch.errors import FlexsearchError
+from flexsearch.errors import CalibrationWarning, FlexsearchError
 from flexsearch.tables import (
     bench_table,
     convergence_table,
@@ -195,6 +196,8 @@ def calibrate(
     max_wait: Annotated[float, typer.Option(help="Seconds to wait for a quiet machine before each measurement.",
                                             min=0)] = 60.0,
     restart: Annotated[bool, typer.Option("--restart", help="Ignore the progress of an interrupted run.")] = False,
+    repeats: Annotated[int, typer.Option(help="Measure every stage this often (outliers rejected, the median "
+                                               "kept, the spread recorded).", min=1)] = 3,
     convergence: Annotated[str | None, typer.Option(
         help="Measure D-PSGD's convergence for this model (MODEL spec) instead: train it on scikit-learn's digits "
              "under all-reduce and each gossip topology on 2, 4, ... up to --ranks gloo processes, and write the "
@@ -219,7 +222,7 @@ def calibrate(
     from flexsearch.calibrate import calibrate as run
 
     settings = Settings(ranks=ranks, threads=threads, steps=steps, warmup=warmup, retries=retries,
-                        max_wait_s=max_wait)
+                        max_wait_s=max_wait, repeats=repeats)
     with Progress(TextColumn("calibrating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.description}"), console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("", total=None)
@@ -228,11 +231,10 @@ def calibrate(
             bar.update(task, completed=done, total=total, description=stage)
 
         res = run(out=out, settings=settings, restart=restart, progress=progress)
-    from flexsearch.calibrate.run import STAGES
-
-    resumed = len(res.measured) < len(STAGES)
-    stdout.print(f"calibration of {res.device} written to {res.path} ({'resumed; ' if resumed else ''}"
-                 f"raw measurements in {res.log_path})", markup=False, soft_wrap=True)
+    spread = res.calibration.step_spread
+    noise = f"; run-to-run noise of a step {spread.value:.1%}" if spread is not None else ""
+    stdout.print(f"calibration of {res.device} written to {res.path} ({'resumed; ' if res.resumed else ''}"
+                 f"{repeats} repeats{noise}; raw measurements in {res.log_path})", markup=False, soft_wrap=True)
 
 
 def _calibrate_convergence(spec: str, out: str | None, ranks: int, epochs: int) -> None:
@@ -245,6 +247,15 @@ def _calibrate_convergence(spec: str, out: str | None, ranks: int, epochs: int) 
     for x in convergence_table(data):
         stdout.print(x, markup=False)
     stdout.print(f"written to {path}; the planner uses it for {data.family} models", markup=False, soft_wrap=True)
+
+
+def _warn_calibration(cl) -> None:
+    """Say in one line when predictions for this host's devices are not calibrated for it."""
+    from flexsearch.api import calibration_warning
+
+    msg = calibration_warning("auto", cl)
+    if msg is not None:
+        err.print(f"warning: {msg}", markup=False, soft_wrap=True)
 
 
 def _refuse_overwrite(path: str | None, force: bool, flag: str) -> None:
@@ -337,6 +348,7 @@ def plan(
             bar.update(task, completed=it, description=f"searching: step {it}{of}, {found}")
 
         calibration = resolve_calibration("auto", cl)
+        _warn_calibration(cl)
         p = plan_graph(graph, cl, kinds=kinds, budget_s=budget, max_iters=max_iters, seed=seed, objective=objective,
                        progress=progress, decentralized=decentralized, calibration=calibration,
                        batch_norm=batch_norm, convergence=resolve_convergence(graph.family), workers=workers)
@@ -406,12 +418,16 @@ def simulate(
 ) -> None:
     """Re-predict a saved plan on the cluster it embeds (re-traces its model file)."""
     from flexsearch.api import simulate as simulate_plan
+    from flexsearch.cost.hardware import Cluster
     from flexsearch.plan import Plan
 
     _refuse_overwrite(trace_out, force, "--trace")
     p = Plan.load(plan_file)
     graph = _plan_graph_for(p, plan_file)
-    sim = simulate_plan(graph, p)
+    _warn_calibration(Cluster.from_spec(p.cluster, p.devices))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CalibrationWarning)  # said above, in one line
+        sim = simulate_plan(graph, p)
     if trace_out is not None:
         sim.to_chrome_trace(trace_out)
     summary = {

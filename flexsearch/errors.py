@@ -55,3 +55,8 @@ class EmitError(FlexsearchError):
 
 class TopologyError(FlexsearchError):
     """A decentralized-training topology is malformed or cannot be built for this many ranks."""
+
+
+class CalibrationWarning(UserWarning):
+    """Predictions for this host's devices use no calibration, or one measured on
+    another host (``flexsearch calibrate`` measures this one)."""

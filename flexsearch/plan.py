@@ -90,6 +90,11 @@ class Plan(_Frozen):
     0 in files older than version 3)."""
     baselines: dict[str, float]
     """Baseline name -> predicted iteration time (s); only baselines that fit in memory."""
+    noise: float | None = Field(default=None, ge=0)
+    """Run-to-run spread of a measured step, as a fraction, from the calibration the plan
+    was costed with (:attr:`flexsearch.cost.calibration.DeviceCalibration.step_spread`):
+    predictions closer than this cannot be told apart by measuring them. None: costed
+    without a calibration measured more than once."""
     infeasible_baselines: tuple[str, ...] = ()
     """Baselines that do not fit in memory."""
     decisions: dict[str, str] = {}
@@ -205,6 +210,15 @@ class Plan(_Frozen):
     def speedup_over_data(self) -> float | None:
         dp = self.baselines.get("data")
         return dp / self.predicted.iteration_time_s if dp else None
+
+    @property
+    def within_noise(self) -> tuple[str, ...]:
+        """Baselines whose prediction differs from the plan's by less than :attr:`noise`
+        of the faster of the two: measuring could rank them either way."""
+        from flexsearch.cost.calibration import within_noise
+
+        t = self.predicted.iteration_time_s
+        return tuple(k for k, b in sorted(self.baselines.items()) if within_noise(b, t, self.noise))
 
     def node_configs(self) -> dict[str, Config]:
         return {k: parse_config(v) for k, v in self.configs.items()}

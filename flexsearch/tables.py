@@ -28,6 +28,8 @@ def plan_summary(p, search_time_s: float | None) -> dict:
         "baselines": p.baselines,
         "infeasible_baselines": list(p.infeasible_baselines),
         "speedup_over_data": p.speedup_over_data,
+        "noise": p.noise,
+        "within_noise": list(p.within_noise),
         "search_time_s": search_time_s,
         "interrupted": p.interrupted,
         "objective": p.objective,
@@ -86,8 +88,9 @@ def plan_table(p, search_time_s: float | None, *, default_cluster: bool = False)
         if p.iterations_factor is not None:
             rows.append(("iterations to same accuracy", f"{p.iterations_factor:.2f}x synchronous SGD's "
                                                         f"(objective: {p.objective})"))
+    close = p.within_noise
     for name, t in sorted(p.baselines.items()):
-        rows.append((f"baseline {name}", ms(t)))
+        rows.append((f"baseline {name}", ms(t) + (f" (within noise: {p.noise:.1%})" if name in close else "")))
     for name in p.infeasible_baselines:
         rows.append((f"baseline {name}", "does not fit"))
     if search_time_s is not None:

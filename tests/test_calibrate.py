@@ -86,7 +86,7 @@ def _flat(cal: DeviceCalibration) -> dict[str, float]:
 
     def walk(v, path):
         if isinstance(v, dict):
-            if set(v) == {"value", "source"}:
+            if "value" in v and "source" in v:
                 out[path] = float(v["value"])
                 return
             for k, w in v.items():
@@ -142,14 +142,65 @@ def test_calibrate_resumes_and_writes_atomically(tmp_path, monkeypatch, empty_pr
     done = calls.index("plain")
     calls.clear()
     res = calibrate(out=out, profile_path=empty_profile)
-    assert calls == list(run.STAGES[done:])  # resumed at the interrupted stage
-    assert res.measured == tuple(run.STAGES[done:])
+    rest = [*run.STAGES[done:], *run.STAGES[1:], *run.STAGES[1:]]  # this round's rest, then two more rounds
+    assert calls == rest  # resumed at the interrupted stage
+    assert res.measured == tuple(rest) and res.resumed
     assert not partial.exists() and res.log_path.exists()
     written = load_calibration_file(out)
     assert set(written.devices) == {"another-device", DEVICE}  # other entries kept
     cal = load_calibration(DEVICE, out)
     assert cal.host is not None and cal.host.cores >= 1
     assert "flexsearch calibrate" in cal.ddp_per_tensor_s.source
+    # three identical repeats: every term as fitted, no spread, no step noise
+    assert cal.repeats == 3 and cal.ddp_per_tensor_s.spread == 0.0 and cal.step_spread.value == 0.0
+    assert "median of 3 repeats" in cal.ddp_per_tensor_s.source
+
+
+def test_repeats_reject_an_outlier_and_record_the_spread(tmp_path, monkeypatch, empty_profile):
+    """One round disturbed (every measured time 3x): its terms are rejected, the spread
+    of the two others is recorded, and the step noise says how far the rounds' steps
+    differ."""
+    truth = _truth()
+    raw = simulated_measurements(truth, empty_profile)
+    rounds = {"n": 0}
+
+    def scaled(x, f):
+        if isinstance(x, dict):
+            return {k: (v if k in ("worst_rank", "bytes", "foreign") else scaled(v, f)) for k, v in x.items()}
+        if isinstance(x, list):
+            return [scaled(v, f) for v in x]
+        return x * f if isinstance(x, float) else x
+
+    def measure(stage, settings, profile_path):
+        if stage == "collectives":
+            rounds["n"] += 1
+        if stage in ("profile", "working", "overlap", "plain", "sharded_update"):
+            return raw[stage]
+        factor = {1: 1.0, 2: 1.02, 3: 3.0}[rounds["n"]]
+        if stage == "collectives":  # (size, seconds) rows: only the seconds scale
+            return [{op: [(m, t * factor) for m, t in rows] for op, rows in r.items()} for r in raw[stage]]
+        return scaled(raw[stage], factor)
+
+    monkeypatch.setattr(run, "measure_stage", measure)
+    res = calibrate(out=tmp_path / "c.json", profile_path=empty_profile)
+    cal = res.calibration
+    a, b = truth.collectives["all_reduce"].latency_s.value, cal.collectives["all_reduce"].latency_s
+    assert b.value == pytest.approx(1.01 * a, rel=1e-6) and b.spread == pytest.approx(0.01 * a, rel=1e-6)
+    assert "1 rejected as outliers" in b.source
+    # the probes' steps: 1, 1.02 and 3 x the truth: half the range (1) over the median (1.02)
+    assert cal.step_spread.value == pytest.approx(1.0 / 1.02, rel=1e-6)
+
+
+def test_fit_robust_and_combine():
+    assert fit.robust([1.0, 1.02, 5.0]) == (pytest.approx(1.01), pytest.approx(0.01), 1)
+    assert fit.robust([2.0, 2.0, 2.0]) == (2.0, 0.0, 0)
+    assert fit.robust([1.0, 1.04, 1.08]) == (pytest.approx(1.04), pytest.approx(0.04), 0)  # within 5%: all kept
+    trees = [{"a": {"value": v, "source": f"run {i}"}, "flag": {"value": f, "source": "x"}, "ranks": 2}
+             for i, (v, f) in enumerate(((1.0, True), (3.0, False), (2.0, True)))]
+    out = fit.combine(trees)
+    assert out["a"]["value"] == 2.0 and out["a"]["spread"] == 1.0 and out["a"]["source"].startswith("run 2")
+    assert out["flag"]["value"] is True and "2 of 3 repeats said yes" in out["flag"]["source"]
+    assert out["ranks"] == 2
 
 
 def test_calibrate_does_not_overwrite_a_file_that_is_not_a_calibration(tmp_path):

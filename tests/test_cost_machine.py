@@ -69,13 +69,16 @@ def test_fit_clamps_and_rejects():
 
 
 def test_tiny_real_gloo_run():
-    m = measure_gloo(world_size=2, sizes=(4, 65536), repeats=3, timeout_s=60)
-    assert m.world_size == 2 and m.threads_per_rank == 1 and m.sizes == (4, 65536)
-    assert m.repeats == (3, 3)
+    m = measure_gloo(world_size=2, sizes=(4, 4 << 20), repeats=9, timeout_s=60)
+    assert m.world_size == 2 and m.threads_per_rank == 1 and m.sizes == (4, 4 << 20)
+    assert m.repeats == (9, 7)  # sizes above 1 MiB take part in fewer rounds
     for t in m.p2p_one_way_s + m.all_reduce_s:
         assert math.isfinite(t) and 0 < t < 5
     small, large = m.p2p_one_way_s
-    # 64 KiB is not much faster than 4 B (only noise could make it faster at all)
+    # 4 MiB is not much faster than 4 B (only noise could make it faster at all). A
+    # 64 KiB message with 3 repeats was once timed 23x faster than 4 B on a loaded CI
+    # machine: the median of 9 rounds and a message a thousand times larger leave the
+    # check to what it means, not to the scheduler.
     assert large > 0.2 * small
     assert m.all_reduce_s[1] > 0.2 * m.all_reduce_s[0]
     assert m.host.logical_cores >= 1 and m.host.torch_version

@@ -94,3 +94,16 @@ def test_microbatch_nodes_use_the_sample_split_measurements():
     fwd, bwd = db.estimate(micro, Partition(sample=4), "dev", "float32")  # t = a + b / d through 2 and 4
     assert fwd == pytest.approx(1.0) and bwd == pytest.approx(2.0)
     assert db.aliased("cluster-device").lookup(node, Partition(), "cluster-device", "float32") == (4.0, 8.0)
+
+
+def test_tau_over_the_pairs_the_model_separates_and_the_worst_run():
+    """Two plans predicted 1% apart (within a 5% noise) measured in the other order do
+    not count against the ranking; the plain tau over all pairs still shows them."""
+    rows = [fidelity.Row("c", k, k, predicted_s=p, measured_s=m, predicted_bytes=1.0, measured_bytes=1.0)
+            for k, p, m in (("a", 1.0, 1.1), ("b", 1.01, 1.0), ("c", 2.0, 2.1))]
+    s = fidelity.summary(rows, noise=0.05)
+    assert s["kendall_tau"] == pytest.approx(1.0) and s["kendall_tau_all"] == pytest.approx(1 / 3)
+    assert s["separated"] == pytest.approx(2 / 3)
+    assert fidelity.summary(rows)["kendall_tau"] == pytest.approx(1 / 3)  # no noise: every pair counts
+    w = fidelity.worst([s, {**s, "max_error": 9.0, "kendall_tau": 0.5}])
+    assert w["max_error"] == 9.0 and w["kendall_tau"] == 0.5 and w["median_error"] == s["median_error"]

@@ -10,12 +10,15 @@
   thing (ops, tensors, collectives, actions): the slope is that thing's cost, the
   intercept a per-step cost;
 - :func:`overlap_fraction`: how much of the shorter of compute and an all-reduce hides
-  when both run at once.
+  when both run at once;
+- :func:`robust` and :func:`combine`: one value per term from the calibration's repeats
+  (outliers rejected, the median kept, half the kept range as its spread).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -56,3 +59,50 @@ def residual_line(r_a: float, r_b: float, x_a: float, x_b: float) -> tuple[float
 def overlap_fraction(compute_s: float, comm_s: float, both_s: float) -> float:
     """The fraction of the shorter of the two that running both at once hides."""
     return (compute_s + comm_s - both_s) / min(compute_s, comm_s)
+
+
+OUTLIER_MADS = 3.0
+"""A repeat is an outlier when it lies more than this many median absolute deviations
+from the median (and more than :data:`OUTLIER_FLOOR` of it: identical repeats have no
+deviation to measure against)."""
+OUTLIER_FLOOR = 0.05
+
+
+def robust(values: Sequence[float]) -> tuple[float, float, int]:
+    """``(median, spread, rejected)`` of one term's repeats: those further than
+    ``OUTLIER_MADS`` median absolute deviations (at least ``OUTLIER_FLOOR`` of the
+    median) from the median are rejected; of the rest, the median and half the range."""
+    v = np.asarray(values, dtype=float)
+    med = float(np.median(v))
+    dev = np.abs(v - med)
+    limit = max(OUTLIER_MADS * float(np.median(dev)), OUTLIER_FLOOR * abs(med))
+    kept = v[dev <= limit]
+    return float(np.median(kept)), float(kept.max() - kept.min()) / 2, int(len(v) - len(kept))
+
+
+def _is_term(node: Any) -> bool:
+    return isinstance(node, dict) and "value" in node and "source" in node
+
+
+def combine(trees: Sequence[dict]) -> dict:
+    """One calibration (as a dict) from the same calibration fitted on each repeat:
+    every numeric term is :func:`robust`'s median, with its ``spread`` and a source
+    that says so (the repeat nearest the median gives the rest of the source text); a
+    yes/no term is the majority's; everything else is the first repeat's."""
+    first = trees[0]
+    if _is_term(first):
+        values = [t["value"] for t in trees]
+        if len(trees) == 1:
+            return first
+        if isinstance(first["value"], bool):
+            yes = sum(bool(v) for v in values)
+            pick = next(t for t in trees if bool(t["value"]) == (2 * yes > len(trees)))
+            return {**pick, "source": f"{pick['source']}; {yes} of {len(trees)} repeats said yes"}
+        med, spread, rejected = robust(values)
+        near = min(trees, key=lambda t: abs(t["value"] - med))
+        dropped = f", {rejected} rejected as outliers" if rejected else ""
+        return {**near, "value": med, "spread": spread,
+                "source": f"{near['source']}; median of {len(trees)} repeats{dropped}, spread +-{spread:.3g}"}
+    if isinstance(first, dict):
+        return {k: combine([t[k] for t in trees]) for k in first}
+    return first

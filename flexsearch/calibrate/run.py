@@ -23,6 +23,14 @@ overhead the residual of the simulator (with the terms fitted before it) on the 
    per step. Stages 8-12 also give each mode's ``runtime_bytes``: measured peak memory
    minus the simulator's.
 
+Every stage but the profile is measured ``repeats`` times (:class:`Settings`), in
+rounds over all stages (a burst of load from elsewhere spoils one sample of several
+terms, not every sample of one); each round is fitted on its own and the rounds are
+combined term by term (:func:`.fit.combine`: outliers rejected, the median kept, half
+the kept range recorded as the term's ``spread``). The probes' step times across the
+rounds give the calibration's ``step_spread``: how close two predictions can be and
+still be told apart by measuring.
+
 The calibration is written atomically into the output file (other devices' entries are
 kept), every number with the command, date, host and load as its source, and the raw
 measurements next to it (``<out stem>-measurements.json``).
@@ -73,16 +81,19 @@ class Settings:
     warmup: int = 3
     retries: int = 3
     max_wait_s: float = 60.0
+    repeats: int = 3
+    """Rounds of every measuring stage (the profile is measured once)."""
 
     @property
     def command(self) -> str:
-        return f"flexsearch calibrate --ranks {self.ranks} --threads {self.threads} --steps {self.steps}"
+        return (f"flexsearch calibrate --ranks {self.ranks} --threads {self.threads} --steps {self.steps} "
+                f"--repeats {self.repeats}")
 
     def key(self) -> dict:
         from flexsearch.cost.profiler import host_info
 
         return {"ranks": self.ranks, "threads": self.threads, "steps": self.steps, "warmup": self.warmup,
-                "host": host_info()}
+                "repeats": self.repeats, "host": host_info()}
 
 
 def default_profile_path(threads: int) -> Path:
@@ -370,6 +381,32 @@ def assemble(raw: dict[str, Any], s: Settings, where: str, profile_path: Path) -
     return current()
 
 
+def step_spread(rounds: list[dict]) -> list[float]:
+    """Per probe run of every execution mode (:data:`MODES`), half the range of its
+    measured step time across the repeats over its median."""
+    out = []
+    for mode in MODES:
+        for key in rounds[0][mode]:
+            steps = [r[mode][key]["step"] for r in rounds]
+            out.append((max(steps) - min(steps)) / 2 / sorted(steps)[len(steps) // 2])
+    return out
+
+
+def combine_repeats(cals: list[DeviceCalibration], rounds: list[dict], where: str) -> DeviceCalibration:
+    """One calibration from each repeat's (:func:`.fit.combine`), with the run-to-run
+    noise of a step (:attr:`~flexsearch.cost.calibration.DeviceCalibration.step_spread`)."""
+    merged = fit.combine([c.model_dump() for c in cals])
+    merged["repeats"] = len(cals)
+    if len(cals) > 1:
+        spreads = step_spread(rounds)
+        merged["step_spread"] = {
+            "value": sorted(spreads)[len(spreads) // 2],
+            "source": f"{where}; over the {len(spreads)} probe runs of {', '.join(MODES)}, the median of half the "
+                      f"range of a run's step time across {len(cals)} repeats over its median (each "
+                      f"{min(spreads):.1%}..{max(spreads):.1%})"}
+    return DeviceCalibration.model_validate(merged)
+
+
 # ----------------------------------------------------------------------------- the command
 
 
@@ -379,8 +416,10 @@ class CalibrationResult:
     device: str
     calibration: DeviceCalibration
     measured: tuple[str, ...]
-    """Stages measured by this run (the others were resumed)."""
+    """Stages measured by this run, once per repeat (the others were resumed)."""
     log_path: Path
+    resumed: bool = False
+    """Whether some stages came from an interrupted run's progress file."""
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -419,25 +458,29 @@ def calibrate(*, out: str | os.PathLike[str] | None = None, settings: Settings =
         if isinstance(old, dict) and old.get("key") == key:
             state = old
     measured = []
-    for i, stage in enumerate(STAGES):
+    steps = [("profile", 0), *((stage, r) for r in range(settings.repeats) for stage in STAGES[1:])]
+    rounds: list[dict] = state.setdefault("rounds", [{} for _ in range(settings.repeats)])
+    for i, (stage, r) in enumerate(steps):
         if progress is not None:
-            progress(i, len(STAGES), stage)
-        if stage in state["stages"]:
+            progress(i, len(steps), stage if settings.repeats == 1 else f"{stage} ({r + 1}/{settings.repeats})")
+        done = state["stages"] if stage == "profile" else rounds[r]
+        if stage in done:
             continue
         try:
-            state["stages"][stage] = measure_stage(stage, settings, prof)
+            done[stage] = measure_stage(stage, settings, prof)
         except RuntimeError as e:
             raise CalibrationError(f"calibration stage {stage!r} failed ({str(e).strip().splitlines()[-1][:160]}); "
                                    "rerun `flexsearch calibrate` to resume from it") from None
         measured.append(stage)
         _write_atomic(partial, json.dumps(state, default=list) + "\n")
     if progress is not None:
-        progress(len(STAGES), len(STAGES), "fitting")
+        progress(len(steps), len(steps), "fitting")
     host = key["host"]
     where = (f"measured by `{settings.command}` on {state['date']}, {host['cpu']}, {host['cores']} cores, "
              f"{settings.ranks} gloo ranks x {settings.threads} threads, torch {host['torch']}, {state['load']}")
-    raw = json.loads(json.dumps(state["stages"], default=list))  # as read back from the progress file
-    cal = assemble(raw, settings, where, prof).model_copy(
+    raw = json.loads(json.dumps(rounds, default=list))  # as read back from the progress file
+    cal = combine_repeats([assemble(one, settings, where, prof) for one in raw], raw, where)
+    cal = cal.model_copy(
         update={"host": HostRecord(cpu=host["cpu"], cores=host["cores"], torch=host["torch"], date=state["date"])})
     device = Cluster.resolve(CLUSTER, settings.ranks).device.name
     data = CalibrationFile(
@@ -448,4 +491,4 @@ def calibrate(*, out: str | os.PathLike[str] | None = None, settings: Settings =
     log = path.with_name(f"{path.stem}-measurements.json")
     _write_atomic(log, json.dumps({"command": settings.command, **state}, indent=1, default=list) + "\n")
     partial.unlink(missing_ok=True)
-    return CalibrationResult(path, device, cal, tuple(measured), log)
+    return CalibrationResult(path, device, cal, tuple(measured), log, resumed=len(measured) < len(steps))

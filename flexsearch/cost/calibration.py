@@ -58,7 +58,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import ValidationError
+from pydantic import NonNegativeFloat, ValidationError
 
 from flexsearch.cost.hardware import (
     COSTMODELS_DIR,
@@ -84,19 +84,32 @@ class Flag(Frozen):
     source: Source
 
 
+class Term(NonNegative):
+    """A measured term >= 0: the median of the calibration's repeats that were kept."""
+
+    spread: NonNegativeFloat | None = None
+    """Half the range of the kept repeats, in the term's unit (None: measured once)."""
+
+
+class PositiveTerm(Positive):
+    """A measured term > 0 (:class:`Term`)."""
+
+    spread: NonNegativeFloat | None = None
+
+
 class UpdateCost(Frozen):
     """One device's optimizer update: ``per_tensor_s x tensors + per_byte_s x bytes``."""
 
-    per_tensor_s: NonNegative
-    per_byte_s: NonNegative
+    per_tensor_s: Term
+    per_byte_s: Term
 
 
 class CollectiveFit(Frozen):
     """``t = latency_s + per_byte_s x M`` on ``ranks`` ranks (module docstring)."""
 
     ranks: int
-    latency_s: NonNegative
-    per_byte_s: NonNegative
+    latency_s: Term
+    per_byte_s: Term
 
     def time_s(self, n: int, nbytes: float) -> float:
         if n < 2 or nbytes <= 0:
@@ -106,8 +119,8 @@ class CollectiveFit(Frozen):
 
 
 class OpOverhead(Frozen):
-    forward_s: NonNegative
-    backward_s: NonNegative
+    forward_s: Term
+    backward_s: Term
 
 
 class HostRecord(Frozen):
@@ -131,19 +144,26 @@ class DeviceCalibration(Frozen):
     """Where it was measured (None: not recorded)."""
     communication_blocks_compute: Flag
     optimizer: dict[Literal["adam", "momentum", "sgd"], UpdateCost]
-    sharded_update_per_tensor_s: NonNegative
+    sharded_update_per_tensor_s: Term
     op_overhead: dict[Literal["plain", "sharded"], OpOverhead]
     profiled_call: OpOverhead
-    concurrency: dict[Literal["forward", "backward"], Positive]
+    concurrency: dict[Literal["forward", "backward"], PositiveTerm]
     collectives: dict[str, CollectiveFit] = {}
-    pipeline_action_s: NonNegative
-    step_s: dict[Mode, NonNegative]
-    ddp_bucket_bytes: Positive
-    ddp_first_bucket_bytes: Positive
-    ddp_per_tensor_s: NonNegative
-    optimizer_working_tensors: NonNegative
-    runtime_bytes: dict[Mode, NonNegative]
-    fsdp_collective_s: NonNegative
+    pipeline_action_s: Term
+    step_s: dict[Mode, Term]
+    ddp_bucket_bytes: PositiveTerm
+    ddp_first_bucket_bytes: PositiveTerm
+    ddp_per_tensor_s: Term
+    optimizer_working_tensors: Term
+    runtime_bytes: dict[Mode, Term]
+    fsdp_collective_s: Term
+    repeats: int = 1
+    """How many times each term was measured (its value: the median of the repeats kept)."""
+    step_spread: Term | None = None
+    """Run-to-run noise of a measured step: over the probes' runs in every execution
+    mode, the median of (half the range of a probe's step time across the repeats) /
+    (its median). Two predictions closer than this fraction cannot be told apart by
+    measuring them (None: measured once)."""
 
     def update_s(self, optimizer: str, tensors: float, nbytes: float, sharded: bool = False) -> float:
         """Seconds of one device's optimizer update over ``tensors`` parameter tensors of
@@ -165,6 +185,33 @@ class DeviceCalibration(Frozen):
     def op_s(self, mode: Literal["plain", "sharded"]) -> tuple[float, float]:
         o = self.op_overhead[mode]
         return o.forward_s.value, o.backward_s.value
+
+
+def within_noise(a_s: float, b_s: float, spread: float | None) -> bool:
+    """Do predictions ``a_s`` and ``b_s`` differ by less than ``spread`` (a fraction:
+    a calibration's :attr:`DeviceCalibration.step_spread`) of the faster one? False
+    without a spread."""
+    return bool(spread) and abs(a_s - b_s) < spread * min(a_s, b_s)
+
+
+def host_warning(device_name: str, cal: DeviceCalibration | None, host: dict) -> str | None:
+    """One line saying why predictions for ``device_name`` (a device of this machine,
+    what ``flexsearch calibrate`` measures) are not calibrated for ``host``
+    (:func:`flexsearch.cost.profiler.host_info`): no calibration, an unrecorded host,
+    or another kind of machine. None when the calibration is this host's."""
+    here = f"{host.get('cpu')}, {host.get('cores')} cores, torch {host.get('torch')}"
+    fix = "run `flexsearch calibrate` (a few minutes) to measure this one"
+    if cal is None:
+        return (f"no calibration of {device_name} on disk: predictions for this host ({here}) leave out its run-time "
+                f"overheads; {fix}")
+    if cal.host is None:
+        return f"the calibration of {device_name} on disk does not say which host it was measured on; {fix}"
+    if not cal.host.same_machine(host):
+        h = cal.host
+        return (f"the calibration of {device_name} on disk was measured on another host ({h.cpu}, {h.cores} cores, "
+                f"torch {h.torch}, {h.date}), not this one ({here}); predictions may be off by tens of percent; "
+                f"{fix}")
+    return None
 
 
 class CalibrationFile(Frozen):
@@ -217,5 +264,5 @@ def load_calibration(device_name: str, path: str | os.PathLike[str] | None = Non
     return load_calibration_file().devices.get(device_name)
 
 
-__all__ = ["CALIBRATION_FILE", "CalibrationFile", "DeviceCalibration", "load_calibration",
-           "load_calibration_file", "user_calibration_path"]
+__all__ = ["CALIBRATION_FILE", "CalibrationFile", "DeviceCalibration", "PositiveTerm", "Term", "host_warning",
+           "load_calibration", "load_calibration_file", "user_calibration_path", "within_noise"]

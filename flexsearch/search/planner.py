@@ -492,8 +492,9 @@ def plan_synchronous(
             notes.append(f"budget {budget_s:g} s: cut short: {', '.join(cut)} (the best plan found so far)")
         search = SearchInfo(seed=seed, max_iters=max_iters, budget_s=budget_s, iterations=result.iterations,
                             ilp=ilp_status, curve=tuple((it, t) for it, _, t in result.improvements))
+        spread = ctx.calibration.step_spread if ctx.calibration is not None else None
         common = dict(lower_bound_s=bound, search=search, optimizer=optimizer, objective=objective,
-                      infeasible_baselines=tuple(infeasible))
+                      infeasible_baselines=tuple(infeasible), noise=spread.value if spread is not None else None)
         if pipe is not None and (oplevel is None or pipe.simulation.iteration_time_s < oplevel[2].iteration_time_s):
             if oplevel is not None and not large:  # the best op-level plan (SOAP or data parallel)
                 baselines["soap"] = oplevel[2].iteration_time_s

@@ -248,6 +248,10 @@ class ShardedModule(nn.Module):
         self._graph = graph
         self._configs = dict(configs)
         self._rt = rt
+        self._shapes: dict[tuple, Any] = {}
+        """Output shapes of locally run ops per (node, input shapes): found once on meta
+        tensors (an LSTM there runs decomposed, one op per gate and time step: tens of
+        milliseconds per call)."""
         build_layouts(rt, self._configs.values())
         self._world = rt.block_mesh(0, len(rt.ranks), 1)
         self._distribute()
@@ -428,8 +432,11 @@ class ShardedModule(nn.Module):
             grad_pl = ((Partial() if c.s > 1 else Replicate()), pl[1]) if split else _REPLICATE
             lstate[pname] = local(p, pl, grad_pl if p.requires_grad else pl)
             mstate[pname] = meta(p)
-        with torch.no_grad():
-            shapes = _plain_call(self._gm[0], n, *tree_unflatten(mflat, spec), mstate)
+        key = (n.name, *((tuple(v.shape), v.dtype) for v in mflat if isinstance(v, torch.Tensor)))
+        shapes = self._shapes.get(key)
+        if shapes is None:
+            with torch.no_grad():
+                shapes = self._shapes[key] = _plain_call(self._gm[0], n, *tree_unflatten(mflat, spec), mstate)
         mout, mspec = tree_flatten(shapes)
         dtypes = [getattr(torch, m.dtype) for m in node.outputs]
         mout = [t.to(dtypes[k]) if isinstance(t, torch.Tensor) and k < len(dtypes) else t

@@ -127,6 +127,7 @@ calibrate --warmup default=3 min=2
 calibrate --retries default=3 min=1
 calibrate --max-wait default=60.0 min=0
 calibrate --restart default=False
+calibrate --repeats default=3 min=1
 calibrate --convergence default=None
 calibrate --epochs default=20 min=2
 cluster NAME default=None

@@ -10,13 +10,19 @@ low-precision copy of an activation), counted for the op. Parameters and buffers
 state, not activations; autocast's copies of weights are costed apart
 (``flexsearch.sim.taskgraph.cast_copy_bytes``). A node's saved bytes are its owned
 storages some op saved (or the model returns) plus what it saved internally.
+
+A recurrent layer is traced decomposed (matmuls and pointwise ops the FLOP counter
+sees), but trains as one fused kernel (oneDNN on a CPU, cuDNN on a GPU) that saves a
+workspace of its own: :func:`fused_rnn_saved` measures it on this machine's kernel.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 
 import torch
+from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 
@@ -101,3 +107,43 @@ class SavedTensors:
             if owner is not None:
                 out[owner[0]] = out.get(owner[0], 0) + owner[1]
         return out
+
+
+def fused_rnn_saved(module: nn.RNNBase, shape: tuple[int, ...], itemsize: int = 4) -> int | None:
+    """Bytes the fused training kernel of ``module`` saves for the backward of an input
+    of ``shape`` (sequence input; the module's own ``batch_first`` layout) whose
+    activations have ``itemsize`` bytes per element: an fp32 copy of the layer with
+    real weights runs forward on zeros at batch 1 and 2 under
+    ``saved_tensors_hooks`` on this machine's kernel (oneDNN keeps a workspace of
+    about 17 times an LSTM's output, GRU 7, RNN 1; the decomposed ops the tracer runs
+    save about half an LSTM's); the storages it packs, less its parameters and the
+    input, are linear in the batch and scaled to ``shape``'s batch and to ``itemsize``.
+    None when the layer cannot run here (parameters on the meta device)."""
+    if any(p.is_meta for p in module.parameters()) or len(shape) != 3:
+        return None
+    layer = copy.deepcopy(module).float().train()
+    batch_dim = 0 if layer.batch_first else 1
+    state = {storage(p) for p in layer.parameters()}
+
+    def at(batch: int) -> int:
+        size = list(shape)
+        size[batch_dim] = batch
+        x = torch.zeros(size, requires_grad=True)
+        packed: dict[StorageWeakRef, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            packed.setdefault(storage(t), t.untyped_storage().nbytes())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = layer(x)
+        del out
+        skip = state | {storage(x)}
+        return sum(n for k, n in packed.items() if k not in skip)
+
+    try:
+        with torch.random.fork_rng(devices=[]):
+            one, two = at(1), at(2)
+    except RuntimeError:
+        return None
+    return max(0, (one + (two - one) * (shape[batch_dim] - 1)) * itemsize // 4)

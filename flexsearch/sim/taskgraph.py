@@ -75,11 +75,11 @@ the hidden output itself."""
 def kept_bytes(node: OpNode) -> float:
     """Bytes of activations ``node`` keeps for the backward pass (whole op): what
     autograd saves that the node created, as the tracer measured it
-    (``OpNode.saved_bytes``), a recurrent layer's gates and states by
-    :data:`_RNN_SAVED` (the tracer runs it decomposed, not as the fused kernel that
-    trains). Without a measurement (a profile from elsewhere): its outputs, none for a
-    view (:func:`aliases`)."""
-    if node.kind != "rnn" and node.saved_bytes is not None:
+    (``OpNode.saved_bytes``; a recurrent layer's as its fused kernel saves them,
+    :func:`flexsearch.graph.saved.fused_rnn_saved`). Without a measurement (a profile
+    from elsewhere, a layer on the meta device): a recurrent layer's gates and states by
+    :data:`_RNN_SAVED`, else its outputs, none for a view (:func:`aliases`)."""
+    if node.saved_bytes is not None:
         return float(node.saved_bytes)
     if node.bytes_written <= 0 or aliases(node):
         return 0.0

@@ -381,15 +381,18 @@ def assemble(raw: dict[str, Any], s: Settings, where: str, profile_path: Path) -
     return current()
 
 
-def step_spread(rounds: list[dict]) -> list[float]:
-    """Per probe run of every execution mode (:data:`MODES`), half the range of its
-    measured step time across the repeats over its median."""
-    out = []
+def step_spread(rounds: list[dict]) -> tuple[float, int]:
+    """The run-to-run noise of a step: over the probe runs of every execution mode
+    (:data:`MODES`), the half ranges of their step times across the repeats summed,
+    over their medians summed (each run weighs by its length: the relative noise of a
+    3 ms probe step says little about a 100 ms step); and how many runs."""
+    half = mid = 0.0
+    runs = 0
     for mode in MODES:
         for key in rounds[0][mode]:
-            steps = [r[mode][key]["step"] for r in rounds]
-            out.append((max(steps) - min(steps)) / 2 / sorted(steps)[len(steps) // 2])
-    return out
+            steps = sorted(r[mode][key]["step"] for r in rounds)
+            half, mid, runs = half + (steps[-1] - steps[0]) / 2, mid + steps[len(steps) // 2], runs + 1
+    return half / mid, runs
 
 
 def combine_repeats(cals: list[DeviceCalibration], rounds: list[dict], where: str) -> DeviceCalibration:
@@ -398,12 +401,11 @@ def combine_repeats(cals: list[DeviceCalibration], rounds: list[dict], where: st
     merged = fit.combine([c.model_dump() for c in cals])
     merged["repeats"] = len(cals)
     if len(cals) > 1:
-        spreads = step_spread(rounds)
+        spread, runs = step_spread(rounds)
         merged["step_spread"] = {
-            "value": sorted(spreads)[len(spreads) // 2],
-            "source": f"{where}; over the {len(spreads)} probe runs of {', '.join(MODES)}, the median of half the "
-                      f"range of a run's step time across {len(cals)} repeats over its median (each "
-                      f"{min(spreads):.1%}..{max(spreads):.1%})"}
+            "value": spread,
+            "source": f"{where}; over the {runs} probe runs of {', '.join(MODES)}, the half ranges of their step "
+                      f"times across {len(cals)} repeats summed over their medians summed"}
     return DeviceCalibration.model_validate(merged)
 
 

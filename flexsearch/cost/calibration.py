@@ -160,10 +160,11 @@ class DeviceCalibration(Frozen):
     repeats: int = 1
     """How many times each term was measured (its value: the median of the repeats kept)."""
     step_spread: Term | None = None
-    """Run-to-run noise of a measured step: over the probes' runs in every execution
-    mode, the median of (half the range of a probe's step time across the repeats) /
-    (its median). Two predictions closer than this fraction cannot be told apart by
-    measuring them (None: measured once)."""
+    """Run-to-run noise of a measured step, a fraction: over the probes' runs in every
+    execution mode, the half ranges of their step times across the repeats summed over
+    their medians summed (:func:`flexsearch.calibrate.run.step_spread`). Two
+    predictions closer than this cannot be told apart by measuring them (None:
+    measured once)."""
 
     def update_s(self, optimizer: str, tensors: float, nbytes: float, sharded: bool = False) -> float:
         """Seconds of one device's optimizer update over ``tensors`` parameter tensors of

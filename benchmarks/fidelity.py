@@ -24,8 +24,10 @@ traced dtypes, not under autocast, and the CI machines' CPUs have no native bf16
 
 1. **profile**: every distinct op measured alone by the profiler
    (:func:`flexsearch.cost.profiler.profile_model`, ``--threads`` threads) at the whole
-   batch and at splits 2..32, cached in ``--profile`` (a rerun measures only what is
-   new). The measurements answer for the ``cpu`` preset's device;
+   batch and at splits 2..32, cached in ``--profile`` (default: this machine's,
+   ``~/.flexsearch/profiles/fidelity-cpu-1t.json``; a rerun measures only what is new,
+   a profile measured on another host is measured afresh). The measurements answer
+   for the ``cpu`` preset's device;
 2. **plan**: a plan of that kind on the ``cpu`` preset, searched with the measured costs
    and the calibration;
 3. **predict**: :func:`flexsearch.simulate` with the same costs and calibration;
@@ -77,8 +79,8 @@ from zoo import get, load_module  # noqa: E402
 import flexsearch  # noqa: E402
 from flexsearch.calibrate.probes import build_probe  # noqa: E402
 from flexsearch.cost.calibration import DeviceCalibration, load_calibration, within_noise  # noqa: E402
-from flexsearch.cost.hardware import Cluster  # noqa: E402
-from flexsearch.cost.profiler import host_info, local_device, profile_model  # noqa: E402
+from flexsearch.cost.hardware import Cluster, user_dir  # noqa: E402
+from flexsearch.cost.profiler import ProfileDB, host_info, local_device, profile_model  # noqa: E402
 from flexsearch.errors import PlanKindError  # noqa: E402
 from flexsearch.graph.opgraph import OpGraph  # noqa: E402
 from flexsearch.graph.tracer import trace  # noqa: E402
@@ -98,7 +100,8 @@ VARIANTS = {"zero1": {"shard": "zero1"}, "zero2": {"shard": "zero2"}, "zero3": {
 """Kinds made from the data-parallel plan by changing one field: a ZeRO stage, or full
 activation checkpointing of every block (DDP)."""
 CLUSTER = "cpu"
-PROFILE = ROOT / "costmodels" / "measurements" / "fidelity-profile-cpu-1t.json"
+PROFILE = user_dir() / "profiles" / "fidelity-cpu-1t.json"
+"""The op profile's cache: this machine's (op times do not travel between machines)."""
 DEGREES = (2, 4, 8, 16, 32)  # profiled splits: SOAP degrees and pipeline microbatches
 QUICK = "mlp:data+1f1b"
 FOUR_RANKS = [("gpt", "hybrid"), ("mlp", "hybrid")]
@@ -408,6 +411,13 @@ def main(argv: list[str] | None = None) -> None:
 
             args.profile = Path(tempfile.mkdtemp(prefix="fidelity-quick-")) / "profile.json"
     torch.set_num_threads(args.threads)
+    if args.profile.exists() and not args.reprofile:
+        measured_on = ProfileDB.load(args.profile).data.host
+        if measured_on != host_info():
+            where = measured_on["cpu"] if measured_on else "an unrecorded host"
+            print(f"# the op profile {args.profile} was measured on {where}, not this host: measuring it afresh",
+                  flush=True)
+            args.reprofile = True
     if args.reprofile and args.profile.exists():
         args.profile.unlink()
     cal = this_hosts_calibration(args.ranks, args.threads, calibrate=args.calibrate,

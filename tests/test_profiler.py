@@ -11,6 +11,7 @@ from flexsearch.cost.compute import Partition, op_cost
 from flexsearch.cost.hardware import Cluster
 from flexsearch.cost.profiler import (
     ProfileDB,
+    host_info,
     local_device,
     measure_call,
     partitioned_call,
@@ -81,6 +82,7 @@ def test_cache_hit_and_miss(tmp_path):
     assert path.exists()
     db2, counts2 = profile_model(model, inputs, out=path, repeats=2, warmup=0)
     assert counts2 == {"measured": 0, "cached": counts["measured"], "skipped": 0}
+    assert ProfileDB.load(path).data.host == host_info()  # which machine measured it
     g, _ = traced()
     node = g.node("fc")
     device = local_device(1)

@@ -16,11 +16,12 @@ overhead the residual of the simulator (with the terms fitted before it) on the 
 6. ``sharded_update``: the extra per-tensor cost of DTensor parameters;
 7. ``plain``: one process training the probes: the per-op overhead of plain modules
    (negative: the profiler's per-call cost, ``profiled_call``);
-8. ``ddp``: per gradient tensor (hooks) and per step; 9. ``fsdp``: per unit collective
+8. ``ddp``: per gradient tensor (hooks) and per step; ``zero1``: per parameter tensor
+   and per step of ``ZeroRedundancyOptimizer`` beyond DDP; 9. ``fsdp``: per unit collective
    and per step; 10. ``sharded``: DTensor ops' per-op overhead and per step (SOAP
    plans, every op data parallel on DTensors); 11. ``pipeline``: per schedule action
    and per step (GPipe over 2 stages with 2 and 8 microbatches); 12. ``decentralized``:
-   per step. Stages 8-12 also give each mode's ``runtime_bytes``: measured peak memory
+   per step. Stages 8-12 (but ``zero1``, which runs DDP's) also give each mode's ``runtime_bytes``: measured peak memory
    minus the simulator's.
 
 Every stage but the profile is measured ``repeats`` times (:class:`Settings`), in
@@ -64,7 +65,7 @@ from flexsearch.strategy.kinds import Strategy
 
 CLUSTER = "cpu"
 """The preset whose device is calibrated: this machine's gloo processes."""
-MODES = ("ddp", "fsdp", "sharded", "pipeline", "decentralized")
+MODES = ("ddp", "zero1", "fsdp", "sharded", "pipeline", "decentralized")
 STAGES = ("profile", "collectives", "concurrency", "updates", "working", "overlap", "sharded_update", "plain",
           *MODES)
 DEGREES = (2, 4, 8, 16, 32)
@@ -126,6 +127,8 @@ def probe_strategy(graph: OpGraph, cl: Cluster, mode: str, microbatches: int = 2
     configs = space.expand(dp)
     if mode == "ddp":
         return DataParallel(configs, dp)
+    if mode == "zero1":
+        return DataParallel(configs, dp, shard="zero1")
     if mode == "fsdp":
         return DataParallel(configs, dp, shard="zero3", fsdp_units=fsdp_units(graph.modules))
     if mode in ("sharded", "plain"):  # plain: one process, the model as it is
@@ -279,7 +282,7 @@ def assemble(raw: dict[str, Any], s: Settings, where: str, profile_path: Path) -
                                             f"LSTM 128, LayerNorm 1024, GELU; profiled one by one) on {s.ranks} ranks "
                                             "at once (the slowest) over the same alone")
                         for k, v in zip(("forward", "backward"), slow, strict=True)},
-        "runtime_bytes": {m: zero for m in MODES},
+        "runtime_bytes": {m: zero for m in MODES if m != "zero1"},  # ZeRO-1 runs DDP's runtime
         "fsdp_collective_s": zero,
         "pipeline_action_s": zero,
         "step_s": {m: zero for m in MODES},
@@ -333,6 +336,14 @@ def assemble(raw: dict[str, Any], s: Settings, where: str, profile_path: Path) -
     cal["ddp_per_tensor_s"] = num(per_tensor, f"{what}: slope per parameter tensor")
     cal["step_s"]["ddp"] = num(base, f"{what}: intercept per step")
     floor("ddp", m8, predict("deep8", "ddp", current(), worst=m8["worst_rank"]), "DDP run of the 8-layer MLP")
+
+    # ZeRO-1: per parameter tensor (the optimizer's bookkeeping, a broadcast each) and per step
+    m8, m32, p8, p32 = residuals("zero1")
+    per_tensor, base = fit.residual_line(m8["step"] - p8["step"], m32["step"] - p32["step"], tensors8, tensors32)
+    what = (f"residual of the simulator on DDP + ZeroRedundancyOptimizer runs of 16-wide MLPs of 8 and 32 layers "
+            f"(medians of {s.steps} steps)")
+    cal["zero1_per_tensor_s"] = num(per_tensor, f"{what}: slope per parameter tensor")
+    cal["step_s"]["zero1"] = num(base, f"{what}: intercept per step")
 
     # FSDP: per unit collective (all-gather in the forward and the backward, reduce-scatter)
     m8, m32, p8, p32 = residuals("fsdp")

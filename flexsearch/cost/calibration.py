@@ -34,7 +34,7 @@ did not load a calibration (:func:`load_calibration`).
   fixed cost per call that the same op inside a model does not pay.
 - ``pipeline_action_s``: per forward or backward action of a pipeline schedule (the
   schedule's bookkeeping, microbatch split, send/receive posting).
-- ``step_s``: fixed cost of one iteration per execution mode (``ddp``, ``fsdp``,
+- ``step_s``: fixed cost of one iteration per execution mode (``ddp``, ``zero1``, ``fsdp``,
   ``sharded``, ``pipeline``, ``decentralized``): the loss all-reduce, zero_grad, hooks,
   posting and waiting for the gossip messages. A mode without an entry costs nothing.
 - ``runtime_bytes``: memory one iteration allocates per device whatever the model, per
@@ -42,6 +42,9 @@ did not load a calibration (:func:`load_calibration`).
   without an entry.
 - ``fsdp_collective_s``: per all-gather or reduce-scatter of an FSDP unit (its hooks,
   the flat buffer's bookkeeping).
+- ``zero1_per_tensor_s``: per parameter tensor of a ZeRO-1 step
+  (``ZeroRedundancyOptimizer``: its bookkeeping and a broadcast per tensor), with
+  ``step_s["zero1"]`` its fixed cost per step beyond DDP's.
 - ``ddp_bucket_bytes`` / ``ddp_first_bucket_bytes``: DDP all-reduces gradients in
   buckets of this size (in the order they become ready; the first bucket smaller) and
   keeps a flat copy of the gradients (its buckets) for the whole run: each gradient is
@@ -74,7 +77,7 @@ from flexsearch.errors import ClusterSpecError
 
 CALIBRATION_FILE = COSTMODELS_DIR / "calibration.json"
 
-Mode = Literal["plain", "ddp", "fsdp", "sharded", "pipeline", "decentralized"]
+Mode = Literal["plain", "ddp", "zero1", "fsdp", "sharded", "pipeline", "decentralized"]
 """How the emitter runs a plan; ``plain``: one process running the model as it is (no
 per-step or runtime terms)."""
 
@@ -157,6 +160,10 @@ class DeviceCalibration(Frozen):
     optimizer_working_tensors: Term
     runtime_bytes: dict[Mode, Term]
     fsdp_collective_s: Term
+    zero1_per_tensor_s: Term | None = None
+    """ZeRO-1 (``ZeroRedundancyOptimizer``): per parameter tensor, the Python step's
+    bookkeeping and one broadcast posted and waited for; with ``step_s["zero1"]`` per
+    step, on top of DDP's (None: not measured, costs nothing)."""
     repeats: int = 1
     """How many times each term was measured (its value: the median of the repeats kept)."""
     step_spread: Term | None = None

@@ -67,6 +67,10 @@ class ProfileFile(BaseModel):
 
     version: int = PROFILE_VERSION
     device: str
+    host: dict[str, Any] | None = None
+    """The machine that measured the entries (:func:`host_info`; None: not recorded).
+    Op times do not travel between machines: a caller that cares compares it with
+    this host's."""
     entries: dict[str, ProfileEntry] = {}
 
 
@@ -500,6 +504,8 @@ def profile_model(
         name = local_device(threads if device.type == "cpu" else None)
         path = Path(out) if out is not None else default_profile_path(name)
         db = ProfileDB.load(path, device=name)
+        if not db.data.entries:
+            db.data.host = host_info()
         graph, calls = trace_calls(model, example_inputs)
         counts = profile_graph(
             graph, calls, db, device=device, device_name=name, degrees=degrees,

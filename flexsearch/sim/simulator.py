@@ -330,7 +330,8 @@ class Simulator:
         optimizer state and parameters (``ZeroRedundancyOptimizer`` partitions whole
         tensors, by size), then the updated parameters are all-gathered over every
         device (torch broadcasts each rank's share: the same bytes on every link) before
-        the iteration ends."""
+        the iteration ends; calibrated, with ``ZeroRedundancyOptimizer``'s cost per
+        parameter tensor and per step (``zero1_per_tensor_s``, ``step_s["zero1"]``)."""
         devices = self.cluster.devices
         run = run_tasks(ordered, devices, len(self._links), keep_timeline)
         free, end, timeline, compute, chain = run.free, run.end, run.timeline, run.compute, run.chain
@@ -385,6 +386,8 @@ class Simulator:
             t = collective_task(self.ctx.as_ddp(), "all_gather", list(range(devices)), max(params), "zero1 params",
                                 tuple(("u", d) for d in range(devices) if params[d]), (("zero1",),),
                                 "ZeRO-1 parameter broadcast")
+            if cal is not None and cal.zero1_per_tensor_s is not None:  # the optimizer's bookkeeping per tensor
+                t = replace(t, duration=t.duration + cal.zero1_per_tensor_s.value * max(tensors) + cal.step("zero1"))
             start = max(free[r] for r in (*range(devices), *t.resources))
             for r in (*range(devices), *t.resources):
                 free[r] = start + t.duration

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from torch import nn
 
 from flexsearch import OpGraph, TraceError, trace
+from flexsearch.graph.saved import storage
 
 
 class Block(nn.Module):
@@ -178,6 +179,37 @@ def test_lstm_batch_dim_follows_batch_first():
     assert [(d.dim, d.kind) for d in rnn.dims.output] == [(1, "sample")]
     last = g.nodes[-2]  # out[-1]: [batch, hidden]
     assert last.dims.output[0].kind == "sample"
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN])
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("batch", [12, 100])  # run at the batch; beyond 64, extrapolated from 32 and 64
+def test_recurrent_layer_keeps_what_its_fused_kernel_saves(cls, batch_first, batch):
+    """A recurrent layer's saved bytes are what the kernel that trains saves: the same
+    as a real forward at the traced batch saves (oneDNN's workspace is padded at small
+    batches, so two small batches would not extrapolate)."""
+    layer = cls(24, 32, num_layers=2, batch_first=batch_first)
+
+    class Seq(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = layer
+
+        def forward(self, x):
+            return self.rnn(x)[0]
+
+    x = torch.randn((batch, 7, 24) if batch_first else (7, batch, 24))
+    node = trace(Seq(), (x,)).node("rnn")
+    packed = {}
+
+    def pack(t):
+        packed.setdefault(storage(t), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x.requires_grad_())
+    real = sum(v for k, v in packed.items() if k not in {storage(p) for p in layer.parameters()} | {storage(x)})
+    assert node.saved_bytes == pytest.approx(real, rel=0.02)
 
 
 def test_opaque_op_is_costed_not_split():

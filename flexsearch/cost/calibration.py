@@ -52,6 +52,12 @@ did not load a calibration (:func:`load_calibration`).
   memory bandwidth), and its autograd hook costs ``ddp_per_tensor_s``.
 - ``optimizer_working_tensors``: the update's temporaries, in multiples of the device's
   largest parameter tensor (alive together with the gradients).
+
+Each measured term is the median of the calibration's ``repeats`` with its ``spread``
+(:class:`Term`); ``step_spread`` is how far a measured step wanders from run to run, so
+predictions closer than that are :func:`within_noise`. ``host`` records the machine:
+:func:`host_warning` says in one line when predictions for this host's devices use no
+calibration or another host's.
 """
 
 from __future__ import annotations

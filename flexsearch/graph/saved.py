@@ -109,15 +109,21 @@ class SavedTensors:
         return out
 
 
+FUSED_RNN_BATCH = 32
+""":func:`fused_rnn_saved` runs the layer at the traced batch up to twice this, else at
+this batch and twice it and extrapolates linearly."""
+
+
 def fused_rnn_saved(module: nn.RNNBase, shape: tuple[int, ...], itemsize: int = 4) -> int | None:
     """Bytes the fused training kernel of ``module`` saves for the backward of an input
     of ``shape`` (sequence input; the module's own ``batch_first`` layout) whose
     activations have ``itemsize`` bytes per element: an fp32 copy of the layer with
-    real weights runs forward on zeros at batch 1 and 2 under
-    ``saved_tensors_hooks`` on this machine's kernel (oneDNN keeps a workspace of
-    about 17 times an LSTM's output, GRU 7, RNN 1; the decomposed ops the tracer runs
-    save about half an LSTM's); the storages it packs, less its parameters and the
-    input, are linear in the batch and scaled to ``shape``'s batch and to ``itemsize``.
+    real weights runs forward on zeros under ``saved_tensors_hooks`` on this machine's
+    kernel (oneDNN keeps a workspace of about 17 times an LSTM's output, GRU 7, RNN 1;
+    the decomposed ops the tracer runs save about half an LSTM's) at the traced batch
+    (beyond :data:`FUSED_RNN_BATCH` twice: at that batch and twice it, linear in the
+    batch); the storages it packs, less its parameters and the input, scaled to
+    ``itemsize``.
     None when the layer cannot run here (parameters on the meta device)."""
     if any(p.is_meta for p in module.parameters()) or len(shape) != 3:
         return None
@@ -141,9 +147,14 @@ def fused_rnn_saved(module: nn.RNNBase, shape: tuple[int, ...], itemsize: int = 
         skip = state | {storage(x)}
         return sum(n for k, n in packed.items() if k not in skip)
 
+    full = shape[batch_dim]
     try:
         with torch.random.fork_rng(devices=[]):
-            one, two = at(1), at(2)
+            if full <= 2 * FUSED_RNN_BATCH:
+                saved = at(full)
+            else:  # linear beyond: small batches are padded (oneDNN's workspace at batch 1 is 2 samples' worth)
+                lo, hi = at(FUSED_RNN_BATCH), at(2 * FUSED_RNN_BATCH)
+                saved = lo + (hi - lo) * (full - FUSED_RNN_BATCH) // FUSED_RNN_BATCH
     except RuntimeError:
         return None
-    return max(0, (one + (two - one) * (shape[batch_dim] - 1)) * itemsize // 4)
+    return max(0, saved * itemsize // 4)

@@ -34,6 +34,7 @@ def _truth() -> DeviceCalibration:
     base = load_calibration_file().devices[DEVICE]
     raw = base.model_dump(mode="json")
     raw["host"] = None
+    raw["step_spread"], raw["repeats"] = None, 1  # one round's fit has no spread
     raw["op_overhead"]["plain"] = {"forward_s": {"value": 2e-6, "source": "test"},
                                    "backward_s": {"value": 5e-6, "source": "test"}}
     raw["profiled_call"] = {"forward_s": {"value": 0.0, "source": "test"},

@@ -182,3 +182,17 @@ def test_gpt3_175b_hybrid_plan_fits_on_1024_h100():
     assert plan.predicted.peak_memory_bytes <= 80e9
     tensor = max(int(c.split(".")[1][1:].split(":")[0]) for c in plan.configs.values() if "." in c)
     assert tensor > 1 and plan.stages[0].replicas > 1 and len(plan.stages) > 1  # pipeline x tensor x data
+
+
+def test_backward_working_set():
+    """``W``: backpropagating node i, the activations of the nodes before it are still
+    kept and the gradients of its output and input are alive; a view's gradient is its
+    consumer's (no buffer of its own)."""
+    from flexsearch.sim.taskgraph import backward_working
+
+    assert backward_working([10, 10, 10], [4, 4, 4]) == 8.0
+    assert backward_working([10, 10, 10], [4, 0, 4]) == 4.0
+    # a pooling layer's big input gradient while the layers before it still keep theirs
+    assert backward_working([1, 10, 10], [50, 1, 1]) == 41.0
+    # a later stage's first node hands back the gradient of the input it received
+    assert backward_working([10, 10], [4, 4], received=20.0) == 14.0

@@ -14,12 +14,14 @@ activation checkpointing the largest unit's, rebuilt in the backward), ``Y`` an
 output-sized tensor the loss holds (its gradient of the output; measured with
 ``MemTracker``, a loss over the output also holds one output-sized tensor at its
 peak: ``tests/test_memory_tracker.py``),
-``B`` buffers (FSDP's gathered parameters, a gossip snapshot and receive buffers,
-PipeDream's extra weight versions, a parameter server's accumulation buffer), ``L`` the
-largest parameter tensor it holds::
+``W`` a backward's gradient buffers above the activations it still keeps
+(:func:`flexsearch.sim.taskgraph.backward_working`: in a pipeline stage, other
+microbatches' activations stay stashed meanwhile), ``B`` buffers (FSDP's gathered parameters, a gossip snapshot and
+receive buffers, PipeDream's extra weight versions, a parameter server's accumulation
+buffer), ``L`` the largest parameter tensor it holds::
 
-    uncalibrated:  P + G + O + A + Y + B
-    calibrated:    P + O + B + max(A + Y, G + w L) + R_mode + D
+    uncalibrated:  P + G + O + A + max(Y, W) + B
+    calibrated:    P + O + B + max(A + max(Y, W), G + w L) + R_mode + D
 
 Calibrated (:mod:`flexsearch.cost.calibration`), the peak follows the measured runtime:
 gradients are allocated as the backward frees the activations (``zero_grad`` frees
@@ -85,6 +87,10 @@ class DeviceMemory:
     """Activation checkpointing: the activations one checkpointed unit rebuilds during
     the backward (the largest unit's), on top of those kept from the forward (counted
     with the activations)."""
+    grad_working: float = 0.0
+    """``W``: one backward's gradient buffers above the activations still kept
+    (:func:`flexsearch.sim.taskgraph.backward_working`); the peak takes the larger of
+    it and ``Y``."""
 
     @classmethod
     def replicated(cls, params: float, activations: float, optimizer: str, *, largest: float = 0.0,
@@ -96,11 +102,12 @@ class DeviceMemory:
 
 def peak_bytes(m: DeviceMemory, calibration: DeviceCalibration | None, mode: Mode) -> float:
     """The device's peak memory (module docstring)."""
+    backward = max(m.loss_grad, m.grad_working)
     if calibration is None:
-        return m.params + m.grads + m.optimizer + m.activations + m.rebuilt + m.loss_grad + m.buffers
+        return m.params + m.grads + m.optimizer + m.activations + m.rebuilt + backward + m.buffers
     working = m.grads + calibration.optimizer_working_tensors.value * m.largest
     return (m.params + m.optimizer + m.buffers + calibration.runtime(mode)
-            + max(m.activations + m.rebuilt + m.loss_grad, working) + m.grad_buckets)
+            + max(m.activations + m.rebuilt + backward, working) + m.grad_buckets)
 
 
 def largest_tensor(shard_bytes: float, tensors: int) -> float:

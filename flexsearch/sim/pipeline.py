@@ -27,7 +27,8 @@ The simulation has three parts, each a function over the same inputs:
   its parameter bytes, ``A q + R`` activations (``A`` stashed per microbatch, ``q`` the
   peak number of microbatches in flight on it under the schedule, ``R`` the working
   bytes: activation recomputation keeps only each microbatch's stage input, ``A``, and
-  rebuilds one microbatch's activations, ``R``, during its backward), summed into
+  rebuilds one microbatch's activations, ``R``, during its backward; ``W`` one
+  microbatch's backward gradients above its kept activations), summed into
   :func:`flexsearch.sim.accounting.peak_bytes`; PipeDream adds one weight version per
   extra minibatch in flight, ``P (q - 1)``, as a buffer.
 
@@ -84,6 +85,9 @@ class StageCost:
     """The largest parameter tensor per device (a calibrated update's temporaries)."""
     loss_bytes: float = 0.0
     """What the loss holds over one microbatch's output (the stage that returns it)."""
+    grad_working_bytes: float = 0.0
+    """``W``: one microbatch's backward gradients above its kept activations
+    (:func:`flexsearch.sim.taskgraph.backward_working`)."""
 
 
 @dataclass(frozen=True)
@@ -364,6 +368,7 @@ def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: Pipeli
     versions = [0.0] * devices
     rebuilt = [0.0] * devices
     loss = [0.0] * devices  # one microbatch's loss at a time
+    grads = [0.0] * devices  # one microbatch's backward at a time
     for (r, i), lane_actions in by_lane.items():
         for s, q in in_flight(lane_actions).items():
             c_s = costs[s]
@@ -372,12 +377,13 @@ def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: Pipeli
                 acts[d] += c_s.stash_bytes * q
                 rebuilt[d] += c_s.working_bytes
                 loss[d] = max(loss[d], c_s.loss_bytes)
+                grads[d] = max(grads[d], c_s.grad_working_bytes)
                 largest[d] = max(largest[d], stage_largest(c_s.largest_param_bytes, c_s.param_bytes))
                 if layout.asynchronous:
                     versions[d] += c_s.param_bytes * (q - 1)
     return [replace(DeviceMemory.replicated(params[d], acts[d], optimizer, largest=largest[d], buffers=versions[d],
                                             loss_grad=loss[d]),
-                    rebuilt=rebuilt[d]) for d in range(devices)]
+                    rebuilt=rebuilt[d], grad_working=grads[d]) for d in range(devices)]
 
 
 def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLayout, *,

@@ -46,6 +46,7 @@ from flexsearch.sim.result import Simulation
 from flexsearch.sim.taskgraph import (
     Fragment,
     activation_split,
+    backward_working,
     build_fragment,
     kept_bytes,
     loss_held_bytes,
@@ -318,6 +319,14 @@ class Simulator:
                 out[d] = out.get(d, 0.0) + held
         return out
 
+    @staticmethod
+    def _backward_working(frags: list[Fragment], d: int) -> float:
+        """``W`` of device ``d`` (:func:`~flexsearch.sim.taskgraph.backward_working`) over
+        the nodes it keeps activations or gradients of, in graph order."""
+        seq = [(f.activations.get(d, 0.0), f.grads.get(d, 0.0)) for f in frags]
+        seq = [(k, g) for k, g in seq if k or g]
+        return backward_working([k for k, _ in seq], [g for _, g in seq])
+
     def _schedule(self, frags: list[Fragment], ordered: list[Task], keep_timeline: bool, ddp: bool = False,
                   buckets: list[Task] = (), shards: int = 1, unsharded: float = 0.0,
                   configs: Mapping[str, Config] | None = None, working: Mapping[int, float] = {},
@@ -400,7 +409,8 @@ class Simulator:
         buckets_held = ddp and shards == 1  # DDP keeps a flat copy of the gradients
         terms = [DeviceMemory(params[d], params[d], OPTIMIZER_STATE[self.optimizer] * owned[d], acts[d], largest[d],
                               unsharded, params[d] if buckets_held else 0.0, loss_grad.get(d, 0.0),
-                              working.get(d, 0.0))  # checkpointing: one unit's activations rebuilt at a time
+                              working.get(d, 0.0),  # checkpointing: one unit's activations rebuilt at a time
+                              self._backward_working(frags, d))
                  for d in range(devices)]
         memory = [peak_bytes(m, cal, mode) for m in terms]
         return Simulation(

@@ -37,7 +37,13 @@ from flexsearch.sim.context import CostContext
 from flexsearch.sim.pipeline import PipelineLayout, StageCost, simulate_pipeline
 from flexsearch.sim.result import Simulation
 from flexsearch.sim.simulator import Simulator
-from flexsearch.sim.taskgraph import activation_split, loss_held_bytes, loss_operands
+from flexsearch.sim.taskgraph import (
+    activation_split,
+    backward_working,
+    grad_bytes,
+    loss_held_bytes,
+    loss_operands,
+)
 from flexsearch.strategy.config import Config
 from flexsearch.strategy.recipes import stage_configs
 from flexsearch.strategy.recompute import Checkpointing
@@ -64,6 +70,9 @@ class NodeCost:
     loss_bytes: float = 0.0
     """What a loss over its output share holds, for a node whose output the model
     returns (:func:`~flexsearch.sim.taskgraph.loss_held_bytes`)."""
+    grad_bytes: float = 0.0
+    """The gradient buffer of its output share in the backward
+    (:func:`~flexsearch.sim.taskgraph.grad_bytes`)."""
 
 
 def _span(tasks) -> float:
@@ -93,9 +102,10 @@ def node_costs(graph: OpGraph, configs: Mapping[str, Config], ctx: CostContext) 
             fw = frag.forward
             bw = [t for t in frag.backward if not any(k[0] == "s" for k in t.defines)]
             share = node.output_bytes / activation_split(configs[node.name])
+            grad = grad_bytes(node) / activation_split(configs[node.name])
             hit = memo[key] = NodeCost(_span(fw), _span(bw), frag.params.get(0, 0.0), frag.activations.get(0, 0.0),
                                        frag.tensors.get(0, 0), frag.largest.get(0, 0.0), frag.cast.get(0, 0.0),
-                                       share, loss_held_bytes(node, share) if node.name in returned else 0.0)
+                                       share, loss_held_bytes(node, share) if node.name in returned else 0.0, grad)
         out[node.name] = hit
     return out
 
@@ -161,7 +171,8 @@ def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float],
     seg = range(a, b)
     fwd = sum(costs[i].forward_s for i in seg)
     again = sum(costs[i].forward_s for i in seg if cp.dropped[i])
-    kept = sum(kept_bytes(costs[i], i, cp) for i in seg)
+    per_node = [kept_bytes(costs[i], i, cp) for i in seg]
+    kept = sum(per_node)
     inputs = cuts[a] if 0 < a < b and cp.dropped[a] else 0.0  # the received input, kept by its unit
     rebuilt: dict[int, float] = {}
     for i in seg:
@@ -178,6 +189,7 @@ def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float],
         tensors=sum(costs[i].tensors for i in seg),
         largest_param_bytes=max((costs[i].largest_param_bytes for i in seg), default=0.0),
         loss_bytes=sum(costs[i].loss_bytes for i in seg),
+        grad_working_bytes=backward_working(per_node, [costs[i].grad_bytes for i in seg], cuts[a] if a else 0.0),
     )
 
 

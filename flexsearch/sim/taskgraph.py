@@ -37,6 +37,7 @@ simulator can keep fragments across changes (:mod:`flexsearch.sim.simulator`).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from flexsearch.graph.opgraph import OpNode, dtype_size
@@ -61,6 +62,7 @@ class Fragment:
     activations: dict[int, float] = field(default_factory=dict)  # device -> bytes kept
     sync: list[tuple[int, Key]] = field(default_factory=list)  # (device, task key) before update
     cast: dict[int, float] = field(default_factory=dict)  # device -> autocast's low-precision weight copies
+    grads: dict[int, float] = field(default_factory=dict)  # device -> its output share's gradient buffer
 
 
 _COPYING_VIEWS = frozenset({"Tensor.repeat", "Tensor.contiguous", "torch.repeat_interleave",
@@ -88,6 +90,32 @@ def kept_bytes(node: OpNode) -> float:
         if factor is not None:
             return float(factor * node.outputs[0].nbytes + sum(t.nbytes for t in node.outputs[1:]))
     return float(node.output_bytes)
+
+
+def grad_bytes(node: OpNode) -> float:
+    """The gradient buffer of ``node``'s output in the backward (whole op): its output
+    bytes, none for a view (its gradient is a view of its consumer's), an integer
+    output, the batch or the graph's output node (its producer's output)."""
+    floating = bool(node.outputs) and node.outputs[0].dtype.startswith(("float", "bfloat"))
+    return float(node.output_bytes) if floating and node.kind not in ("input", "output") and not aliases(node) \
+        else 0.0
+
+
+def backward_working(kept: Sequence[float], grads: Sequence[float], received: float = 0.0) -> float:
+    """``W``: the gradient buffers of one backward through a sequence of nodes (forward
+    order; ``kept[i]`` the activations node ``i`` keeps, ``grads[i]`` its output's
+    gradient buffer) above the activations they keep. Backpropagating node ``i``, the
+    activations of the nodes before it are still kept, those after it are freed, and two
+    gradients are alive: of its output and of its input (the node before it's; for the
+    first, the gradient of an input it ``received`` from another device or stage):
+    ``max_i (kept[..i] - kept[..] + grads[i] + grads[i - 1])``, at least 0. A chain's
+    rule: a gradient waiting for a second consumer (a residual) is not counted."""
+    total = sum(kept)
+    prefix = work = 0.0
+    for i, k in enumerate(kept):
+        prefix += k
+        work = max(work, prefix - total + grads[i] + (grads[i - 1] if i else received))
+    return work
 
 
 def loss_operands(graph) -> tuple[str, ...]:
@@ -351,11 +379,14 @@ def node_tasks(
     fwd_time, bwd_time = cost
     out_bytes = kept_bytes(node) / activation_split(c)
     keeps = out_bytes > 0
+    grad = grad_bytes(node) / activation_split(c)
     for _, _, d in parts:
         frag.forward.append(Task("fwd", n, fwd_time, (d,), tuple(needs.get(d, ())), (("f", n, d),),
                                  detail=c.text))
         if keeps:
             frag.activations[d] = frag.activations.get(d, 0.0) + out_bytes
+        if grad:
+            frag.grads[d] = max(frag.grads.get(d, 0.0), grad)
 
     # Partial sums: all-reduce over each group of t partitions.
     if c.kind == "r":

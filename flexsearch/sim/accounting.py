@@ -16,9 +16,9 @@ output-sized tensor the loss holds (its gradient of the output; measured with
 peak: ``tests/test_memory_tracker.py``),
 ``W`` a backward's gradient buffers above the activations it still keeps
 (:func:`flexsearch.sim.taskgraph.backward_working`: in a pipeline stage, other
-microbatches' activations stay stashed meanwhile), ``B`` buffers (FSDP's gathered parameters, a gossip snapshot and
-receive buffers, PipeDream's extra weight versions, a parameter server's accumulation
-buffer), ``L`` the largest parameter tensor it holds::
+microbatches' activations stay stashed meanwhile), ``B`` buffers (FSDP's gathered
+parameters, a gossip snapshot and receive buffers, PipeDream's extra weight versions, a
+parameter server's accumulation buffer), ``L`` the largest parameter tensor it holds::
 
     uncalibrated:  P + G + O + A + max(Y, W) + B
     calibrated:    P + O + B + max(A + max(Y, W), G + w L) + R_mode + D

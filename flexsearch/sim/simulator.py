@@ -320,12 +320,19 @@ class Simulator:
         return out
 
     @staticmethod
-    def _backward_working(frags: list[Fragment], d: int) -> float:
-        """``W`` of device ``d`` (:func:`~flexsearch.sim.taskgraph.backward_working`) over
-        the nodes it keeps activations or gradients of, in graph order."""
-        seq = [(f.activations.get(d, 0.0), f.grads.get(d, 0.0)) for f in frags]
-        seq = [(k, g) for k, g in seq if k or g]
-        return backward_working([k for k, _ in seq], [g for _, g in seq])
+    def _backward_working(frags: list[Fragment]) -> dict[int, float]:
+        """``W`` per device (:func:`~flexsearch.sim.taskgraph.backward_working`) over the
+        nodes it keeps activations or gradients of, in graph order (one pass over the
+        fragments' entries, not devices x nodes)."""
+        kept: dict[int, list[float]] = {}
+        grads: dict[int, list[float]] = {}
+        for f in frags:
+            for d in f.activations.keys() | f.grads.keys():
+                k, g = f.activations.get(d, 0.0), f.grads.get(d, 0.0)
+                if k or g:
+                    kept.setdefault(d, []).append(k)
+                    grads.setdefault(d, []).append(g)
+        return {d: backward_working(kept[d], grads[d]) for d in kept}
 
     def _schedule(self, frags: list[Fragment], ordered: list[Task], keep_timeline: bool, ddp: bool = False,
                   buckets: list[Task] = (), shards: int = 1, unsharded: float = 0.0,
@@ -407,10 +414,11 @@ class Simulator:
         makespan = max(free[:devices] + free[devices:], default=0.0)
         loss_grad = self._output_grad(configs)
         buckets_held = ddp and shards == 1  # DDP keeps a flat copy of the gradients
+        backward = self._backward_working(frags)
         terms = [DeviceMemory(params[d], params[d], OPTIMIZER_STATE[self.optimizer] * owned[d], acts[d], largest[d],
                               unsharded, params[d] if buckets_held else 0.0, loss_grad.get(d, 0.0),
                               working.get(d, 0.0),  # checkpointing: one unit's activations rebuilt at a time
-                              self._backward_working(frags, d))
+                              backward.get(d, 0.0))
                  for d in range(devices)]
         memory = [peak_bytes(m, cal, mode) for m in terms]
         return Simulation(

@@ -18,6 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
+from flexsearch.cost.calibration import within_noise
 from flexsearch.cost.hardware import ClusterSpec
 from flexsearch.errors import FlexsearchError, PlanFileError
 from flexsearch.graph.opgraph import OpGraph, TensorMeta
@@ -215,8 +216,6 @@ class Plan(_Frozen):
     def within_noise(self) -> tuple[str, ...]:
         """Baselines whose prediction differs from the plan's by less than :attr:`noise`
         of the faster of the two: measuring could rank them either way."""
-        from flexsearch.cost.calibration import within_noise
-
         t = self.predicted.iteration_time_s
         return tuple(k for k, b in sorted(self.baselines.items()) if within_noise(b, t, self.noise))
 

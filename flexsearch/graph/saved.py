@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from flexsearch.graph.opgraph import OpNode
+
 
 def storage(t: torch.Tensor) -> StorageWeakRef:
     return StorageWeakRef(t.untyped_storage())
@@ -158,3 +160,25 @@ def fused_rnn_saved(module: nn.RNNBase, shape: tuple[int, ...], itemsize: int = 
     except RuntimeError:
         return None
     return max(0, saved * itemsize // 4)
+
+
+def fused_rnn_saves(model: nn.Module, nodes: Iterable[OpNode]) -> dict[str, int | None]:
+    """Per recurrent node of ``model``'s trace, what its fused kernel saves
+    (:func:`fused_rnn_saved`), in place of what its decomposed trace saved; None (the
+    simulator's rule) where it cannot be measured."""
+    out: dict[str, int | None] = {}
+    nodes = list(nodes)
+    by_name = {n.name: n for n in nodes}
+    for n in nodes:
+        if n.kind != "rnn" or not n.module or not n.inputs or n.inputs[0] not in by_name:
+            continue
+        try:
+            mod = model.get_submodule(n.module)
+        except AttributeError:
+            mod = None
+        src = by_name[n.inputs[0]].outputs
+        if not isinstance(mod, nn.RNNBase) or not src:
+            out[n.name] = None
+            continue
+        out[n.name] = fused_rnn_saved(mod, tuple(src[0].shape), getattr(torch, n.outputs[0].dtype).itemsize)
+    return out

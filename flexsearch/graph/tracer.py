@@ -49,7 +49,7 @@ from flexsearch.graph.lift import (
 )
 from flexsearch.graph.modules import module_facts
 from flexsearch.graph.opgraph import OpGraph, OpNode, ParallelDims, TensorMeta
-from flexsearch.graph.saved import SavedTensors, fused_rnn_saved
+from flexsearch.graph.saved import SavedTensors, fused_rnn_saves
 from flexsearch.precision import FP32, Precision
 from flexsearch.precision import precision as precision_of
 
@@ -122,7 +122,7 @@ def trace_calls(
     finally:
         model.train(was_training)
     saved = measure.saved.saved_bytes()
-    saved.update(_rnn_kernels(model, measure.nodes))
+    saved.update(fused_rnn_saves(model, measure.nodes))
     nodes = tuple(n.model_copy(update={"saved_bytes": 0 if n.kind == "input" else saved.get(n.name, 0)})
                   for n in measure.nodes)
     used = set(measure.owner_of)
@@ -143,27 +143,6 @@ def trace_calls(
         input_names=_input_names(inputs, kwargs),
     )
     return graph, measure.calls
-
-
-def _rnn_kernels(model: nn.Module, nodes: list[OpNode]) -> dict[str, int | None]:
-    """What each recurrent layer's fused kernel saves (:func:`~flexsearch.graph.saved.fused_rnn_saved`),
-    in place of what its decomposed trace saved; None (the simulator's rule) where it
-    cannot be measured."""
-    out: dict[str, int | None] = {}
-    by_name = {n.name: n for n in nodes}
-    for n in nodes:
-        if n.kind != "rnn" or not n.module or not n.inputs or n.inputs[0] not in by_name:
-            continue
-        try:
-            mod = model.get_submodule(n.module)
-        except AttributeError:
-            mod = None
-        src = by_name[n.inputs[0]].outputs
-        if not isinstance(mod, nn.RNNBase) or not src:
-            out[n.name] = None
-            continue
-        out[n.name] = fused_rnn_saved(mod, tuple(src[0].shape), getattr(torch, n.outputs[0].dtype).itemsize)
-    return out
 
 
 def _input_names(values: list, kwargs: dict) -> tuple[str, ...]:

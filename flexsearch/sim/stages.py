@@ -101,8 +101,8 @@ def node_costs(graph: OpGraph, configs: Mapping[str, Config], ctx: CostContext) 
             frag = sim.fragment(node.name, configs)
             fw = frag.forward
             bw = [t for t in frag.backward if not any(k[0] == "s" for k in t.defines)]
-            share = node.output_bytes / activation_split(configs[node.name])
-            grad = grad_bytes(node) / activation_split(configs[node.name])
+            split = activation_split(configs[node.name])
+            share, grad = node.output_bytes / split, grad_bytes(node) / split
             hit = memo[key] = NodeCost(_span(fw), _span(bw), frag.params.get(0, 0.0), frag.activations.get(0, 0.0),
                                        frag.tensors.get(0, 0), frag.largest.get(0, 0.0), frag.cast.get(0, 0.0),
                                        share, loss_held_bytes(node, share) if node.name in returned else 0.0, grad)

@@ -83,14 +83,26 @@ def test_single_file_gpt_traces(builder):
 
 
 def test_export_traced_models_get_plans_the_emitter_runs(graphs):
+    """Pipelines are cut from the exported graph; per-op sharding (SOAP, hybrid) needs
+    torch.fx's module-level graph, so it is not searched, and asking for it says why."""
     _, _, g = _graph(graphs, "bert")
     assert g.via == "export"
     plan = plan_graph(g, Cluster.resolve("cpu", 2), max_iters=0)
-    assert plan.kind in ("data", "decentralized")
-    assert any("traced with torch.export" in n for n in plan.notes)
+    assert plan.kind in EXPORT_KINDS
+    assert any("traced with torch.export: soap, hybrid plans not searched" in n for n in plan.notes)
     with pytest.raises(PlanKindError, match="torch.export"):
-        plan_graph(g, Cluster.resolve("cpu", 2), kinds=("pipeline", "hybrid"), max_iters=0)
-    assert set(EXPORT_KINDS) == {"data", "fsdp", "decentralized"}
+        plan_graph(g, Cluster.resolve("cpu", 2), kinds=("soap", "hybrid"), max_iters=0)
+    assert plan_graph(g, Cluster.resolve("cpu", 2), kinds=("pipeline", "hybrid"), max_iters=0).kind == "pipeline"
+    assert set(EXPORT_KINDS) == {"data", "fsdp", "pipeline", "decentralized"}
+
+
+def test_a_tensor_passed_twice_is_two_inputs():
+    """``labels=input_ids`` (Hugging Face shifts the labels itself): two graph inputs, the
+    second named by its keyword, and the same graph as two distinct tensors give."""
+    model, (ids,) = build("gpt2")
+    g = trace(model, (ids, {"labels": ids}))
+    assert g.input_names == ("", "labels")
+    assert g.fingerprint == trace(model, (ids, {"labels": ids.clone()})).fingerprint
 
 
 def _main(out):
@@ -117,6 +129,9 @@ def hf_job(rank: int, world: int, cases: list) -> list:
 
             model, x = sf.with_targets()
             r = verify(model, plan, x)  # the model's own loss: no loss_fn, no target
+        elif name.endswith("+labels"):  # a Hugging Face LM on its own loss
+            model, (ids,) = build(name.removesuffix("+labels"))
+            r = verify(model, plan, (ids, {"labels": ids}))
         else:
             model, x = build(name)
             torch.manual_seed(1)
@@ -129,18 +144,23 @@ def hf_job(rank: int, world: int, cases: list) -> list:
 
 
 def test_emitted_hf_plans_match_single_process(graphs):
-    """Data parallel (DDP) for a decoder LM, an encoder-decoder with keyword inputs and
-    an MoE; FSDP2 for Llama; D-PSGD for a ResNet with BatchNorm (local statistics: the
-    reference is the mean of the two half-batch steps); the single-file GPT on its own
-    loss; 2 gloo ranks."""
+    """Data parallel (DDP) for a decoder LM and an MoE; FSDP2 for Llama; pipelines cut
+    from exported graphs: an encoder-decoder with keyword inputs and its embedding tied
+    across stages (interleaved: two stages of one rank share it), and GPT-2 on its own
+    loss (``labels``) in the last stage; D-PSGD for a ResNet with BatchNorm (local
+    statistics: the reference is the mean of the two half-batch steps); the single-file
+    GPT on its own loss; 2 gloo ranks."""
     import single_file_gpt as sf
 
     cl = Cluster.resolve("cpu", 2)
     cases = []
-    for name, kind in (("gpt2", "data"), ("llama", "fsdp"), ("t5", "data"), ("mixtral", "data"),
+    for name, kind in (("gpt2", "data"), ("llama", "fsdp"), ("t5", "pipeline"), ("mixtral", "data"),
                        ("resnet", "decentralized")):
         _, _, g = _graph(graphs, name)
         cases.append((name, plan_graph(g, cl, kinds=(kind,), max_iters=0)))
+    model, (ids,) = build("gpt2")
+    cases.append(("gpt2+labels", plan_graph(trace(model, (ids, {"labels": ids})), cl, kinds=("pipeline",),
+                                            max_iters=0)))
     model, x = sf.with_targets()
     cases.append(("single_file_gpt", flexsearch.plan(model, x, devices=2, cluster="cpu", kinds=["data"],
                                                      max_iters=0, precision="fp32")))
@@ -149,6 +169,7 @@ def test_emitted_hf_plans_match_single_process(graphs):
         for name, kind, shard, loss, ref in rank:
             assert loss == pytest.approx(ref, rel=1e-5), (name, kind, shard)
     assert {(c[0], c[1].shard_params) for c in cases} >= {("llama", True), ("gpt2", False)}
+    assert [c[1].kind for c in cases if c[0] in ("t5", "gpt2+labels")] == ["pipeline", "pipeline"]
 
 
 def test_every_unsupported_construct_is_reported_at_once(capsys):
@@ -207,23 +228,23 @@ def test_batch_statistics_are_a_plan_option(graphs):
 
 @pytest.mark.slow
 def test_every_family_verifies_on_the_planners_choice(graphs):
-    """Each family: the planner's own plan and an FSDP plan on 2 `cpu` devices, emitted and
-    verified on 2 gloo ranks; and a pipeline plan, verified where torch.fx traces the
-    model, else not proposed (torch.export graphs). Prints the family x kind table."""
+    """Each family: the planner's own plan, an FSDP plan and a pipeline plan on 2 `cpu`
+    devices, emitted and verified on 2 gloo ranks; SOAP not proposed for the models only
+    torch.export traces. Prints the family x kind table."""
     cl = Cluster.resolve("cpu", 2)
     cases = []
     for name in NAMES:
         _, _, g = _graph(graphs, name)
         cases.append((name, plan_graph(g, cl, max_iters=50)))
         cases.append((name, plan_graph(g, cl, kinds=("fsdp",), max_iters=0)))
+        cases.append((name, plan_graph(g, cl, kinds=("pipeline",), max_iters=0)))
         if g.via == "export":
             with pytest.raises(PlanKindError, match="torch.export"):
-                plan_graph(g, cl, kinds=("pipeline",), max_iters=0)
-            print(f"{name:<16} pipeline               not proposed: traced with torch.export")
-        else:
-            cases.append((name, plan_graph(g, cl, kinds=("pipeline",), max_iters=0)))
+                plan_graph(g, cl, kinds=("soap",), max_iters=0)
+            print(f"{name:<16} soap                   not proposed: traced with torch.export")
     results = run_ranks(hf_job, 2, cases, timeout_s=1800)
     for name, kind, shard, loss, ref in results[0]:
         print(f"{name:<16} {kind + (' (fsdp)' if shard else ''):<22} loss {loss:.6g} reference {ref:.6g}")
     for name, kind, _shard, loss, ref in results[0]:
         assert loss == pytest.approx(ref, rel=1e-5), (name, kind)
+    assert {kind for _, kind, *_ in results[0]} >= {"pipeline"}

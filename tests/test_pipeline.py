@@ -83,6 +83,10 @@ def test_replicated_stage_shares_minibatches_round_robin():
 def test_microbatch_options():
     assert microbatch_options(192, 16) == [16, 32, 64, 192]
     assert microbatch_options(8, 16) == [8]
+    # an exported model: at least two samples per microbatch (export specialises size-1 dims)
+    assert microbatch_options(192, 16, smallest=2) == [16, 32, 64, 96]
+    assert microbatch_options(8, 16, smallest=2) == [4]
+    assert microbatch_options(3, 4, smallest=2) == []
     assert all(192 % m == 0 for m in microbatch_options(192, 4))
 
 

@@ -7,7 +7,9 @@ One module per plan kind, all on torch.distributed machinery:
 - ``soap``: :mod:`flexsearch.emit.sharded` (DTensor placements per op);
 - ``pipeline`` / ``hybrid``: :mod:`flexsearch.emit.staged` (the model cut into stage
   modules by :mod:`flexsearch.emit.stages`, ``torch.distributed.pipelining`` schedules,
-  data parallel and DTensor tensor parallel inside the stages).
+  data parallel and DTensor tensor parallel inside the stages). A model only
+  ``torch.export`` traces is cut from its exported graph (pipeline plans); SOAP and
+  hybrid plans need the ``torch.fx`` graph, whose nodes are the model's modules.
 - ``decentralized``: :mod:`flexsearch.emit.decentralized` (D-PSGD: every rank keeps its
   own model and averages it with its gossip neighbours by point-to-point messages; the
   gradients left on the parameters are local, not averaged).
@@ -97,9 +99,9 @@ def parallelize(model: nn.Module, plan: Plan, *, group: dist.ProcessGroup | None
         from flexsearch.emit.decentralized import decentralized
 
         return decentralized(model, plan, rt)
-    if graph.via != "fx":
+    if graph.via != "fx" and plan.kind in ("soap", "hybrid"):
         raise EmitError(f"the emitter runs {plan.kind} plans for models torch.fx can trace; {plan.model} was "
-                        "traced with torch.export; use a data-parallel plan")
+                        "traced with torch.export; use a data, FSDP, pipeline or decentralized plan")
     if plan.kind == "soap":
         from flexsearch.emit.sharded import shard
 

@@ -29,11 +29,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -41,9 +43,12 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.func import functional_call
+from torch.utils._pytree import tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from flexsearch.emit.data import batch_shard
+from flexsearch.emit.inputs import model_loss, split
 from flexsearch.emit.precision import (
     Autocast,
     autocast,
@@ -56,7 +61,8 @@ from flexsearch.emit.recompute import checkpoint_stage
 from flexsearch.emit.runtime import Runtime
 from flexsearch.emit.sharded import ShardedModule, build_layouts
 from flexsearch.emit.stages import cut
-from flexsearch.errors import EmitError
+from flexsearch.errors import EmitError, FlexsearchError
+from flexsearch.graph.lift import export_module, flat_inputs
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.plan import Plan
 
@@ -113,6 +119,13 @@ class PipelineModule(nn.Module):
         for name, q in model.named_parameters(remove_duplicate=False):
             ids.setdefault(id(q), name)
         gm = lift(model)
+        names = {n.name for n in gm.graph.nodes}
+        absent = [n for s in plan.stages for n in s.nodes if n not in names]
+        if absent:
+            raise EmitError(f"the model's graph at the microbatch size differs from the one planned ({absent[0]} "
+                            "is missing); plan it with a batch it runs at, or another plan kind")
+        self._flat = lambda args, kwargs: flat_inputs(gm, args, kwargs)
+        self._out_spec = getattr(gm, "_out_spec", None)  # an exported model: its flat outputs' structure
         cuts = cut(gm, graph, [s.nodes for s in plan.stages])
         if t == 1:  # each checkpointed unit of a stage runs as one region (tensor-parallel stages: whole)
             cuts = [checkpoint_stage(c, graph, plan.recompute) for c in cuts]
@@ -157,10 +170,25 @@ class PipelineModule(nn.Module):
             # a tensor-parallel stage recomputes whole; a plain one its units (checkpoint_stage above)
             return _Recompute(m) if plan.recompute != "none" and t > 1 else m
 
-        self._pipe_stages = [PipelineStage(runnable(m), k, nstages, device, group=self._pp_group)
+        # plain stages: their input and output tensors given (static metadata), found on fake
+        # tensors; torch's own inference runs a stage on uninitialised tensors, which index
+        # out of range when token ids cross a boundary
+        examples = _examples([runnable(c) for c in cuts], self._micro_inputs(plan)) if t == 1 else None
+        self._pipe_stages = [PipelineStage(runnable(m), k, nstages, device, group=self._pp_group,
+                                           **(dict(zip(("input_args", "output_args"), examples[k], strict=True))
+                                              if examples else {}))
                              for k, m in zip(mine, mods, strict=True)]
         self._schedule = None
         self._loss_fn = None
+
+    def _micro_inputs(self, plan: Plan) -> list:
+        """Zero tensors of one microbatch's flat inputs, in the precision's dtypes."""
+        from flexsearch.emit import example_inputs
+
+        parts = self.d * (plan.microbatches or 1)
+        args, kwargs = split(example_inputs(plan))
+        flat = self._flat(args, kwargs)
+        return list(cast_inputs((batch_shard(x, 0, parts) for x in flat), self._rt.precision))
 
     def _tie_groups(self, cuts, ids: dict[int, str], rt: Runtime, p: int, g: int) -> list[tuple[str, Any]]:
         """(parameter name in this rank's stages, group of ranks holding a copy) for every
@@ -181,7 +209,8 @@ class PipelineModule(nn.Module):
             for off in range(g):
                 grp = rt.subgroup(tuple(rt.ranks[pr * g + off] for pr in prs))
                 if off == rt.device % g and self.pipeline_rank in prs:
-                    out.extend((n, grp) for n in sorted(names_of[canon] & held))
+                    # one all-reduce per weight: the names this rank holds it under share it
+                    out.append((sorted(names_of[canon] & held)[0], grp))
         return out
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -197,43 +226,62 @@ class PipelineModule(nn.Module):
             inner = m.module if isinstance(m, ShardedModule) else m
             yield from inner.named_parameters()
 
-    def _make_schedule(self, loss_fn: Callable) -> None:
+    def _make_schedule(self, loss_fn: Callable | None) -> None:
         cls = SCHEDULE_CLASSES[self._plan.schedule]
         m = self._plan.microbatches or 1
         prec, device_type, scale = self._rt.precision, self._rt.device_type, loss_scale(self._rt.precision)
 
+        spec = self._out_spec
+
         def scaled(out: Any, target: Any) -> torch.Tensor:  # the precision's loss (fp16: scaled)
+            if spec is not None:  # the exported last stage's flat tuple as the model returns it
+                out = tree_unflatten(list(out) if isinstance(out, (tuple, list)) else [out], spec)
+            if loss_fn is None:  # the model's own, computed in the last stage
+                return model_loss(out) * scale
             with autocast(prec, device_type):
                 return loss_fn(out, target) * scale
 
+        # the gradients are divided by m below, once per weight (the schedule would divide a
+        # weight that two stages of this rank share twice)
         if cls is ScheduleInterleaved1F1B:
-            self._schedule = cls(self._pipe_stages, m, loss_fn=scaled)
+            self._schedule = cls(self._pipe_stages, m, loss_fn=scaled, scale_grads=False)
         else:
-            self._schedule = cls(self._pipe_stages[0], m, loss_fn=scaled)
+            self._schedule = cls(self._pipe_stages[0], m, loss_fn=scaled, scale_grads=False)
         self._loss_fn = loss_fn
 
-    def train_step(self, inputs: tuple, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+    def train_step(self, inputs: tuple, target: Any = None,
+                   loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> torch.Tensor:
+        """One step on the global batch ``inputs`` (positional, then an optional dict of
+        keyword inputs); ``loss_fn`` None: the model's own loss."""
         if self._schedule is None or self._loss_fn is not loss_fn:
             self._make_schedule(loss_fn)
         j, d = self.replica, self.d
         first = 0 in self.stage_indices
         last = len(self._plan.stages) - 1 in self.stage_indices
         losses: list[torch.Tensor] = []
-        args = cast_inputs((batch_shard(x, j, d) for x in inputs), self._rt.precision) if first else ()
+        flat = self._flat(*split(inputs))
+        args = cast_inputs((batch_shard(x, j, d) for x in flat), self._rt.precision) if first else ()
+        if target is None:  # the schedule splits a target per microbatch: a placeholder one
+            batch = next(x.shape[0] for x in flat if isinstance(x, torch.Tensor) and x.dim())
+            target = torch.zeros(batch)
         tgt = batch_shard(target, j, d) if last else None
         self._schedule.step(*args, target=tgt, losses=losses, return_outputs=False)
         scale = loss_scale(self._rt.precision)
-        unscale((q for _, q in self.named_original_parameters()), scale)
+        unscale(self._weights(), scale * (self._plan.microbatches or 1))  # the microbatches' mean
         self._sync_gradients()
         mean = torch.stack([x.detach().float() for x in losses]).mean() / scale if last and losses \
             else torch.zeros(())
         dist.all_reduce(mean, group=self._rt.group)
         return mean / (d * self.t)
 
+    def _weights(self) -> list[torch.Tensor]:
+        """This rank's parameters, each once (a tied weight is held under several names)."""
+        return list({id(q): q for _, q in self.named_original_parameters()}.values())
+
     def _sync_gradients(self) -> None:
         params = dict(self.named_original_parameters())
         if self.d > 1:
-            for q in params.values():
+            for q in self._weights():
                 if q.grad is None:
                     continue
                 local = q.grad.to_local() if isinstance(q.grad, DTensor) else q.grad
@@ -251,8 +299,49 @@ class PipelineModule(nn.Module):
                 if isinstance(g, DTensor) else whole
 
 
+def _examples(stages: list[nn.Module], inputs: list) -> list[tuple[tuple, tuple]]:
+    """Each stage's example inputs and outputs for one microbatch (empty tensors of the
+    right shapes, dtypes and ``requires_grad``): the stages run in order on fake tensors,
+    their parameters and buffers replaced by fake ones (nothing real is touched)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def real(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype).requires_grad_(t.requires_grad and t.is_floating_point())
+
+    out = []
+    with mode:
+        x = tuple(mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in inputs)
+        for m in stages:
+            state = {n: mode.from_tensor(q, static_shapes=True).requires_grad_(q.requires_grad)
+                     if isinstance(q, nn.Parameter) else mode.from_tensor(q, static_shapes=True)
+                     for n, q in [*m.named_parameters(), *m.named_buffers()]}
+            y = functional_call(m, state, x)
+            y = y if isinstance(y, tuple) else (y,)
+            out.append((x, y))
+            x = tuple(v.detach().requires_grad_(v.requires_grad and v.is_floating_point()) for v in y)
+    return [(tuple(real(v) for v in a), tuple(real(v) for v in b)) for a, b in out]
+
+
 def pipeline(model: nn.Module, graph: OpGraph, plan: Plan, rt: Runtime) -> PipelineModule:
-    """A :class:`PipelineModule` over a copy of ``model``."""
+    """A :class:`PipelineModule` over a copy of ``model``: its graph re-lifted as the
+    tracer did, by ``torch.fx``, or by ``torch.export`` at the size of one microbatch
+    (an exported graph's shapes are fixed)."""
     from flexsearch.emit import lift
 
-    return PipelineModule(copy.deepcopy(model), graph, plan, rt, lift)
+    relift = partial(_export_microbatch, plan=plan) if graph.via == "export" else lift
+    return PipelineModule(copy.deepcopy(model), graph, plan, rt, relift)
+
+
+def _export_microbatch(model: nn.Module, plan: Plan):
+    """``model`` exported (:func:`flexsearch.graph.lift.export_module`) on one microbatch
+    of the plan's inputs."""
+    from flexsearch.emit import example_inputs
+
+    _, d, _ = _layout(plan)
+    parts = d * (plan.microbatches or 1)
+    args, kwargs = split(example_inputs(plan))
+    try:
+        return export_module(model, tuple(batch_shard(x, 0, parts) for x in args),
+                             {k: batch_shard(v, 0, parts) for k, v in kwargs.items()})
+    except FlexsearchError as e:
+        raise EmitError(f"{e}; plan the model with fewer microbatches or another plan kind") from None

@@ -50,16 +50,7 @@ def lift(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, s
     """The graph module, how it was made, and the flat list of its placeholder values."""
     try:
         gm = fx_graph_module(model)
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        values = list(args)
-        for ph in placeholders[len(args) :]:
-            if ph.target in kwargs:
-                values.append(kwargs[ph.target])
-            elif ph.args:
-                values.append(ph.args[0])  # the default value
-            else:
-                raise TypeError(f"forward() argument {ph.target!r} has no example input")
-        return gm, "fx", values
+        return gm, "fx", flat_inputs(gm, args, kwargs)
     except Exception as fx_error:
         try:
             # the attention backend the tracer measures with (its outputs' strides are
@@ -73,8 +64,87 @@ def lift(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, s
                                  f"{'s' if len(every) > 1 else ''}: {'; '.join(every)}; {ADVICE}") from export_error
             raise TraceError(failure_line(fx_error, export_error)) from export_error
         gm = ep.graph_module
+        _drop_checks(gm)
         _meta_to_cpu(gm)
         return gm, "export", export_inputs(ep, model, args, kwargs)
+
+
+CHECKS = ("aten._assert_tensor_metadata", "aten._assert_scalar", "aten.sym_constrain_range_for_size")
+"""Ops ``torch.export`` inserts to check what it assumed (an input's dtype before a
+``.to()``): they compute nothing, and fail under autocast (a bf16 matmul output where
+the fp32 trace saw fp32)."""
+
+
+def export_module(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
+    """``model`` exported on ``args``/``kwargs`` as the tracer exports it (``use_cache``
+    off, the math attention kernel) and unlifted into a runnable graph module: its
+    parameters and buffers are ``model``'s own (``get_attr`` nodes, original names), its
+    placeholders the flat user inputs, its ops named as in the op graph. The checks
+    export inserts (:data:`CHECKS`) are removed. The shapes are those of the inputs:
+    export them at the size the module will run at (a pipeline's microbatch)."""
+    try:
+        with training_outputs(model, kwargs, []), quiet_torch_logs(), sdpa_kernel([SDPBackend.MATH]):
+            gm = torch.export.export(model, args, kwargs or None, strict=False).module()
+    except Exception as e:  # noqa: BLE001 - it traced at the plan's shapes; this is the user's shape
+        shapes = [tuple(x.shape) for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        raise TraceError(f"cannot export the model at input shapes {shapes}: {short_reason(e)}") from e
+    _drop_checks(gm)
+    return gm
+
+
+def _drop_checks(gm: fx.GraphModule) -> None:
+    """Remove the :data:`CHECKS` export inserted, and the input guard an unlifted module
+    calls (``_guards_fn``): they compute nothing a training step needs."""
+    for n in reversed(list(gm.graph.nodes)):
+        check = n.op == "call_function" and any(str(n.target).startswith(c) for c in CHECKS)
+        if not n.users and (check or (n.op == "call_module" and n.target == "_guards_fn")):
+            gm.graph.erase_node(n)
+    gm.recompile()
+
+
+def flat_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list:
+    """The values of ``gm``'s placeholders for a call ``model(*args, **kwargs)``: an
+    exported module's flat inputs in its signature's order (keyword inputs by name);
+    a symbolically traced one's positional parameters, keyword ones by name, defaults
+    for the rest."""
+    spec = getattr(gm, "_in_spec", None)
+    if spec is not None:
+        order = spec.child(1).context if spec.num_children > 1 else []
+        missing = [k for k in order if k not in kwargs]
+        if missing or set(kwargs) - set(order):
+            raise TraceError(f"the model was exported with keyword inputs {list(order)}, called with {list(kwargs)}")
+        return tree_flatten((tuple(args), {k: kwargs[k] for k in order}))[0]
+    values = list(args)
+    for ph in [n for n in gm.graph.nodes if n.op == "placeholder"][len(args):]:
+        if ph.target in kwargs:
+            values.append(kwargs[ph.target])
+        elif ph.args:
+            values.append(ph.args[0])  # the default value
+        else:
+            raise TypeError(f"forward() argument {ph.target!r} has no example input")
+    return values
+
+
+@contextlib.contextmanager
+def training_outputs(model: nn.Module, kwargs: dict, notes: list[str]) -> Iterator[None]:
+    """Trace what a training step computes: a model configured to return its key/value
+    cache (Hugging Face ``config.use_cache``; the cache is an inference-time object no
+    tracer can return and training does not use) runs with ``use_cache`` off, unless
+    the inputs set it, and ``notes`` says so."""
+    configs = {id(c): c for m in model.modules() if getattr(c := getattr(m, "config", None), "use_cache", False)
+               is True}
+    if "use_cache" in kwargs or not configs:
+        yield
+        return
+    for c in configs.values():  # an encoder-decoder's decoder has a config of its own
+        c.use_cache = False
+    notes.append(f"traced with {type(model).__name__}.config.use_cache = False: a training step "
+                 "keeps no key/value cache")
+    try:
+        yield
+    finally:
+        for c in configs.values():
+            c.use_cache = True
 
 
 def _meta_to_cpu(gm: fx.GraphModule) -> None:

@@ -46,6 +46,7 @@ from flexsearch.graph.lift import (
     clean_path,
     lift,
     short_reason,
+    training_outputs,
 )
 from flexsearch.graph.modules import module_facts
 from flexsearch.graph.opgraph import OpGraph, OpNode, ParallelDims, TensorMeta
@@ -106,13 +107,19 @@ def trace_calls(
     kwargs: dict[str, Any] = {}
     if args and isinstance(args[-1], dict):
         args, kwargs = args[:-1], dict(args[-1])
+    seen = {id(a) for a in args if isinstance(a, torch.Tensor)}
+    for k, v in kwargs.items():  # one tensor passed twice (`labels=input_ids`): two inputs, as a batch has
+        if isinstance(v, torch.Tensor):
+            if id(v) in seen:
+                kwargs[k] = v.clone()
+            seen.add(id(kwargs[k]))
     prec = precision_of(precision) if isinstance(precision, str) else (precision or FP32)
     was_training = model.training
     model.train()
     notes: list[str] = []
     registry.register_grouped_mm(moe.register())
     try:
-        with _training_outputs(model, kwargs, notes):
+        with training_outputs(model, kwargs, notes):
             gm, via, inputs = lift(model, args, kwargs)
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         measure = _Measure(gm, model, fake_mode, cast=prec.cast)
@@ -140,38 +147,30 @@ def trace_calls(
         modules=module_facts(model),
         precision=prec.name,
         notes=tuple(notes),
-        input_names=_input_names(inputs, kwargs),
+        input_names=_input_names(inputs, args, kwargs),
     )
     return graph, measure.calls
 
 
-def _input_names(values: list, kwargs: dict) -> tuple[str, ...]:
+def _input_names(values: list, args: tuple, kwargs: dict) -> tuple[str, ...]:
     """Per tensor input of the lifted graph (the input nodes, in order), the keyword it
-    came by, ``""`` for a positional one."""
-    by_id = {id(v): k for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
-    return tuple(by_id.get(id(v), "") for v in values if isinstance(v, torch.Tensor))
-
-
-@contextlib.contextmanager
-def _training_outputs(model: nn.Module, kwargs: dict, notes: list[str]) -> Iterator[None]:
-    """Trace what a training step computes: a model configured to return its key/value
-    cache (Hugging Face ``config.use_cache``; the cache is an inference-time object no
-    tracer can return and training does not use) runs with ``use_cache`` off, unless
-    the inputs set it, and ``notes`` says so."""
-    configs = {id(c): c for m in model.modules() if getattr(c := getattr(m, "config", None), "use_cache", False)
-               is True}
-    if "use_cache" in kwargs or not configs:
-        yield
-        return
-    for c in configs.values():  # an encoder-decoder's decoder has a config of its own
-        c.use_cache = False
-    notes.append(f"traced with {type(model).__name__}.config.use_cache = False: a training step "
-                 "keeps no key/value cache")
-    try:
-        yield
-    finally:
-        for c in configs.values():
-            c.use_cache = True
+    came by, ``""`` for a positional one. Positional inputs come first; one tensor may
+    be passed twice (``labels=input_ids``)."""
+    positional = [a for a in args if isinstance(a, torch.Tensor)]
+    keys: dict[int, list[str]] = {}
+    for k, v in kwargs.items():
+        if isinstance(v, torch.Tensor):
+            keys.setdefault(id(v), []).append(k)
+    names, j = [], 0
+    for v in values:
+        if not isinstance(v, torch.Tensor):
+            continue
+        if j < len(positional) and v is positional[j]:
+            names.append("")
+            j += 1
+        else:
+            names.append(keys[id(v)].pop(0) if keys.get(id(v)) else "")
+    return tuple(names)
 
 
 # ----------------------------------------------------------------------------- measuring

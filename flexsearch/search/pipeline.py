@@ -62,6 +62,11 @@ MICROBATCH_OPTIONS = 5
 """Microbatch counts tried per stage count (:func:`microbatch_options`): a geometric
 sequence of five spans a 16x range of microbatch sizes, past the point where smaller
 microbatches stop shrinking the bubble faster than their per-action cost grows."""
+SMALLEST_EXPORTED = 2
+"""Samples per microbatch at least, for a model only ``torch.export`` traces: the emitter
+re-exports it at the microbatch's shapes, and at one sample export specialises
+(size-1 dims: an ``expand`` to the same shape disappears), so the graph is not the one
+planned."""
 PIPEDREAM_MAX_DEVICES = 256
 """PipeDream's partitioner is a baseline; beyond this many devices its hierarchical DP
 (quadratic in devices per level) costs more search time than a reference is worth."""
@@ -138,14 +143,16 @@ def peak_in_flight(schedule: str, p: int, m: int, v: int = 1) -> int | None:
     return max(max(in_flight(a).values()) for a in per_rank)
 
 
-def microbatch_options(per_replica: int, p: int, most: int = MICROBATCH_OPTIONS) -> list[int]:
+def microbatch_options(per_replica: int, p: int, most: int = MICROBATCH_OPTIONS, smallest: int = 1) -> list[int]:
     """Microbatch counts tried for ``p`` stages when each replica gets ``per_replica``
-    samples: divisors of ``per_replica`` from ``p`` up (multiples of ``p``, and one sample
-    per microbatch), thinned to a geometric sequence of at most ``most``; when the batch
-    is smaller than ``p``, one sample per microbatch."""
-    divs = [m for m in _divisors(per_replica) if m >= p and (m % p == 0 or m == per_replica)]
+    samples: divisors of ``per_replica`` from ``p`` up (multiples of ``p``, and the finest
+    split, ``smallest`` samples per microbatch), thinned to a geometric sequence of at
+    most ``most``; when the batch is smaller than ``p``, the finest split."""
+    finest = per_replica // smallest if per_replica % smallest == 0 else 0
+    divs = [m for m in _divisors(per_replica) if m >= p and (m % p == 0 or m == finest)
+            and per_replica // m >= smallest]
     if not divs:
-        return [per_replica]
+        return [finest] if finest else []
     kept = [divs[0]]
     for m in divs[1:]:
         if m >= 2 * kept[-1] or m == divs[-1]:
@@ -167,7 +174,7 @@ def even_pipeline(graph: OpGraph, ctx: CostContext, schedule: str, tensor: int =
         return None
     d = cluster.devices // (p * tensor)
     m = microbatches
-    if batch_size(graph) % (d * m):
+    if batch_size(graph) % (d * m) or (graph.via == "export" and batch_size(graph) // (d * m) < SMALLEST_EXPORTED):
         return None
     configs = stage_configs(microbatch_graph(graph, d * m), tensor)
     if configs is None:
@@ -223,7 +230,7 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
             if batch % d:
                 continue
             bw, lat = _link_between(cluster, d * t)
-            for m in microbatch_options(batch // d, p):
+            for m in microbatch_options(batch // d, p, smallest=SMALLEST_EXPORTED if graph.via == "export" else 1):
                 hit = costs_for(d * m, t)
                 if hit is None:
                     continue

@@ -88,10 +88,10 @@ from flexsearch.strategy.space import Space
 DEFAULT_MAX_ITERS = 2000
 DEFAULT_KINDS = ("data", "fsdp", "soap", "pipeline", "hybrid", "decentralized")
 """What a plan without ``kinds`` may be."""
-EXPORT_KINDS = ("data", "fsdp", "decentralized")
-"""The kinds the emitter runs for a model only ``torch.export`` traces: it cuts (pipeline,
-hybrid) and shards per op (SOAP) the graphs ``torch.fx`` makes, whose nodes it can map
-back to the model's modules."""
+EXPORT_KINDS = ("data", "fsdp", "pipeline", "decentralized")
+"""The kinds the emitter runs for a model only ``torch.export`` traces: it cuts the
+exported graph into pipeline stages, but shards per op (SOAP, and hybrid's tensor
+parallelism) only the graphs ``torch.fx`` makes, whose nodes are the model's modules."""
 REFERENCE_BASELINES = ("pipedream", "ps", "ps-sharded")
 """Baselines the emitter does not run (PipeDream's asynchronous pipeline changes the
 training semantics with stale weights; parameter servers): reported for comparison,
@@ -225,8 +225,8 @@ def plan_graph(
             raise PlanKindError(f"{graph.model} was traced with torch.export (torch.fx cannot trace it), and the "
                                 f"emitter runs only {', '.join(EXPORT_KINDS)} plans for such models; ask for one of "
                                 "those")
-        notes.append(f"traced with torch.export: {', '.join(dropped)} plans not searched (the emitter cuts and "
-                     "shards only models torch.fx traces)")
+        notes.append(f"traced with torch.export: {', '.join(dropped)} plans not searched (the emitter shards per "
+                     "op only models torch.fx traces)")
     ctx = CostContext(cluster, measured, precision=precision_of(graph.precision), calibration=calibration)
     sync_kinds = tuple(k for k in kinds if k != "decentralized")
     if not sync_kinds:  # D-PSGD alone: a synchronous plan to compare with, cheaply

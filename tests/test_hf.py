@@ -14,10 +14,11 @@ from conftest import ROOT
 import flexsearch
 from flexsearch.cost.hardware import Cluster
 from flexsearch.emit.launch import run_ranks
-from flexsearch.errors import PlanKindError
 from flexsearch.graph.moe import NOTE as MOE_NOTE
 from flexsearch.graph.tracer import trace
-from flexsearch.search.planner import EXPORT_KINDS, plan_graph
+from flexsearch.search.planner import EXPORTED_NOTE, plan_graph
+from flexsearch.strategy.config import is_source
+from flexsearch.strategy.space import Space
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -82,18 +83,20 @@ def test_single_file_gpt_traces(builder):
         assert any("cross_entropy" in n.target or "nll_loss" in n.target for n in g.nodes)
 
 
-def test_export_traced_models_get_plans_the_emitter_runs(graphs):
-    """Pipelines are cut from the exported graph; per-op sharding (SOAP, hybrid) needs
-    torch.fx's module-level graph, so it is not searched, and asking for it says why."""
+def test_export_traced_models_get_every_plan_kind(graphs):
+    """A model only torch.export traces is searched like any other; its SOAP
+    configurations use every device (the emitter runs the exported ATen graph on
+    DTensor, with no op on a subset of the devices), and the plan says so."""
     _, _, g = _graph(graphs, "bert")
     assert g.via == "export"
     plan = plan_graph(g, Cluster.resolve("cpu", 2), max_iters=0)
-    assert plan.kind in EXPORT_KINDS
-    assert any("traced with torch.export: soap, hybrid plans not searched" in n for n in plan.notes)
-    with pytest.raises(PlanKindError, match="torch.export"):
-        plan_graph(g, Cluster.resolve("cpu", 2), kinds=("soap", "hybrid"), max_iters=0)
-    assert plan_graph(g, Cluster.resolve("cpu", 2), kinds=("pipeline", "hybrid"), max_iters=0).kind == "pipeline"
-    assert set(EXPORT_KINDS) == {"data", "fsdp", "pipeline", "decentralized"}
+    assert EXPORTED_NOTE in plan.notes
+    soap = plan_graph(g, Cluster.resolve("cpu", 2), kinds=("soap",), max_iters=50)
+    configs = soap.node_configs()
+    assert soap.kind == "soap" and all(configs[n.name].s * configs[n.name].t == 2 for n in g.nodes if not is_source(n))
+    space = Space(g, 2)
+    assert all(c.s * c.t == 2 for u in space.units for c in space.candidates(u))
+    assert plan_graph(g, Cluster.resolve("cpu", 4), kinds=("hybrid",), max_iters=0).kind == "hybrid"
 
 
 def test_a_tensor_passed_twice_is_two_inputs():
@@ -144,17 +147,17 @@ def hf_job(rank: int, world: int, cases: list) -> list:
 
 
 def test_emitted_hf_plans_match_single_process(graphs):
-    """Data parallel (DDP) for a decoder LM and an MoE; FSDP2 for Llama; pipelines cut
-    from exported graphs: an encoder-decoder with keyword inputs and its embedding tied
-    across stages (interleaved: two stages of one rank share it), and GPT-2 on its own
-    loss (``labels``) in the last stage; D-PSGD for a ResNet with BatchNorm (local
-    statistics: the reference is the mean of the two half-batch steps); the single-file
-    GPT on its own loss; 2 gloo ranks."""
+    """Data parallel (DDP) for a decoder LM; SOAP (the exported ATen graph on DTensor) for
+    an MoE; FSDP2 for Llama; pipelines cut from exported graphs: an encoder-decoder with
+    keyword inputs and its embedding tied across stages (interleaved: two stages of one
+    rank share it), and GPT-2 on its own loss (``labels``) in the last stage; D-PSGD for
+    a ResNet with BatchNorm (local statistics: the reference is the mean of the two
+    half-batch steps); the single-file GPT on its own loss; 2 gloo ranks."""
     import single_file_gpt as sf
 
     cl = Cluster.resolve("cpu", 2)
     cases = []
-    for name, kind in (("gpt2", "data"), ("llama", "fsdp"), ("t5", "pipeline"), ("mixtral", "data"),
+    for name, kind in (("gpt2", "data"), ("llama", "fsdp"), ("t5", "pipeline"), ("mixtral", "soap"),
                        ("resnet", "decentralized")):
         _, _, g = _graph(graphs, name)
         cases.append((name, plan_graph(g, cl, kinds=(kind,), max_iters=0)))
@@ -169,7 +172,7 @@ def test_emitted_hf_plans_match_single_process(graphs):
         for name, kind, shard, loss, ref in rank:
             assert loss == pytest.approx(ref, rel=1e-5), (name, kind, shard)
     assert {(c[0], c[1].shard_params) for c in cases} >= {("llama", True), ("gpt2", False)}
-    assert [c[1].kind for c in cases if c[0] in ("t5", "gpt2+labels")] == ["pipeline", "pipeline"]
+    assert [c[1].kind for c in cases if c[0] in ("t5", "mixtral", "gpt2+labels")] == ["pipeline", "soap", "pipeline"]
 
 
 def test_every_unsupported_construct_is_reported_at_once(capsys):
@@ -228,23 +231,32 @@ def test_batch_statistics_are_a_plan_option(graphs):
 
 @pytest.mark.slow
 def test_every_family_verifies_on_the_planners_choice(graphs):
-    """Each family: the planner's own plan, an FSDP plan and a pipeline plan on 2 `cpu`
-    devices, emitted and verified on 2 gloo ranks; SOAP not proposed for the models only
-    torch.export traces. Prints the family x kind table."""
+    """Each family: the planner's own plan, and its best FSDP, SOAP and pipeline plans, on
+    2 `cpu` devices, emitted and verified on 2 gloo ranks. Prints the family x kind table."""
     cl = Cluster.resolve("cpu", 2)
     cases = []
     for name in NAMES:
         _, _, g = _graph(graphs, name)
         cases.append((name, plan_graph(g, cl, max_iters=50)))
-        cases.append((name, plan_graph(g, cl, kinds=("fsdp",), max_iters=0)))
-        cases.append((name, plan_graph(g, cl, kinds=("pipeline",), max_iters=0)))
-        if g.via == "export":
-            with pytest.raises(PlanKindError, match="torch.export"):
-                plan_graph(g, cl, kinds=("soap",), max_iters=0)
-            print(f"{name:<16} soap                   not proposed: traced with torch.export")
+        for kind in ("fsdp", "soap", "pipeline"):
+            cases.append((name, plan_graph(g, cl, kinds=(kind,), max_iters=50 if kind == "soap" else 0)))
     results = run_ranks(hf_job, 2, cases, timeout_s=1800)
     for name, kind, shard, loss, ref in results[0]:
         print(f"{name:<16} {kind + (' (fsdp)' if shard else ''):<22} loss {loss:.6g} reference {ref:.6g}")
     for name, kind, _shard, loss, ref in results[0]:
         assert loss == pytest.approx(ref, rel=1e-5), (name, kind)
-    assert {kind for _, kind, *_ in results[0]} >= {"pipeline"}
+    assert {kind for _, kind, *_ in results[0]} >= {"soap", "pipeline"}
+
+
+@pytest.mark.slow
+def test_every_transformer_verifies_a_hybrid_plan(graphs):
+    """Pipeline x tensor parallelism (2 stages of 2 devices: DTensor inside the stages,
+    interleaved where the planner picks it) for every family with attention, on 4 gloo
+    ranks (oversubscribing 2 cores: slower, the same results)."""
+    cl = Cluster.resolve("cpu", 4)
+    cases = [(name, plan_graph(_graph(graphs, name)[2], cl, kinds=("hybrid",), max_iters=0))
+             for name in NAMES if name not in ("resnet", "convnext")]
+    results = run_ranks(hf_job, 4, cases, timeout_s=1800)
+    for name, kind, _shard, loss, ref in results[0]:
+        print(f"{name:<16} {kind:<22} loss {loss:.6g} reference {ref:.6g}")
+        assert kind == "hybrid" and loss == pytest.approx(ref, rel=1e-5), name

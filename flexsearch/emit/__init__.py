@@ -79,6 +79,23 @@ def lift(model: nn.Module) -> fx.GraphModule:
                         "use a data-parallel plan for it") from None
 
 
+def lift_exported(model: nn.Module, plan: Plan, parts: int = 1) -> fx.GraphModule:
+    """``model``, which only ``torch.export`` traces, exported
+    (:func:`flexsearch.graph.lift.export_module`) on the plan's inputs split ``parts``
+    ways along the batch (an exported graph's shapes are fixed: a pipeline's runs one
+    microbatch)."""
+    from flexsearch.emit.data import batch_shard
+    from flexsearch.emit.inputs import split
+    from flexsearch.graph.lift import export_module
+
+    args, kwargs = split(example_inputs(plan))
+    try:
+        return export_module(model, tuple(batch_shard(x, 0, parts) for x in args),
+                             {k: batch_shard(v, 0, parts) for k, v in kwargs.items()})
+    except FlexsearchError as e:
+        raise EmitError(f"{e}; plan the model with fewer microbatches or another plan kind") from None
+
+
 def parallelize(model: nn.Module, plan: Plan, *, group: dist.ProcessGroup | None = None) -> nn.Module:
     """The module this rank runs for ``plan`` (made for ``model``) on the process group
     ``group`` (default: the default group; its size must be the plan's devices).
@@ -99,13 +116,11 @@ def parallelize(model: nn.Module, plan: Plan, *, group: dist.ProcessGroup | None
         from flexsearch.emit.decentralized import decentralized
 
         return decentralized(model, plan, rt)
-    if graph.via != "fx" and plan.kind in ("soap", "hybrid"):
-        raise EmitError(f"the emitter runs {plan.kind} plans for models torch.fx can trace; {plan.model} was "
-                        "traced with torch.export; use a data, FSDP, pipeline or decentralized plan")
     if plan.kind == "soap":
         from flexsearch.emit.sharded import shard
 
-        return shard(model, lift, graph, plan.node_configs(), rt)
+        relift = (lambda m: lift_exported(m, plan)) if graph.via == "export" else lift
+        return shard(model, relift, graph, plan.node_configs(), rt)
     from flexsearch.emit.staged import pipeline
 
     return pipeline(model, graph, plan, rt)

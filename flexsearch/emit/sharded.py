@@ -60,9 +60,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from flexsearch.emit.dense import dense_grad
+from flexsearch.emit.inputs import split, step_loss
 from flexsearch.emit.precision import autocast, backward, cast_inputs, cast_model
 from flexsearch.emit.runtime import Runtime
 from flexsearch.errors import EmitError
+from flexsearch.graph.lift import flat_inputs
 from flexsearch.graph.microbatch import batch_dim
 from flexsearch.graph.opgraph import OpGraph, OpNode
 from flexsearch.graph.regions import dim_map, reduced_input_dims
@@ -107,6 +109,27 @@ def param_placement(module: nn.Module, name: str, c: Config) -> tuple[Placement,
     if c.kind == "r" and isinstance(module, nn.Linear) and name == "weight":
         return (Replicate(), Shard(1))
     return _REPLICATE
+
+
+_LINEAR, _ADDMM = {1: (0, 1), 2: (0, None)}, {0: (0, None), 2: (1, 0)}
+_WEIGHT_SPLITS = {torch.ops.aten.linear.default: _LINEAR, nn.functional.linear: _LINEAR,
+                  torch.ops.aten.addmm.default: _ADDMM, torch.addmm: _ADDMM,
+                  torch.ops.aten.embedding.default: {0: (1, None)}}
+"""Per ATen op of an exported graph, per argument index that is a weight: the dim it is
+split on ``t`` for a parameter split and for a reduce split (None: replicated), as
+:func:`param_placement` splits a layer's: a Linear's weight and bias column-wise (dim
+0) or its weight row-wise (dim 1), ``addmm``'s transposed weight the other way round;
+an Embedding's table by columns."""
+
+
+def arg_placement(n: fx.Node, k: int, c: Config) -> tuple[Placement, Placement]:
+    """Placements of argument ``k`` of ATen op node ``n`` (a weight an exported graph
+    passes as an argument) for an op configured ``c``."""
+    split = _WEIGHT_SPLITS.get(n.target, {}).get(k)
+    if c.t == 1 or c.kind not in ("p", "r") or split is None:
+        return _REPLICATE
+    d = split[0 if c.kind == "p" else 1]
+    return _REPLICATE if d is None else (Replicate(), Shard(d))
 
 
 def tensor_dim(module: nn.Module, name: str) -> int:
@@ -241,7 +264,9 @@ class ShardedModule(nn.Module):
     (state-dict keys are the original names); the interpreter runs its FX graph."""
 
     def __init__(self, model: nn.Module, gm: fx.GraphModule, graph: OpGraph,
-                 configs: Mapping[str, Config], rt: Runtime):
+                 configs: Mapping[str, Config], rt: Runtime, distributed: dict[int, torch.Tensor] | None = None):
+        """``distributed``: id of an original tensor -> its DTensor, shared by the stage
+        modules of one rank, so a weight two of them hold (tied) stays one parameter."""
         super().__init__()
         self.module = model
         self._gm = [gm]  # not a submodule: its layers are ``module``'s
@@ -254,13 +279,13 @@ class ShardedModule(nn.Module):
         milliseconds per call)."""
         build_layouts(rt, self._configs.values())
         self._world = rt.block_mesh(0, len(rt.ranks), 1)
-        self._distribute()
+        self._distribute({} if distributed is None else distributed)
 
     # -- placing parameters: each on the layout of its first user
     def _mesh(self, c: Config):
         return self._rt.block_mesh(c.first, c.s, c.t)
 
-    def _distribute(self) -> None:
+    def _distribute(self, done: dict[int, torch.Tensor]) -> None:
         gm = self._gm[0]
         by = self._graph.by_name
         homes: dict[int, tuple[Any, tuple]] = {}
@@ -274,9 +299,11 @@ class ShardedModule(nn.Module):
             elif n.op == "get_attr":
                 user = next((u for u in n.users if u.name in by and not is_source(by[u.name])), None)
                 uc = self._configs.get(user.name, Config()) if user is not None else Config()
-                homes.setdefault(id(self._fetch(n.target)), (self._mesh(uc), _REPLICATE))
-        done: dict[int, torch.Tensor] = {}
-        for mod in self.module.modules():
+                pl = arg_placement(user, user.args.index(n), uc) if user is not None and n in user.args \
+                    else _REPLICATE
+                homes.setdefault(id(self._fetch(n.target)), (self._mesh(uc), pl))
+        # an exported graph module holds the model's tensors in a module tree of its own
+        for mod in {id(m): m for m in (*self.module.modules(), *gm.modules())}.values():
             for table in (mod._parameters, mod._buffers):
                 for key, p in list(table.items()):
                     if p is None:
@@ -300,8 +327,13 @@ class ShardedModule(nn.Module):
 
     # -- running the graph
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        gm = self._gm[0]
+        if getattr(gm, "_in_spec", None) is not None:  # an exported model: its flat inputs
+            args, kwargs = tuple(flat_inputs(gm, args, kwargs)), {}
         with autocast(self._rt.precision, self._rt.device_type):
-            return self._run(*cast_inputs(args, self._rt.precision), **kwargs)
+            out = self._run(*cast_inputs(args, self._rt.precision), **kwargs)
+        spec = getattr(gm, "_out_spec", None)  # ... and its output's structure
+        return tree_unflatten(list(out) if isinstance(out, (tuple, list)) else [out], spec) if spec else out
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         gm, by, rt = self._gm[0], self._graph.by_name, self._rt
@@ -327,12 +359,17 @@ class ShardedModule(nn.Module):
             c = self._configs.get(n.name, Config())
             mesh = self._mesh(c)
 
-            def convert(a: fx.Node, node=node, c=c, mesh=mesh) -> Any:
+            def convert(a: fx.Node, n=n, node=node, c=c, mesh=mesh) -> Any:
                 v = env[a]
                 if not isinstance(v, torch.Tensor):
                     return v
                 k = node.inputs.index(a.name) if a.name in node.inputs else -1
-                pl = input_placements(node, k, tuple(v.shape), c) if k >= 0 else _REPLICATE
+                if k >= 0:
+                    pl = input_placements(node, k, tuple(v.shape), c)
+                elif a.op == "get_attr" and a in n.args:  # an exported graph's weight
+                    pl = arg_placement(n, n.args.index(a), c)
+                else:
+                    pl = _REPLICATE
                 return to_layout(rt, v, mesh, pl)
 
             try:
@@ -350,7 +387,7 @@ class ShardedModule(nn.Module):
         mod = self._gm[0].get_submodule(n.target) if n.op == "call_module" else None
         if isinstance(mod, nn.Embedding) and c.kind == "r" and c.t > 1:
             return self._vocab_parallel(n, mod, args, c, mesh)
-        if node.kind in _LOCAL_KINDS or isinstance(mod, _LOCAL_MODULES):
+        if node.kind in _LOCAL_KINDS or node.opaque or isinstance(mod, _LOCAL_MODULES):
             return self._call_local(n, node, mod, args, kwargs, c, mesh)
         state = {}
         if mod is not None:
@@ -420,7 +457,8 @@ class ShardedModule(nn.Module):
 
         flat, spec = tree_flatten((args, kwargs))
         tensors = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
-        lflat, mflat = list(flat), list(flat)
+        lflat = list(flat)
+        mflat = [torch.device("meta") if isinstance(v, torch.device) else v for v in flat]  # `to(device=cpu)`
         for j, i in enumerate(tensors):
             v = flat[i]
             mflat[i] = meta(v)
@@ -464,11 +502,13 @@ class ShardedModule(nn.Module):
         """Parameters (DTensors) under their names in the original model."""
         return self.module.named_parameters()
 
-    def train_step(self, inputs: tuple, target: Any, loss_fn) -> torch.Tensor:
-        """Forward and backward of the global batch (the same on every rank); the loss."""
-        out = self(*inputs)
+    def train_step(self, inputs: tuple, target: Any = None, loss_fn=None) -> torch.Tensor:
+        """Forward and backward of the global batch (the same on every rank; a trailing
+        dict of keyword inputs); the loss (``loss_fn`` None: the model's own)."""
+        args, kwargs = split(inputs)
+        out = self(*args, **kwargs)
         with autocast(self._rt.precision, self._rt.device_type):
-            loss = loss_fn(out, target)
+            loss = step_loss(out, target, loss_fn)
         backward(loss, self._rt.precision, self.parameters)
         return loss.detach().float()
 

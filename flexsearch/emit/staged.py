@@ -61,8 +61,8 @@ from flexsearch.emit.recompute import checkpoint_stage
 from flexsearch.emit.runtime import Runtime
 from flexsearch.emit.sharded import ShardedModule, build_layouts
 from flexsearch.emit.stages import cut
-from flexsearch.errors import EmitError, FlexsearchError
-from flexsearch.graph.lift import export_module, flat_inputs
+from flexsearch.errors import EmitError
+from flexsearch.graph.lift import flat_inputs
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.plan import Plan
 
@@ -155,28 +155,30 @@ class PipelineModule(nn.Module):
                 if rr == r and ii == self.tensor_index:
                     self._dp_group = grp
         self._tied = self._tie_groups(cuts, ids, rt, p, g)
-        mods = []
-        for k in mine:
-            m = cuts[k]
-            if t > 1:
-                m = ShardedModule(m, m, graph, {n.name: configs[n.name] for n in m.graph.nodes if n.name in configs},
-                                  subs[r, self.replica])
-            mods.append(m)
-        self.stages = nn.ModuleList(mods)
-        device = torch.device(rt.device_type, torch.cuda.current_device()) if rt.device_type == "cuda" else \
-            torch.device("cpu")
+
         def runnable(m: nn.Module) -> nn.Module:  # the precision's autocast, inside the recomputed region
             m = Autocast(m, rt.precision, rt.device_type) if rt.precision.mixed else m
             # a tensor-parallel stage recomputes whole; a plain one its units (checkpoint_stage above)
             return _Recompute(m) if plan.recompute != "none" and t > 1 else m
 
-        # plain stages: their input and output tensors given (static metadata), found on fake
-        # tensors; torch's own inference runs a stage on uninitialised tensors, which index
-        # out of range when token ids cross a boundary
-        examples = _examples([runnable(c) for c in cuts], self._micro_inputs(plan)) if t == 1 else None
+        # every stage's input and output tensors, given to torch (static metadata): found on
+        # fake tensors, on the stages before any is sharded (a tensor-parallel stage takes
+        # and returns whole tensors too); torch's own inference runs a stage on uninitialised
+        # tensors, which index out of range when token ids cross a boundary
+        examples = _examples([runnable(c) for c in cuts], self._micro_inputs(plan))
+        mods = []
+        distributed: dict[int, torch.Tensor] = {}  # a weight two of this rank's stages hold: one DTensor
+        for k in mine:
+            m = cuts[k]
+            if t > 1:
+                m = ShardedModule(m, m, graph, {n.name: configs[n.name] for n in m.graph.nodes if n.name in configs},
+                                  subs[r, self.replica], distributed)
+            mods.append(m)
+        self.stages = nn.ModuleList(mods)
+        device = torch.device(rt.device_type, torch.cuda.current_device()) if rt.device_type == "cuda" else \
+            torch.device("cpu")
         self._pipe_stages = [PipelineStage(runnable(m), k, nstages, device, group=self._pp_group,
-                                           **(dict(zip(("input_args", "output_args"), examples[k], strict=True))
-                                              if examples else {}))
+                                           input_args=examples[k][0], output_args=examples[k][1])
                              for k, m in zip(mine, mods, strict=True)]
         self._schedule = None
         self._loss_fn = None
@@ -326,22 +328,8 @@ def pipeline(model: nn.Module, graph: OpGraph, plan: Plan, rt: Runtime) -> Pipel
     """A :class:`PipelineModule` over a copy of ``model``: its graph re-lifted as the
     tracer did, by ``torch.fx``, or by ``torch.export`` at the size of one microbatch
     (an exported graph's shapes are fixed)."""
-    from flexsearch.emit import lift
+    from flexsearch.emit import lift, lift_exported
 
-    relift = partial(_export_microbatch, plan=plan) if graph.via == "export" else lift
+    relift = partial(lift_exported, plan=plan, parts=_layout(plan)[1] * (plan.microbatches or 1)) \
+        if graph.via == "export" else lift
     return PipelineModule(copy.deepcopy(model), graph, plan, rt, relift)
-
-
-def _export_microbatch(model: nn.Module, plan: Plan):
-    """``model`` exported (:func:`flexsearch.graph.lift.export_module`) on one microbatch
-    of the plan's inputs."""
-    from flexsearch.emit import example_inputs
-
-    _, d, _ = _layout(plan)
-    parts = d * (plan.microbatches or 1)
-    args, kwargs = split(example_inputs(plan))
-    try:
-        return export_module(model, tuple(batch_shard(x, 0, parts) for x in args),
-                             {k: batch_shard(v, 0, parts) for k, v in kwargs.items()})
-    except FlexsearchError as e:
-        raise EmitError(f"{e}; plan the model with fewer microbatches or another plan kind") from None

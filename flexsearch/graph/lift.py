@@ -93,11 +93,13 @@ def export_module(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule
 
 
 def _drop_checks(gm: fx.GraphModule) -> None:
-    """Remove the :data:`CHECKS` export inserted, and the input guard an unlifted module
-    calls (``_guards_fn``): they compute nothing a training step needs."""
+    """Remove the :data:`CHECKS` export inserted, the input guard an unlifted module calls
+    (``_guards_fn``), and fetches of tensors nothing uses (an unlifted module fetches a
+    tied weight under each of its names): they compute nothing a training step needs."""
     for n in reversed(list(gm.graph.nodes)):
         check = n.op == "call_function" and any(str(n.target).startswith(c) for c in CHECKS)
-        if not n.users and (check or (n.op == "call_module" and n.target == "_guards_fn")):
+        guard = n.op == "call_module" and n.target == "_guards_fn"
+        if not n.users and (check or guard or n.op == "get_attr"):
             gm.graph.erase_node(n)
     gm.recompile()
 

@@ -88,10 +88,10 @@ from flexsearch.strategy.space import Space
 DEFAULT_MAX_ITERS = 2000
 DEFAULT_KINDS = ("data", "fsdp", "soap", "pipeline", "hybrid", "decentralized")
 """What a plan without ``kinds`` may be."""
-EXPORT_KINDS = ("data", "fsdp", "pipeline", "decentralized")
-"""The kinds the emitter runs for a model only ``torch.export`` traces: it cuts the
-exported graph into pipeline stages, but shards per op (SOAP, and hybrid's tensor
-parallelism) only the graphs ``torch.fx`` makes, whose nodes are the model's modules."""
+EXPORTED_NOTE = ("traced with torch.export: SOAP configurations use every device (no op placed on a subset "
+                 "of them); the emitter runs the exported ATen graph")
+"""Said in the plans of a model only ``torch.export`` traces that may use SOAP (see
+:class:`~flexsearch.strategy.space.Space`)."""
 REFERENCE_BASELINES = ("pipedream", "ps", "ps-sharded")
 """Baselines the emitter does not run (PipeDream's asynchronous pipeline changes the
 training semantics with stale weights; parameter servers): reported for comparison,
@@ -218,15 +218,8 @@ def plan_graph(
     kinds = check_kinds(kinds)
     default = kinds == DEFAULT_KINDS
     notes = list(graph.notes)  # what the tracer did to the model
-    if graph.via == "export" and set(kinds) - set(EXPORT_KINDS):
-        dropped = [k for k in kinds if k not in EXPORT_KINDS]
-        kinds = tuple(k for k in kinds if k in EXPORT_KINDS)
-        if not kinds:
-            raise PlanKindError(f"{graph.model} was traced with torch.export (torch.fx cannot trace it), and the "
-                                f"emitter runs only {', '.join(EXPORT_KINDS)} plans for such models; ask for one of "
-                                "those")
-        notes.append(f"traced with torch.export: {', '.join(dropped)} plans not searched (the emitter shards per "
-                     "op only models torch.fx traces)")
+    if graph.via == "export" and "soap" in kinds:
+        notes.append(EXPORTED_NOTE)
     ctx = CostContext(cluster, measured, precision=precision_of(graph.precision), calibration=calibration)
     sync_kinds = tuple(k for k in kinds if k != "decentralized")
     if not sync_kinds:  # D-PSGD alone: a synchronous plan to compare with, cheaply

@@ -30,11 +30,17 @@ class Unit:
 class Space:
     """The search space of one graph on ``devices`` devices: decision units, their
     candidate configurations, and the expansion of a decision into a configuration for
-    every node."""
+    every node.
+
+    For a graph only ``torch.export`` traces, every op runs on all the devices (no
+    operator placement on a subset): the emitter runs its ATen ops on DTensor, and ranks
+    outside an op's mesh would run the model's mask-building ops (advanced indexing,
+    ``new_ones``) on empty shards, which DTensor does not keep shape-correct."""
 
     def __init__(self, graph: OpGraph, devices: int):
         self.graph = graph
         self.devices = devices
+        self.whole_blocks = graph.via == "export"
 
     @cached_property
     def decision_nodes(self) -> tuple[str, ...]:
@@ -79,7 +85,10 @@ class Space:
 
     def allows(self, unit: Unit | str, c: Config) -> bool:
         """Is ``c`` legal for every node of the unit?"""
-        return all(legal(self.graph.node(nm), c, self.devices) for nm in self.unit(unit).nodes)
+        return self._placeable(c) and all(legal(self.graph.node(nm), c, self.devices) for nm in self.unit(unit).nodes)
+
+    def _placeable(self, c: Config) -> bool:
+        return not self.whole_blocks or c.s * c.t == self.devices
 
     def candidates(self, unit: Unit | str, *, full_block_only: bool = False) -> tuple[Config, ...]:
         """Configurations legal for every node of the unit."""
@@ -122,7 +131,7 @@ class Space:
             if name not in self.unit_index:
                 raise ValueError(f"{name!r} is not a decision of this graph")
             for nm in self.units[self.unit_index[name]].nodes:
-                if not legal(self.graph.node(nm), c, self.devices):
+                if not self._placeable(c) or not legal(self.graph.node(nm), c, self.devices):
                     raise ValueError(
                         f"configuration {c.text} is not legal for {nm} on {self.devices} devices"
                     )

@@ -224,6 +224,46 @@ def test_opaque_op_is_costed_not_split():
     assert g.opaque_nodes == (cum,)
 
 
+class _Layouts(nn.Module):
+    """Views, a real copy and an in-place op on activations (Hugging Face GPT-2's
+    ``Conv1D``: ``addmm`` with a transposed weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w, self.b = nn.Parameter(torch.randn(8, 12)), nn.Parameter(torch.zeros(12))
+
+    def forward(self, x):
+        y = torch.addmm(self.b, x.view(-1, 8), self.w).view(4, 3, 12)
+        z = y.transpose(1, 2)            # a view
+        c = z.contiguous()               # a copy
+        c.add_(1.0)                      # reads and writes c
+        return c.reshape(4, 36)          # contiguous: a view
+
+
+@pytest.mark.parametrize("via", ["fx", "export"])
+def test_views_move_no_bytes_copies_and_in_place_ops_do(via, monkeypatch):
+    """An op's outputs that alias the inputs it ran on cost no memory traffic (the
+    tracer runs each op on fresh leaf copies of its inputs: the alias is with those);
+    the same on the ATen graph torch.export makes (fx made to fail, as it does for code
+    it cannot follow)."""
+    from flexsearch.graph import lift
+
+    if via == "export":
+        monkeypatch.setattr(lift, "fx_graph_module", lambda m: (_ for _ in ()).throw(RuntimeError("no fx")))
+    g = trace(_Layouts(), (torch.randn(4, 3, 8),))
+    assert g.via == via
+    size = 4 * 3 * 12 * 4
+    views = [n for n in g.nodes if n.kind == "view" and "contiguous" not in n.target and "clone" not in n.target]
+    assert views and all(n.bytes_read == n.bytes_written == 0 for n in views), [(n.name, n.bytes_written)
+                                                                              for n in views]
+    copy = next(n for n in g.nodes if "contiguous" in n.target or "clone" in n.target)
+    assert copy.bytes_written == size
+    add = next(n for n in g.nodes if "add" in n.target and "addmm" not in n.target)
+    assert add.bytes_written == size
+    mm = next(n for n in g.nodes if "addmm" in n.target)
+    assert mm.kind == "linear" and not mm.opaque and {d.kind for d in mm.dims.output} >= {"parameter"}
+
+
 def test_shape_control_flow_falls_back_to_export():
     class ShapeBranch(nn.Module):
         def __init__(self):

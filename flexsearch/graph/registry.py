@@ -168,6 +168,24 @@ def _linear(c: Call) -> Ruling:
     )
 
 
+@rule(torch.addmm, "addmm", aten.addmm)
+def _addmm(c: Call) -> Ruling:
+    """``bias + x @ w`` with a 2-D ``x (M, K)`` and ``w (K, N)``: a Linear with its
+    weight transposed (Hugging Face GPT-2's ``Conv1D``): the output's columns split
+    with ``w``'s, the ``K`` reduction split row-wise."""
+    if len(c.in_shapes) < 3 or len(c.in_shapes[1]) != 2:
+        return Ruling("opaque", out_batch=_follow_batch(c), opaque=True)
+    b = _follow_batch(c)
+    return Ruling(
+        "linear",
+        ParallelDims(
+            output=_dims(c.out_shape, b, parameter=(-1,)),
+            reduced=(ReducedDim(name="in_features", size=c.in_shapes[1][-1], parameter=True),),
+        ),
+        b,
+    )
+
+
 @rule(nn.Bilinear)
 def _bilinear(c: Call) -> Ruling:
     b = _follow_batch(c)

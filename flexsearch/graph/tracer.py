@@ -386,8 +386,9 @@ class _Measure(fx.Interpreter):
         if name in _VIEW_TARGETS or not flat_in and not mod_params and n.op != "call_function":
             out = super().run_node(n)  # pure data movement: no leaves, no counting
             fwd = bwd = 0
+            ran_on = flat_in
         else:
-            out, fwd, bwd = self._measured_call(n, module, mod_params, args, kwargs)
+            out, fwd, bwd, ran_on = self._measured_call(n, module, mod_params, args, kwargs)
 
         flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if not flat_out:  # sizes, shapes, Python scalars: not an op
@@ -408,7 +409,12 @@ class _Measure(fx.Interpreter):
         ruling = registry.rule_for(key, call)
         self._label_outputs(flat_out, ruling.out_batch)
 
-        alias = all(any(torch._C._is_alias_of(o, i) for i in flat_in) for o in flat_out)
+        # a view moves no bytes: its outputs alias the inputs it ran on (an in-place op
+        # returns its input itself, and reads and writes it; `.contiguous()` of a
+        # contiguous tensor returns it and copies nothing)
+        copies_self = "contiguous" not in str(n.target)
+        alias = all(any(torch._C._is_alias_of(o, i) and (o is not i or not copies_self) for i in ran_on)
+                    for o in flat_out)
         bytes_written = 0 if alias else sum(t.numel() * t.element_size() for t in flat_out)
         all_params = sum(self.fakes[p].numel() * self.fakes[p].element_size() for p in used)
         param_bytes_used = all_params
@@ -466,8 +472,9 @@ class _Measure(fx.Interpreter):
                     b = next((d for d, s in enumerate(t.shape) if s == size), None)
             self.batch_of[id(t)] = b
 
-    def _measured_call(self, n: fx.Node, module, mod_params, args, kwargs) -> tuple[Any, int, int]:
-        """Run the op on fresh leaf inputs; count forward and backward FLOPs."""
+    def _measured_call(self, n: fx.Node, module, mod_params, args, kwargs) -> tuple[Any, int, int, list]:
+        """Run the op on fresh leaf inputs; count forward and backward FLOPs. Also the
+        tensors it ran on (its outputs may alias them)."""
         leaves: list[torch.Tensor] = []
 
         def leafify(x: Any) -> Any:
@@ -525,7 +532,7 @@ class _Measure(fx.Interpreter):
                 bwd = self.counter.get_total_flops() - before
             self._backward_flops[sig] = bwd
         self.signature[n.name] = sig
-        return out, fwd, bwd
+        return out, fwd, bwd, [t for t in tree_flatten((largs, lkwargs))[0] if isinstance(t, torch.Tensor)]
 
     @staticmethod
     def _call(n: fx.Node, module, mod_params, args, kwargs) -> Any:

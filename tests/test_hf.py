@@ -260,3 +260,12 @@ def test_every_transformer_verifies_a_hybrid_plan(graphs):
     for name, kind, _shard, loss, ref in results[0]:
         print(f"{name:<16} {kind:<22} loss {loss:.6g} reference {ref:.6g}")
         assert kind == "hybrid" and loss == pytest.approx(ref, rel=1e-5), name
+
+
+def test_the_readme_hugging_face_model_file_traces_with_its_own_loss():
+    """``examples/hf_llama.py`` (the README's Hugging Face model file): built on meta, its
+    labels the input ids, the loss in the graph."""
+    model, inputs = flexsearch.load_model(ROOT / "examples" / "hf_llama.py")
+    g = trace(model, inputs)
+    assert g.via == "export" and g.input_names == ("", "labels")
+    assert any("cross_entropy" in n.target for n in g.nodes)

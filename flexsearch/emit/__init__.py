@@ -7,9 +7,10 @@ One module per plan kind, all on torch.distributed machinery:
 - ``soap``: :mod:`flexsearch.emit.sharded` (DTensor placements per op);
 - ``pipeline`` / ``hybrid``: :mod:`flexsearch.emit.staged` (the model cut into stage
   modules by :mod:`flexsearch.emit.stages`, ``torch.distributed.pipelining`` schedules,
-  data parallel and DTensor tensor parallel inside the stages). A model only
-  ``torch.export`` traces is cut from its exported graph (pipeline plans); SOAP and
-  hybrid plans need the ``torch.fx`` graph, whose nodes are the model's modules.
+  data parallel and DTensor tensor parallel inside the stages).
+
+A model only ``torch.export`` traces runs as its exported ATen graph
+(:func:`lift_exported`): whole for SOAP, at one microbatch's shapes for pipelines.
 - ``decentralized``: :mod:`flexsearch.emit.decentralized` (D-PSGD: every rank keeps its
   own model and averages it with its gossip neighbours by point-to-point messages; the
   gradients left on the parameters are local, not averaged).

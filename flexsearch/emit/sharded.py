@@ -1,7 +1,10 @@
 """SOAP plans on DTensor: every op runs with the placements its configuration names.
 
 The model's FX graph (the one the tracer lifted; node names are the plan's op names)
-is run by an interpreter (:class:`ShardedModule`). For an op with configuration
+is run by an interpreter (:class:`ShardedModule`): the ``torch.fx`` graph with the
+model's layers as nodes, or, for a model only ``torch.export`` traces, the exported
+ATen graph, whose weights come in as arguments (:func:`arg_placement` splits them as
+:func:`param_placement` splits a layer's). For an op with configuration
 ``Config(s, kind, t, dim, first)`` (see :mod:`flexsearch.strategy.config`):
 
 - **mesh**: the ``s x t`` :class:`DeviceMesh` of devices ``first .. first+s*t-1``

@@ -8,7 +8,10 @@ stages per rank, interleaved).
 
 This rank (pipeline rank ``r``, replica ``j``, tensor index ``i``) builds:
 
-- its stage modules, cut from the model by :func:`flexsearch.emit.stages.cut`; with
+- its stage modules, cut from the model's graph by :func:`flexsearch.emit.stages.cut`
+  (a model only ``torch.export`` traces: from the graph exported at one microbatch's
+  shapes); each stage's input and output tensors are given to its ``PipelineStage``,
+  found by running the stages on fake tensors; with
   ``t > 1`` each is a :class:`~flexsearch.emit.sharded.ShardedModule` running the
   stage's Megatron configurations on DTensor over its ``t`` devices; with
   ``recompute``, activation checkpointing: each checkpointed unit of a stage

@@ -262,6 +262,10 @@ def test_views_move_no_bytes_copies_and_in_place_ops_do(via, monkeypatch):
     assert add.bytes_written == size
     mm = next(n for n in g.nodes if "addmm" in n.target)
     assert mm.kind == "linear" and not mm.opaque and {d.kind for d in mm.dims.output} >= {"parameter"}
+    # (4, 3, 8) -> (12, 8) merges the batch with the next dim: its rows are still split
+    # by sample (data parallelism divides the op), and so is (12, 12) -> (4, 3, 12)
+    assert mm.dims.output[0].kind == "sample"
+    assert all(n.dims.output[0].kind == "sample" for n in g.nodes if n.kind not in ("input", "output"))
 
 
 def test_shape_control_flow_falls_back_to_export():

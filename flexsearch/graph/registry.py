@@ -424,15 +424,26 @@ def _loss(c: Call) -> Ruling:
 
 
 def _view_batch(c: Call) -> int | None:
-    """A reshape keeps the batch dim when it stays the leading dim with the same size."""
+    """A reshape keeps the batch dim when it stays the leading dim: with the same size,
+    or merged with the dims after it (``(B, T, C) -> (B*T, C)``: contiguous rows, so a
+    split of them is a split of the samples), or split back (``(B*T, C) -> (B, T, C)``)."""
     out = c.out_shape
     shape = c.in_shapes[0] if c.in_shapes else ()
     b = c.in_batch[0] if c.in_batch else None
-    if out is None or b is None:
+    if out is None or b is None or b != 0 or not out or not shape:
         return None
-    if b == 0 and out and out[0] == shape[0]:
+    if out[0] == shape[0] or out[0] in _leading_products(shape) or shape[0] in _leading_products(out):
         return 0
     return None
+
+
+def _leading_products(shape: Sequence[int]) -> set[int]:
+    """Sizes of dim 0 merged with the next 1, 2, ... dims."""
+    out, p = set(), shape[0]
+    for d in shape[1:]:
+        p *= d
+        out.add(p)
+    return out
 
 
 @rule(nn.Flatten, nn.Unflatten, nn.Identity, torch.flatten, torch.reshape, "view", "reshape", "flatten",

@@ -40,11 +40,14 @@ from flexsearch.precision import precision as precision_of
 EMITTABLE_KINDS = ("data", "soap", "pipeline", "hybrid", "decentralized")
 
 
-def example_inputs(plan: Plan) -> tuple:
+def example_inputs(plan: Plan, parts: int = 1) -> tuple:
     """Zero tensors of the plan's input shapes (tracing needs shapes, not values), the
-    keyword ones in a trailing dict."""
+    keyword ones in a trailing dict; with ``parts``, one of that many equal slices of the
+    batch (a pipeline's microbatch)."""
+    from flexsearch.emit.data import batch_shard
+
     names = plan.input_names or ("",) * len(plan.inputs)
-    zeros = [torch.zeros(m.shape, dtype=getattr(torch, m.dtype)) for m in plan.inputs]
+    zeros = [batch_shard(torch.zeros(m.shape, dtype=getattr(torch, m.dtype)), 0, parts) for m in plan.inputs]
     args = tuple(z for z, k in zip(zeros, names, strict=True) if not k)
     kwargs = {k: z for z, k in zip(zeros, names, strict=True) if k}
     return (*args, kwargs) if kwargs else args
@@ -85,14 +88,11 @@ def lift_exported(model: nn.Module, plan: Plan, parts: int = 1) -> fx.GraphModul
     (:func:`flexsearch.graph.lift.export_module`) on the plan's inputs split ``parts``
     ways along the batch (an exported graph's shapes are fixed: a pipeline's runs one
     microbatch)."""
-    from flexsearch.emit.data import batch_shard
     from flexsearch.emit.inputs import split
     from flexsearch.graph.lift import export_module
 
-    args, kwargs = split(example_inputs(plan))
     try:
-        return export_module(model, tuple(batch_shard(x, 0, parts) for x in args),
-                             {k: batch_shard(v, 0, parts) for k, v in kwargs.items()})
+        return export_module(model, *split(example_inputs(plan, parts)))
     except FlexsearchError as e:
         raise EmitError(f"{e}; plan the model with fewer microbatches or another plan kind") from None
 

@@ -331,23 +331,19 @@ class ShardedModule(nn.Module):
     # -- running the graph
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         gm = self._gm[0]
-        if getattr(gm, "_in_spec", None) is not None:  # an exported model: its flat inputs
-            args, kwargs = tuple(flat_inputs(gm, args, kwargs)), {}
         with autocast(self._rt.precision, self._rt.device_type):
-            out = self._run(*cast_inputs(args, self._rt.precision), **kwargs)
-        spec = getattr(gm, "_out_spec", None)  # ... and its output's structure
+            out = self._run(*cast_inputs(flat_inputs(gm, args, kwargs), self._rt.precision))
+        spec = getattr(gm, "_out_spec", None)  # an exported model: its output's structure
         return tree_unflatten(list(out) if isinstance(out, (tuple, list)) else [out], spec) if spec else out
 
-    def _run(self, *args: Any, **kwargs: Any) -> Any:
+    def _run(self, *args: Any) -> Any:
+        """The graph on its placeholders' values (:func:`flexsearch.graph.lift.flat_inputs`)."""
         gm, by, rt = self._gm[0], self._graph.by_name, self._rt
         env: dict[fx.Node, Any] = {}
         inputs = iter(args)
         for n in gm.graph.nodes:
             if n.op == "placeholder":
-                if n.target in kwargs:
-                    env[n] = kwargs[n.target]
-                else:
-                    env[n] = next(inputs, n.args[0] if n.args else None)
+                env[n] = next(inputs)
                 continue
             if n.op == "get_attr":
                 env[n] = self._fetch(n.target)

@@ -190,10 +190,8 @@ class PipelineModule(nn.Module):
         """Zero tensors of one microbatch's flat inputs, in the precision's dtypes."""
         from flexsearch.emit import example_inputs
 
-        parts = self.d * (plan.microbatches or 1)
-        args, kwargs = split(example_inputs(plan))
-        flat = self._flat(args, kwargs)
-        return list(cast_inputs((batch_shard(x, 0, parts) for x in flat), self._rt.precision))
+        return list(cast_inputs(self._flat(*split(example_inputs(plan, _microbatch_parts(plan)))),
+                                self._rt.precision))
 
     def _tie_groups(self, cuts, ids: dict[int, str], rt: Runtime, p: int, g: int) -> list[tuple[str, Any]]:
         """(parameter name in this rank's stages, group of ranks holding a copy) for every
@@ -333,6 +331,10 @@ def pipeline(model: nn.Module, graph: OpGraph, plan: Plan, rt: Runtime) -> Pipel
     (an exported graph's shapes are fixed)."""
     from flexsearch.emit import lift, lift_exported
 
-    relift = partial(lift_exported, plan=plan, parts=_layout(plan)[1] * (plan.microbatches or 1)) \
-        if graph.via == "export" else lift
+    relift = partial(lift_exported, plan=plan, parts=_microbatch_parts(plan)) if graph.via == "export" else lift
     return PipelineModule(copy.deepcopy(model), graph, plan, rt, relift)
+
+
+def _microbatch_parts(plan: Plan) -> int:
+    """Into how many microbatches a plan splits the global batch: replicas x microbatches."""
+    return _layout(plan)[1] * (plan.microbatches or 1)

@@ -62,8 +62,10 @@ def used_devices(g, configs) -> set[int]:
 
 
 def summary(sim):
-    """What a search reads; the critical path is only computed with a timeline."""
-    out = (sim.iteration_time_s, sim.memory_bytes, sim.compute_s, sim.serial_s,
+    """What a search reads, exactly; the critical path is only computed with a timeline.
+    The serial time, a sum, to 12 digits (one replica's tasks, counted for all, are
+    summed in another order)."""
+    out = (sim.iteration_time_s, sim.memory_bytes, sim.compute_s, float(f"{sim.serial_s:.12g}"),
            sim.capacity_bytes)
     return out + ((sim.critical_path_s,) if sim.timeline else ())
 
@@ -198,6 +200,67 @@ def test_simulate_configs_is_a_full_simulation():
     a = simulate_configs(g, configs, cluster("dgx-h100", 4))
     b = Simulator(g, cluster("dgx-h100", 4)).simulate(configs)
     assert summary(a) == summary(b)
+
+
+# --------------------------------------------------------------------------- one replica for all
+
+QUOTIENT_CASES = [("gpt_tiny", "dgx-h100", 16), ("gpt_tiny", "dgx-a100", 8), ("alexnet_tiny", "flexflow-k80", 8),
+                  ("mlp_tiny", "cpu", 4)]
+
+
+@pytest.mark.parametrize(("name", "cl", "devices"), QUOTIENT_CASES, ids=[f"{n}-{c}x{d}" for n, c, d in QUOTIENT_CASES])
+def test_one_replica_simulates_all(name, cl, devices):
+    """Without a timeline, configurations that repeat every w devices are simulated on
+    the first w (every baseline recipe; data parallelism as DDP, ZeRO-1/2/3, HSDP, with
+    recompute; random layouts of whole-cluster candidates): the same time, memory and
+    compute per device as a simulation of every device."""
+    from flexsearch.cost.calibration import load_calibration
+    from flexsearch.sim.context import CostContext
+
+    g = graph(name)
+    c = cluster(cl, devices)
+    ctx = CostContext(c, calibration=load_calibration(c.device.name) if cl == "cpu" else None)
+    space = Space(g, devices)
+    runs = [(dec, {}) for dec in baselines.baselines(space, c.devices_per_node).values()]
+    data = baselines.data_parallel(space)
+    runs += [(data, dict(ddp=True, shard=shard, shard_group=c.devices_per_node, recompute=rc))
+             for shard in ("none", "zero1", "zero2", "zero3", "hsdp") for rc in ("none", "full")]
+    whole = {u.name: [x for x in space.candidates(u) if x.first == 0 and x.n == devices] for u in space.units}
+
+    @SETTINGS
+    @given(st.fixed_dictionaries({u: st.sampled_from(cs) for u, cs in whole.items() if cs}))
+    def check(dec):
+        configs = space.expand(dec)
+        assert summary(Simulator(g, ctx).simulate(configs, timeline=False)) == \
+            summary(Simulator(g, ctx).simulate(configs))[:-1]
+
+    quotients = 0
+    for dec, kw in runs:
+        configs = space.expand(dec)
+        if kw.get("shard") == "hsdp" and not 1 < c.devices_per_node < devices:
+            continue
+        sim = Simulator(g, ctx)
+        quotients += sim.replica(configs, c.devices_per_node if kw.get("shard") == "hsdp" else 0) is not None
+        fast = sim.simulate(configs, timeline=False, **kw)
+        full = Simulator(g, ctx).simulate(configs, **kw)
+        assert summary(fast) == summary(full)[:-1], (dec, kw)
+        assert fast.memory_terms == full.memory_terms
+    assert quotients >= len(runs) // 2  # the quotient applied (to data parallelism at least)
+    check()
+
+
+def test_replica_width():
+    g = graph("gpt_tiny")
+    space = Space(g, 16)
+    sim = Simulator(g, cluster("dgx-h100", 16))
+    recipes = baselines.baselines(space, 8)
+    width = {k: getattr(sim.replica(space.expand(dec)), "width", None) for k, dec in recipes.items()}
+    # 8 samples on 16 devices: each sample's ops replicated on 2
+    assert width == {"data": 2, "megatron-t2": 2, "megatron-t4": 4, "megatron-t8": 8}
+    assert Simulator(g, cluster("dgx-h100", 8)).replica(Space(g, 8).expand(baselines.data_parallel(Space(g, 8)))).width == 1
+    assert sim.replica(space.expand(recipes["data"]), group=8).width == 8  # HSDP: one shard group
+    some = {**recipes["data"], "lm_head": Config(1, "", 1)}  # one op on device 0 only
+    assert sim.replica(space.expand(some)) is None
 
 
 # --------------------------------------------------------------------------- chrome trace

@@ -25,10 +25,22 @@ its memory is **infeasible**.
 node's configuration and its producers'; after a change only the fragments of changed
 nodes and of their consumers are rebuilt (region intersections, costs, collectives),
 and the cheap assembly and scheduling pass reruns.
+
+**One replica for all.** Without a timeline, configurations that repeat every ``w``
+devices (:meth:`Simulator.replica`: every op on all ``n`` devices, ``w`` the least
+common multiple of their model-parallel degrees and of an HSDP shard group, the
+replicas on links of their own) are simulated for devices ``0 .. w-1`` only
+(:class:`~flexsearch.sim.taskgraph.Replica`): every replica runs the same tasks at the
+same times, so the schedule of the first is the schedule of each, and its memory and
+compute are every replica's. Data parallelism on 256 devices is then simulated on one,
+Megatron's layouts on one tensor-parallel group. The result is the full simulation's
+(``tests/test_simulator.py`` compares them); a task that couples replicas otherwise
+(:class:`~flexsearch.sim.taskgraph.NotPeriodic`) falls back to every device.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import replace
 
@@ -45,6 +57,8 @@ from flexsearch.sim.context import CostContext, collective_task
 from flexsearch.sim.result import Simulation
 from flexsearch.sim.taskgraph import (
     Fragment,
+    NotPeriodic,
+    Replica,
     activation_split,
     backward_working,
     build_fragment,
@@ -53,7 +67,7 @@ from flexsearch.sim.taskgraph import (
     loss_operands,
 )
 from flexsearch.sim.tasks import Scheduled, Task, run_tasks
-from flexsearch.strategy.config import Config
+from flexsearch.strategy.config import Config, is_source
 from flexsearch.strategy.fsdp import ROOT, fsdp_units, node_units
 from flexsearch.strategy.kinds import FSDP_SHARDINGS
 from flexsearch.strategy.recompute import Checkpointing
@@ -71,24 +85,51 @@ class Simulator:
         self.optimizer = check_optimizer(optimizer)
         self.ctx = context if isinstance(context, CostContext) else CostContext(context, **ctx_kw)
         self.cluster = self.ctx.cluster
-        self._cache: dict[str, tuple[tuple, Fragment]] = {}
-        self._ddp_cache: dict[str, tuple[tuple, Fragment]] = {}
+        self._caches: dict[tuple[bool, int], dict[str, tuple[tuple, Fragment]]] = {}  # (ddp, replica width)
         self.rebuilt = 0  # fragments built so far (delta simulation statistics)
         self._links = tuple(link.id for link in self.cluster.links)
         self._checkpointing: dict[str, Checkpointing] = {}
 
-    def fragment(self, name: str, configs: Mapping[str, Config], *, ddp: bool = False) -> Fragment:
+    def fragment(self, name: str, configs: Mapping[str, Config], *, ddp: bool = False,
+                 replica: Replica | None = None) -> Fragment:
+        """``name``'s fragment under ``configs`` (cached; ``replica``: the first
+        replica's, :class:`~flexsearch.sim.taskgraph.Replica`)."""
         node = self.graph.node(name)
         sig = (configs[name], tuple(configs[i] for i in node.inputs))
-        cache, ctx = (self._ddp_cache, self.ctx.as_ddp()) if ddp else (self._cache, self.ctx)
+        cache = self._caches.setdefault((ddp, replica.width if replica is not None else 0), {})
         hit = cache.get(name)
         if hit is not None and hit[0] == sig:
             return hit[1]
         producers = [(self.graph.node(i), configs[i]) for i in node.inputs]
-        frag = build_fragment(node, configs[name], producers, ctx)
+        frag = build_fragment(node, configs[name], producers, self.ctx.as_ddp() if ddp else self.ctx, replica)
         cache[name] = (sig, frag)
         self.rebuilt += 1
         return frag
+
+    def replica(self, configs: Mapping[str, Config], group: int = 0) -> Replica | None:
+        """The replica quotient ``configs`` allow (module docstring), None when they do
+        not repeat: every op (sources have no tasks) on all ``n`` devices, period ``w`` the least common
+        multiple of their model-parallel degrees ``t`` (but an op replicated on every
+        device is the same on each) and of ``group`` (an HSDP shard
+        group), ``w < n`` dividing ``n``; for ``w > 1``, the replicas inside nodes
+        (``w`` divides the devices per node) on links of their own (a switch, or a
+        replica per node)."""
+        n = self.cluster.devices
+        w = group if 1 < group < n else 1
+        for node in self.graph.nodes:
+            if is_source(node):  # no tasks
+                continue
+            c = configs[node.name]
+            if c.first or c.n != n:
+                return None
+            if c.kind != "x" or c.s > 1:  # an op replicated on every device is the same on each
+                w = math.lcm(w, c.t)
+        if w >= n or n % w:
+            return None
+        per_node = self.cluster.devices_per_node
+        if w > 1 and (per_node % w or (w < per_node and self.cluster.spec.intra_node.topology != "switch")):
+            return None
+        return Replica(w, n)
 
     def is_ddp(self, configs: Mapping[str, Config]) -> bool:
         """Would the emitter run these configurations with DDP? With a calibration: every
@@ -110,14 +151,25 @@ class Simulator:
         ``fsdp_units`` (default: the rule of :func:`flexsearch.strategy.fsdp.fsdp_units`
         on the graph's modules), HSDP's groups of ``shard_group`` devices.
         ``recompute``: activation checkpointing (:meth:`_checkpoint`)."""
-        if shard in FSDP_SHARDINGS:
-            return self._fsdp(configs, timeline, fsdp_units, recompute, reshard=shard != "zero2",
-                              group=shard_group if shard == "hsdp" else 0)
-        if shard not in ("none", "zero1"):
+        if shard not in ("none", "zero1", *FSDP_SHARDINGS):
             raise ValueError(f"unknown sharding {shard!r}")
+        group = shard_group if shard == "hsdp" else 0
+        replica = None if timeline else self.replica(configs, group)
+        if replica is not None:
+            try:
+                return self._simulate(configs, False, ddp, shard, group, fsdp_units, recompute, replica)
+            except NotPeriodic:
+                pass
+        return self._simulate(configs, timeline, ddp, shard, group, fsdp_units, recompute, None)
+
+    def _simulate(self, configs: Mapping[str, Config], timeline: bool, ddp: bool | None, shard: str, group: int,
+                  fsdp_units: tuple[str, ...] | None, recompute: str, replica: Replica | None) -> Simulation:
+        if shard in FSDP_SHARDINGS:
+            return self._fsdp(configs, timeline, fsdp_units, recompute, reshard=shard != "zero2", group=group,
+                              replica=replica)
         ddp = self.is_ddp(configs) if ddp is None else ddp and self.ctx.calibration is not None
-        frags, working = self._checkpoint([self.fragment(n.name, configs, ddp=ddp) for n in self.graph.nodes],
-                                          configs, recompute)
+        frags, working = self._checkpoint(
+            [self.fragment(n.name, configs, ddp=ddp, replica=replica) for n in self.graph.nodes], configs, recompute)
         ordered: list[Task] = []
         for f in frags:
             ordered.extend(f.forward)
@@ -127,7 +179,7 @@ class Simulator:
             if i in buckets:
                 ordered.append(buckets[i])
         return self._schedule(frags, ordered, timeline, ddp, list(buckets.values()), configs=configs,
-                              working=working, zero1=shard == "zero1")
+                              working=working, zero1=shard == "zero1", replica=replica)
 
     def _checkpoint(self, frags: list[Fragment], configs: Mapping[str, Config],
                     mode: str) -> tuple[list[Fragment], dict[int, float]]:
@@ -183,7 +235,7 @@ class Simulator:
 
     def _fsdp(self, configs: Mapping[str, Config], keep_timeline: bool,
               given: tuple[str, ...] | None = None, recompute: str = "none", *, reshard: bool = True,
-              group: int = 0) -> Simulation:
+              group: int = 0, replica: Replica | None = None) -> Simulation:
         """A data-parallel plan run by FSDP2, parameters, gradients and optimizer state
         sharded over groups of ``g`` devices (``group``, default all ``n``; HSDP when
         ``g < n``: the groups are replicas). Per unit of :meth:`unit_nodes` (``P_u``
@@ -204,8 +256,9 @@ class Simulator:
             raise ValueError(f"{n} devices do not split into shard groups of {g}")
         groups = [list(range(k, k + g)) for k in range(0, n, g)]
         group_of = {d: k for k, members in enumerate(groups) for d in members}
-        frags, working = self._checkpoint([self.fragment(nd.name, configs, ddp=True) for nd in self.graph.nodes],
-                                          configs, recompute)
+        frags, working = self._checkpoint(
+            [self.fragment(nd.name, configs, ddp=True, replica=replica) for nd in self.graph.nodes], configs,
+            recompute)
         ctx = self.ctx.as_ddp()
         units = self.unit_nodes(given)
         unit_of = {i: u for u, idx in units.items() for i in idx}
@@ -215,13 +268,18 @@ class Simulator:
         copy_s = 2 / self.cluster.device.memory_bandwidth.value if cal is not None else 0.0
         fixed = cal.fsdp_collective_s.value if cal is not None else 0.0
 
-        def coll(op: str, u: str, members: list[int], nbytes: float, key: tuple, deps: tuple = ()) -> Task:
+        def coll(op: str, u: str, members: list[int], nbytes: float, key: tuple, deps: tuple = ()) -> list[Task]:
             label = u if u != ROOT else "root"
             t = collective_task(ctx, op, members, nbytes, f"fsdp {label}", deps, (key,), f"FSDP unit {label}")
-            return replace(t, duration=t.duration + copy_s * nbytes + fixed)
+            t = replace(t, duration=t.duration + copy_s * nbytes + fixed)
+            if replica is None:
+                return [t]
+            kept = replica.task(t, members)
+            return [] if kept is None else [kept]
 
         def gathers(u: str, tag: str) -> list[Task]:
-            return [coll("all_gather", u, members, size[u] * gather, (tag, u, k)) for k, members in enumerate(groups)]
+            return [t for k, members in enumerate(groups) for t in coll("all_gather", u, members, size[u] * gather,
+                                                                          (tag, u, k))]
 
         def waiting(tasks: list[Task], tag: str, u: str) -> list[Task]:
             return [replace(t, deps=t.deps + ((tag, u, group_of[t.resources[0]]),)) if t.kind in ("fwd", "bwd")
@@ -253,7 +311,7 @@ class Simulator:
                 scattered = []
                 for k, members in enumerate(groups):
                     deps = tuple(("b", self.graph.nodes[j].name, d) for j in units[u] for d in members)
-                    scattered.append(coll("reduce_scatter", u, members, size[u], ("rs", u, k), deps))
+                    scattered += coll("reduce_scatter", u, members, size[u], ("rs", u, k), deps)
                 ordered.extend(scattered)
                 if len(groups) == 1:
                     reduced.extend(scattered)
@@ -261,13 +319,14 @@ class Simulator:
                 for j in range(g):  # HSDP: the shard's replicas, one device per group
                     across = [members[j] for members in groups]
                     deps = tuple(("rs", u, k) for k in range(len(groups)))
-                    reduced.append(coll("all_reduce", u, across, size[u] / g, ("ar", u, j), deps))
-                    ordered.append(reduced[-1])
+                    mine = coll("all_reduce", u, across, size[u] / g, ("ar", u, j), deps)
+                    reduced += mine
+                    ordered += mine
         peak = sorted(size.values(), reverse=True)
         held = sum(peak[:2]) if reshard else sum(peak)
         unsharded = gather * held + (peak[0] if peak else 0.0)
         return self._schedule(frags, ordered, keep_timeline, True, reduced, shards=g,
-                              unsharded=unsharded, configs=configs, working=working)
+                              unsharded=unsharded, configs=configs, working=working, replica=replica)
 
     def _param_dtype(self) -> str:
         """The dtype the model's parameters are stored in (the first that has any)."""
@@ -337,7 +396,7 @@ class Simulator:
     def _schedule(self, frags: list[Fragment], ordered: list[Task], keep_timeline: bool, ddp: bool = False,
                   buckets: list[Task] = (), shards: int = 1, unsharded: float = 0.0,
                   configs: Mapping[str, Config] | None = None, working: Mapping[int, float] = {},
-                  zero1: bool = False) -> Simulation:
+                  zero1: bool = False, replica: Replica | None = None) -> Simulation:
         """List-schedule ``ordered``, then one optimizer update per device; memory.
         ``buckets``: gradient collectives every update waits for (DDP, FSDP); ``shards``:
         parameters, gradients and optimizer state divided over this many devices (FSDP),
@@ -347,7 +406,9 @@ class Simulator:
         tensors, by size), then the updated parameters are all-gathered over every
         device (torch broadcasts each rank's share: the same bytes on every link) before
         the iteration ends; calibrated, with ``ZeroRedundancyOptimizer``'s cost per
-        parameter tensor and per step (``zero1_per_tensor_s``, ``step_s["zero1"]``)."""
+        parameter tensor and per step (``zero1_per_tensor_s``, ``step_s["zero1"]``).
+        ``replica``: ``ordered`` holds the first replica's tasks; its devices' figures
+        are every replica's (module docstring)."""
         devices = self.cluster.devices
         run = run_tasks(ordered, devices, len(self._links), keep_timeline)
         free, end, timeline, compute, chain = run.free, run.end, run.timeline, run.compute, run.chain
@@ -394,7 +455,7 @@ class Simulator:
             t = Task("update", "optimizer", dur, (d,), tuple(after[d]), (("u", d),))
             free[d] = start + dur
             chain[("u", d)] = cstart + dur
-            serial += dur
+            serial += dur * (replica.copies if replica is not None else 1)
             compute[d] += dur
             if keep_timeline:
                 timeline.append(Scheduled(t, start, start + dur))
@@ -415,12 +476,15 @@ class Simulator:
         loss_grad = self._output_grad(configs)
         buckets_held = ddp and shards == 1  # DDP keeps a flat copy of the gradients
         backward = self._backward_working(frags)
+        width = replica.width if replica is not None else devices
         terms = [DeviceMemory(params[d], params[d], OPTIMIZER_STATE[self.optimizer] * owned[d], acts[d], largest[d],
                               unsharded, params[d] if buckets_held else 0.0, loss_grad.get(d, 0.0),
                               working.get(d, 0.0),  # checkpointing: one unit's activations rebuilt at a time
                               backward.get(d, 0.0))
-                 for d in range(devices)]
+                 for d in range(width)]
         memory = [peak_bytes(m, cal, mode) for m in terms]
+        if replica is not None:  # every replica's figures are the first's
+            terms, memory, compute = ([xs[d % width] for d in range(devices)] for xs in (terms, memory, compute))
         return Simulation(
             iteration_time_s=makespan,
             memory_bytes=tuple(memory),

@@ -32,13 +32,21 @@ partial-sum all-reduce, ``("b", n, d)`` backward, ``("G", n, d)`` the gradient o
 
 A fragment depends only on the node's configuration and its producers', so a
 simulator can keep fragments across changes (:mod:`flexsearch.sim.simulator`).
+
+**One replica for all** (:class:`Replica`): when every configuration repeats with a
+period of ``w`` devices (devices ``d`` and ``d + w`` do the same work on the same
+kind of links), a fragment can be built for devices ``0 .. w-1`` only. Their compute
+tasks, the transfers and collectives among them stand for the same tasks on every
+replica (``Task.copies``); a collective over every replica (its group the same when
+shifted by ``w``) is kept whole; the other replicas' own tasks are left out. A task
+that couples replicas otherwise raises :class:`NotPeriodic`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from flexsearch.graph.opgraph import OpNode, dtype_size
 from flexsearch.graph.regions import Region, input_region, intersect, split_interval, volume
@@ -47,6 +55,46 @@ from flexsearch.sim.accounting import largest_tensor
 from flexsearch.sim.context import CostContext, collective_task, link_resources, transfer_task
 from flexsearch.sim.tasks import Key, Task
 from flexsearch.strategy.config import Config, is_source, sample_dim
+
+
+class NotPeriodic(Exception):
+    """A task couples the replicas of a :class:`Replica` quotient unevenly: the
+    configuration does not repeat with that period (simulate every device instead)."""
+
+
+@dataclass(frozen=True)
+class Replica:
+    """The devices ``0 .. width - 1`` simulated for all ``devices // width`` replicas
+    (module docstring)."""
+
+    width: int
+    devices: int
+
+    @property
+    def copies(self) -> int:
+        return self.devices // self.width
+
+    def task(self, t: Task, members: Sequence[int]) -> Task | None:
+        """``t`` (a transfer or collective among ``members``) as the quotient keeps it:
+        within the first replica, standing for every replica's; None when it lies in
+        the other replicas; whole when it is a collective over every replica evenly (its
+        group the same shifted by ``width``)."""
+        inside = [d < self.width for d in members]
+        if all(inside):
+            return replace(t, copies=self.copies)
+        if not any(inside):
+            return None
+        group = set(members)
+        if t.kind == "coll" and {(d + self.width) % self.devices for d in group} == group:
+            return t
+        raise NotPeriodic(f"{t.detail}: devices {sorted(group)} do not repeat every {self.width}")
+
+
+def _keep(replica: Replica | None, t: Task, members: Sequence[int]) -> list[Task]:
+    if replica is None:
+        return [t]
+    kept = replica.task(t, members)
+    return [] if kept is None else [kept]
 
 
 @dataclass
@@ -268,7 +316,8 @@ def edge_geometry(node: OpNode, c: Config, k: int, p: OpNode, pc: Config, node_o
 
 
 def _mesh_move(
-    node: OpNode, c: Config, k: int, p: OpNode, pc: Config, ctx: CostContext, frag: Fragment
+    node: OpNode, c: Config, k: int, p: OpNode, pc: Config, ctx: CostContext, frag: Fragment,
+    replica: Replica | None = None,
 ) -> tuple[list[Task], list[Task], dict[int, list[Key]]]:
     """Edge ``p -> node`` between ops on different device blocks as the SOAP emitter runs
     it (calibrated simulations): the producer's output gathered on its block (an
@@ -291,49 +340,58 @@ def _mesh_move(
         return Task("coll", n, seconds, res, deps, defines, nbytes, f"{what} d{src}->d{dst} all_gather+broadcast")
 
     key = ("x", n, k, "move")
-    forward = [move(tuple((ready, p.name, h) for h in src), (key,), f"{p.name}->{n}")]
-    needs = {d: [key] for d in dst}
-    for d in dst:
+    forward = _keep(replica, move(tuple((ready, p.name, h) for h in src), (key,), f"{p.name}->{n}"), members)
+    mine = [d for d in dst if replica is None or d < replica.width]
+    needs = {d: [key] for d in mine}
+    for d in mine:
         frag.activations[d] = frag.activations.get(d, 0.0) + nbytes
-    backward = [move(tuple(("b", n, d) for d in dst), tuple(("G", p.name, h) for h in src), f"grad {n}->{p.name}")]
+    backward = _keep(replica, move(tuple(("b", n, d) for d in dst), tuple(("G", p.name, h) for h in src),
+                                   f"grad {n}->{p.name}"), members)
     return forward, backward, needs
 
 
 def edge_tasks(
-    node: OpNode, c: Config, k: int, p: OpNode, pc: Config, ctx: CostContext, frag: Fragment
+    node: OpNode, c: Config, k: int, p: OpNode, pc: Config, ctx: CostContext, frag: Fragment,
+    replica: Replica | None = None,
 ) -> tuple[list[Task], list[Task], dict[int, list[Key]]]:
     """The tasks of edge ``p -> node`` (input ``k``): forward transfers, backward
     gradient tasks, and per device of ``node`` the keys its forward waits for. Local
-    gradient contributions and received bytes are recorded on ``frag``."""
+    gradient contributions and received bytes are recorded on ``frag``. ``replica``:
+    the first replica's tasks only (module docstring)."""
     forward: list[Task] = []
     backward: list[Task] = []
     needs: dict[int, list[Key]] = {}
     if is_source(p):
         return forward, backward, needs
     if ctx.calibration is not None and not ctx.ddp and (pc.first, pc.s, pc.t) != (c.first, c.s, c.t):
-        return _mesh_move(node, c, k, p, pc, ctx, frag)
+        return _mesh_move(node, c, k, p, pc, ctx, frag, replica)
     geo = geometry(ctx, node, c, k, p, pc)
     n = node.name
     esize = dtype_size(p.outputs[0].dtype)
     ready = "F" if pc.kind == "r" else "f"  # output ready: after the partial-sum all-reduce
+    width = replica.width if replica is not None else ctx.cluster.devices
     for d in geo.local:
-        needs.setdefault(d, []).append((ready, p.name, d))
+        if d < width:
+            needs.setdefault(d, []).append((ready, p.name, d))
     for h, d, vol in geo.transfers:
         key = ("x", n, k, h, d)
         nbytes = vol * esize
-        forward.append(transfer_task(ctx, h, d, nbytes, n, ((ready, p.name, h),), (key,),
-                                 f"{p.name}->{n}"))
-        needs.setdefault(d, []).append(key)
-        frag.activations[d] = frag.activations.get(d, 0.0) + nbytes
+        kept = _keep(replica, transfer_task(ctx, h, d, nbytes, n, ((ready, p.name, h),), (key,), f"{p.name}->{n}"),
+                     (h, d))
+        if kept:
+            forward += kept
+            needs.setdefault(d, []).append(key)
+            frag.activations[d] = frag.activations.get(d, 0.0) + nbytes
     for d, h in geo.grad_local:
-        frag.grad_local.append((d, ("G", p.name, h)))
+        if d < width:
+            frag.grad_local.append((d, ("G", p.name, h)))
     for d, h, vol in geo.grad_transfers:
-        backward.append(transfer_task(ctx, d, h, vol * esize, n, (("b", n, d),),
-                                  (("G", p.name, h),), f"grad {n}->{p.name}"))
+        backward += _keep(replica, transfer_task(ctx, d, h, vol * esize, n, (("b", n, d),),
+                                                 (("G", p.name, h),), f"grad {n}->{p.name}"), (d, h))
     for op, group, vol, rdev, holders in geo.grad_collectives:
-        backward.append(collective_task(
+        backward += _keep(replica, collective_task(
             ctx, op, list(group), vol * esize, n, tuple(("b", n, d) for d in rdev),
-            tuple(("G", p.name, h) for h in holders), f"grad {n}->{p.name}"))
+            tuple(("G", p.name, h) for h in holders), f"grad {n}->{p.name}"), group)
     return forward, backward, needs
 
 
@@ -342,22 +400,24 @@ def build_fragment(
     c: Config,
     producers: list[tuple[OpNode, Config]],
     ctx: CostContext,
+    replica: Replica | None = None,
 ) -> Fragment:
     """The fragment of ``node`` under ``c``, given its inputs' nodes and configurations
-    (in ``node.inputs`` order)."""
+    (in ``node.inputs`` order); of the first replica only with ``replica`` (module
+    docstring)."""
     frag = Fragment()
     if is_source(node):
         return frag
-    needs: dict[int, list[Key]] = {d: [] for _, _, d in tasks_of(c)}
+    needs: dict[int, list[Key]] = {d: [] for _, _, d in tasks_of(c) if replica is None or d < replica.width}
     grad_edges: list[Task] = []
     for k, (p, pc) in enumerate(producers):
-        fwd, bwd, wait = edge_tasks(node, c, k, p, pc, ctx, frag)
+        fwd, bwd, wait = edge_tasks(node, c, k, p, pc, ctx, frag, replica)
         frag.forward += fwd
         grad_edges += bwd
         for d, keys in wait.items():
             needs[d] += keys
     first = bool(node.param_bytes) and all(is_source(p) for p, _ in producers)
-    node_tasks(node, c, ctx, frag, needs, grad_edges, first)
+    node_tasks(node, c, ctx, frag, needs, grad_edges, first, replica)
     return frag
 
 
@@ -369,11 +429,17 @@ def node_tasks(
     needs: dict[int, list[Key]] | None = None,
     grad_edges: list[Task] = (),
     first: bool = False,
+    replica: Replica | None = None,
 ) -> Fragment:
     """Add the node's own tasks to ``frag``: compute, partial-sum all-reduce, gradient
-    synchronisation, and its memory terms (``first``: a first layer, no input gradient)."""
+    synchronisation, and its memory terms (``first``: a first layer, no input gradient;
+    ``replica``: of the first replica only, module docstring)."""
     n = node.name
     parts = tasks_of(c)
+    copies = 1
+    if replica is not None:
+        parts = [p for p in parts if p[2] < replica.width]
+        copies = replica.copies
     needs = needs or {}
     cost = ctx.op_cost(node, c, first)
     fwd_time, bwd_time = cost
@@ -382,7 +448,7 @@ def node_tasks(
     grad = grad_bytes(node) / activation_split(c)
     for _, _, d in parts:
         frag.forward.append(Task("fwd", n, fwd_time, (d,), tuple(needs.get(d, ())), (("f", n, d),),
-                                 detail=c.text))
+                                 detail=c.text, copies=copies))
         if keeps:
             frag.activations[d] = frag.activations.get(d, 0.0) + out_bytes
         if grad:
@@ -392,10 +458,10 @@ def node_tasks(
     if c.kind == "r":
         for i in range(c.s):
             group = [c.device(i, j) for j in range(c.t)]
-            frag.forward.append(collective_task(
+            frag.forward += _keep(replica, collective_task(
                 ctx, "all_reduce", group, node.output_bytes / c.s, n,
                 tuple(("f", n, d) for d in group), tuple(("F", n, d) for d in group),
-                "partial sums"))
+                "partial sums"), group)
 
     # Backward compute, input gradients, then gradient synchronisation of owned parameters.
     local: dict[int, list[Key]] = {}
@@ -403,7 +469,7 @@ def node_tasks(
         local.setdefault(d, []).append(key)
     frag.backward = [
         Task("bwd", n, bwd_time, (d,), (("f", n, d), ("G", n, d)), (("b", n, d), *local.get(d, ())),
-             detail=c.text)
+             detail=c.text, copies=copies)
         for _, _, d in parts
     ]
     frag.backward += grad_edges  # input gradients first: they are on the critical path
@@ -423,15 +489,16 @@ def node_tasks(
         groups = (
             [[c.device(i, j) for i in range(c.s)] for j in range(c.t)] if sharded else [list(c.devices)]
         )
+        width = replica.width if replica is not None else ctx.cluster.devices
         for g_i, group in enumerate(groups):
             if len(group) == 1 or ctx.ddp:  # DDP: bucketed all-reduces (the simulator's)
-                frag.sync.extend((d, ("b", n, d)) for d in group)
+                frag.sync.extend((d, ("b", n, d)) for d in group if d < width)
                 continue
             key = ("s", n, g_i)
             # the DTensor emitter all-reduces each parameter's gradient on its own
             calls = count if ctx.calibration is not None else 1
-            frag.backward.append(collective_task(
+            frag.backward += _keep(replica, collective_task(
                 ctx, "all_reduce", group, shard, n, tuple(("b", n, d) for d in group), (key,),
-                "gradients", calls))
-            frag.sync.extend((d, key) for d in group)
+                "gradients", calls), group)
+            frag.sync.extend((d, key) for d in group if d < width)
     return frag

@@ -32,7 +32,10 @@ Key = Hashable
 class Task:
     """One task: ``kind`` in fwd/bwd/xfer/coll/update; ``resources`` are device ids
     (``< devices``) and link indexes (``devices + i``); ``deps`` keys it waits for;
-    ``defines`` the keys it satisfies (module docstring)."""
+    ``defines`` the keys it satisfies (module docstring). ``copies``: how many identical
+    tasks on other replicas it stands for in a simulation of one replica (the
+    op-level simulator's replica quotient, :mod:`flexsearch.sim.simulator`); it counts
+    that many times in ``serial``."""
 
     kind: str
     name: str
@@ -42,6 +45,7 @@ class Task:
     defines: tuple[Key, ...] = ()
     nbytes: float = 0.0
     detail: str = ""
+    copies: int = 1
 
 
 @dataclass(frozen=True)
@@ -143,7 +147,7 @@ def run_tasks(ordered: Sequence[Task], devices: int, links: int, keep_timeline: 
                 end[k] = stop
         if t.kind == "fwd" or t.kind == "bwd":
             compute[t.resources[0]] += t.duration
-        serial += t.duration
+        serial += t.duration * t.copies
         if keep_timeline:
             timeline.append(Scheduled(t, start, stop))
             cstop = max([chain.get(k, 0.0) for k in t.deps], default=0.0) + t.duration

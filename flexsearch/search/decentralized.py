@@ -23,8 +23,10 @@ Pure functions of (graph, cluster, options) that a planner calls in a few lines:
   i.e. the time per iteration of synchronous SGD that reaches the same accuracy, so it
   compares directly with a synchronous plan's iteration time (whose factor is 1).
 - :func:`centralized_baselines`: parameter server with one server (``"ps"``) and
-  sharded over every worker (``"ps-sharded"``), optionally all-reduce (``"all-reduce"``,
-  the ``"data"`` baseline's number), on the same replica cost.
+  sharded over every worker (``"ps-sharded"``, up to :data:`PS_SHARDED_MAX_DEVICES`:
+  its exchange is ``n (n - 1)`` transfers, 9.4 million on 3,072 devices, a minute to
+  cost), optionally all-reduce (``"all-reduce"``, the ``"data"`` baseline's number), on
+  the same replica cost.
 - :func:`explain`: one line saying why the best decentralized candidate wins or loses
   against the best synchronous plan.
 
@@ -46,6 +48,7 @@ from dataclasses import dataclass
 
 from flexsearch.errors import TopologyError
 from flexsearch.graph.opgraph import OpGraph
+from flexsearch.search.clock import past
 from flexsearch.sim.context import CostContext
 from flexsearch.sim.decentralized import (
     simulate_all_reduce,
@@ -60,6 +63,8 @@ from flexsearch.strategy.topology import Topology, build, iterations_factor
 
 DEFAULT_TOPOLOGIES = ("ring", "torus", "exponential", "one_peer_exponential", "complete")
 COMPLETE_MAX_RANKS = 64
+PS_SHARDED_MAX_DEVICES = 1024
+"""Largest cluster the sharded parameter server is simulated on (module docstring)."""
 """Largest rank count the complete graph is tried on (module docstring)."""
 OBJECTIVES = ("iteration", "time_to_accuracy")
 
@@ -152,14 +157,16 @@ def decentralized_candidates(
     timeline: bool = False,
     noise_ratio: float = 100.0,
     heterogeneity_ratio: float = 0.0,
+    deadline: float | None = None,
 ) -> list[DecentralizedResult]:
     """Every applicable topology's D-PSGD iteration on ``ctx``'s cluster (module docstring),
     sorted feasible first, then by ``effective_time_s``. ``cost`` (default
     :func:`replica_cost` of ``graph``; ``graph`` is not read when it is given) lets a
     caller cost the replica once for several calls;
     ``noise_ratio`` and ``heterogeneity_ratio`` go to
-    :func:`~flexsearch.strategy.topology.iterations_factor`. Raises ValueError when the
-    batch does not split over the devices."""
+    :func:`~flexsearch.strategy.topology.iterations_factor`. Past ``deadline`` (a
+    ``time.perf_counter()`` time) no more topologies are simulated. Raises ValueError
+    when the batch does not split over the devices."""
     _check_objective(objective)
     tops, _ = candidate_topologies(ctx.cluster.devices, topologies)
     if not tops:
@@ -168,6 +175,8 @@ def decentralized_candidates(
         cost = replica_cost(graph, ctx)
     out = []
     for top in tops:
+        if past(deadline):
+            break
         sim = simulate_gossip(ctx, cost, top, optimizer=optimizer, timeline=timeline)
         factor = iterations_factor(top, noise_ratio=noise_ratio, heterogeneity_ratio=heterogeneity_ratio)
         out.append(DecentralizedResult(top, sim, factor, effective_time(sim.iteration_time_s, factor, objective),
@@ -185,19 +194,19 @@ def centralized_baselines(
     all_reduce: bool = False,
     timeline: bool = False,
 ) -> dict[str, Simulation]:
-    """``{"ps": one server (device 0), "ps-sharded": a shard on every device}``, plus
-    ``"all-reduce"`` (the ``"data"`` baseline's simulation) with ``all_reduce=True``, on
-    the same replica cost as :func:`decentralized_candidates` (empty on one device)."""
+    """``{"ps": one server (device 0), "ps-sharded": a shard on every device}`` (the
+    latter up to :data:`PS_SHARDED_MAX_DEVICES`), plus ``"all-reduce"`` (the ``"data"``
+    baseline's simulation) with ``all_reduce=True``, on the same replica cost as
+    :func:`decentralized_candidates` (empty on one device)."""
     n = ctx.cluster.devices
     if n < 2:
         return {}
     if cost is None:
         cost = replica_cost(graph, ctx)
-    out = {
-        "ps": simulate_parameter_server(ctx, cost, servers=(0,), optimizer=optimizer, timeline=timeline),
-        "ps-sharded": simulate_parameter_server(ctx, cost, servers=range(n), optimizer=optimizer,
-                                                timeline=timeline),
-    }
+    out = {"ps": simulate_parameter_server(ctx, cost, servers=(0,), optimizer=optimizer, timeline=timeline)}
+    if n <= PS_SHARDED_MAX_DEVICES:
+        out["ps-sharded"] = simulate_parameter_server(ctx, cost, servers=range(n), optimizer=optimizer,
+                                                      timeline=timeline)
     if all_reduce:
         out["all-reduce"] = simulate_all_reduce(ctx, cost, optimizer=optimizer, timeline=timeline)
     return out

@@ -9,9 +9,11 @@ them.
 data parallel over ``d`` replicas and, for transformers, Megatron tensor parallel over
 ``t`` devices inside a node; kind ``pipeline`` for ``t = 1``, ``hybrid`` otherwise. For
 each ``(t, p, m, schedule)`` the partitioner (:mod:`.partition`, straight pipeline of
-``p`` stages, memory-aware) places the cuts; the best candidates by the partitioner's
-estimate ``(m v + p - 1) / v * bottleneck`` are simulated
-(:mod:`flexsearch.sim.pipeline`) and the fastest that fits wins.
+``p`` stages, memory-aware: under the interleaved schedule each of a rank's ``v``
+chunks within ``1 / v`` of its memory) places the cuts; the best candidates by the
+partitioner's estimate ``(m v + p - 1) / v * bottleneck`` are simulated
+(:mod:`flexsearch.sim.pipeline`), more while none of them fits (the simulation's memory
+is the exact one), and the fastest that fits wins.
 
 **PipeDream's plan** (a baseline, simulated, not emitted): the hierarchical partitioner
 with a replication factor per stage over the cluster's levels (devices in a node,
@@ -192,9 +194,9 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
                      max_stages: int | None = None, deadline: float | None = None) -> list[PipelineResult]:
     """Every emittable pipeline and hybrid candidate on ``ctx``'s cluster (module
     docstring), the best ``simulate_top`` by the partitioner's estimate simulated
-    (past ``deadline``, a ``time.perf_counter()`` time, no more layouts are estimated
-    and no more are simulated once one is); results sorted fastest first, feasible
-    ones first."""
+    (and, while none of those fits, the next ones until one does; past ``deadline``, a
+    ``time.perf_counter()`` time, no more layouts are estimated and no more are
+    simulated once one is); results sorted fastest first, feasible ones first."""
     cluster = ctx.cluster
     n = cluster.devices
     try:
@@ -248,7 +250,8 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
                     if q is None:
                         continue
                     for recompute in modes:  # the first that fits: recomputing only costs time
-                        memory = Memory(cap, state, in_flight=lambda r, q=q: q)
+                        # a rank holds v chunks: each within its share of the memory
+                        memory = Memory(cap / v, state, in_flight=lambda r, q=q: q)
                         part = partition(chains[recompute], [Level(p * v, bw, lat)], memory=memory, replicate=False)
                         if part is None or len(part.stages) != p * v:
                             continue
@@ -257,8 +260,8 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
                         break
     estimates.sort(key=lambda e: (e[0], RECOMPUTE_ORDER.index(e[7])))
     results = []
-    for _, t, p, d, m, schedule, v, recompute, part in estimates[:simulate_top]:
-        if results and past(deadline):
+    for rank, (_, t, p, d, m, schedule, v, recompute, part) in enumerate(estimates):
+        if results and (past(deadline) or (rank >= simulate_top and any(r.simulation.feasible for r in results))):
             break
         bounds = [(s.start, s.end) for s in part.stages]
         costs, local = costs_for(d * m, t)

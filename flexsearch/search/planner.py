@@ -235,7 +235,8 @@ def plan_graph(
     elif "decentralized" in kinds or default:
         plan = with_decentralized(plan, graph, ctx, allow=decentralized and "decentralized" in kinds,
                                   require=not sync_kinds,
-                                  convergence=convergence or constants_for(graph.family or graph.model))
+                                  convergence=convergence or constants_for(graph.family or graph.model),
+                                  deadline=None if budget_s is None else t0 + budget_s)
     if batch_norm not in ("local", "sync"):
         raise ValueError(f"batch_norm is 'local' or 'sync', not {batch_norm!r}")
     if any("batch_norm" in n.target or "BatchNorm" in n.target for n in graph.nodes):
@@ -251,7 +252,8 @@ def plan_graph(
 
 
 def with_decentralized(plan: Plan, graph: OpGraph, ctx: CostContext, *, allow: bool = True,
-                       require: bool = False, convergence: Constants = DEFAULT_CONSTANTS) -> Plan:
+                       require: bool = False, convergence: Constants = DEFAULT_CONSTANTS,
+                       deadline: float | None = None) -> Plan:
     """``plan`` (the best synchronous plan) against D-PSGD on every applicable topology
     and the parameter-server baselines (:mod:`.decentralized`), on the same replica
     cost. The best decentralized candidate replaces ``plan`` when ``allow`` and its
@@ -259,7 +261,9 @@ def with_decentralized(plan: Plan, graph: OpGraph, ctx: CostContext, *, allow: b
     factor for ``time_to_accuracy``) is shorter, or whenever one fits with ``require``
     (``kinds=("decentralized",)``); the parameter servers join the baselines; the plan's
     ``notes`` say why D-PSGD was chosen or rejected, under which objective, and where the
-    iterations factor's constants (``convergence``) come from."""
+    iterations factor's constants (``convergence``) come from. Past ``deadline`` (a
+    ``time.perf_counter()`` time) no more topologies are simulated, nor the parameter
+    servers, and a note says so."""
     if ctx.cluster.devices < 2:
         if require:
             raise PlanKindError("no decentralized plan on one device: there is nothing to exchange; "
@@ -275,8 +279,14 @@ def with_decentralized(plan: Plan, graph: OpGraph, ctx: CostContext, *, allow: b
         return plan.model_copy(update={"notes": (*plan.notes, note)})
     cands = dz.decentralized_candidates(graph, ctx, optimizer=plan.optimizer, objective=plan.objective, cost=cost,
                                         noise_ratio=convergence.noise_ratio,
-                                        heterogeneity_ratio=convergence.heterogeneity_ratio)
-    central = dz.centralized_baselines(graph, ctx, optimizer=plan.optimizer, cost=cost)
+                                        heterogeneity_ratio=convergence.heterogeneity_ratio, deadline=deadline)
+    cut = []
+    tops = len(dz.candidate_topologies(ctx.cluster.devices)[0])
+    if len(cands) < tops:
+        cut.append(f"{tops - len(cands)} of {tops} D-PSGD topologies")
+    central = {} if past(deadline) else dz.centralized_baselines(graph, ctx, optimizer=plan.optimizer, cost=cost)
+    if not central:
+        cut.append("the parameter-server baselines")
     baselines = dict(plan.baselines)
     infeasible = list(plan.infeasible_baselines)
     for name, sim in central.items():
@@ -286,6 +296,8 @@ def with_decentralized(plan: Plan, graph: OpGraph, ctx: CostContext, *, allow: b
             infeasible.append(name)
     note = dz.explain(cands, plan.kind, plan.predicted.iteration_time_s, objective=plan.objective,
                       factor_source=convergence.origin)
+    if cut:
+        note += f"; the budget cut short: {', '.join(cut)} not simulated"
     best = dz.best_candidate(cands)
     if best is not None and not best.simulation.feasible:
         best = None

@@ -36,6 +36,13 @@ The iteration time of a **synchronous schedule** (``gpipe``, ``1f1b``,
 ``interleaved``: every replica runs the whole schedule on its share of the batch) is
 the makespan.
 
+**One replica for all** (synchronous schedules, :func:`mirror`): when every rank has
+``d`` replicas and the transfers of different replicas cross links of their own, every
+replica runs the same tasks at the same times. Only replica 0's lanes are simulated
+(their tasks stand for ``d``, ``Task.copies``), with the synchronisations over the
+replicas whole; the other replicas' devices take their counterparts' figures. The
+result is the full simulation's (``tests/test_pipeline.py``).
+
 **PipeDream** (``pipedream``): asynchronous 1F1B with weight stashing over a window of
 minibatches (no flush); replica ``j mod r`` of a stage with ``r`` replicas takes
 minibatch ``j``; each replica runs ``NOAM_k = ceil(replicas of stages >= k / r_k)``
@@ -194,7 +201,7 @@ def lanes(layout: PipelineLayout) -> dict[tuple[int, int], tuple[Action, ...]]:
 
 
 def _move(ctx: CostContext, name: str, src: tuple[int, ...], dst: tuple[int, ...], nbytes: float, dep,
-          key) -> Task:
+          key, copies: int = 1) -> Task:
     """Activations or gradients from one replica's devices to another's, one transfer
     per tensor-parallel rank in parallel; posted asynchronously: they hold the links,
     not the devices."""
@@ -204,7 +211,29 @@ def _move(ctx: CostContext, name: str, src: tuple[int, ...], dst: tuple[int, ...
             t, ls = ctx.transfer(a, b, nbytes)
             dur = max(dur, t)
             links.update(ls)
-    return Task("xfer", name, dur, tuple(sorted(links)), (dep,), (key,), nbytes * len(src))
+    return Task("xfer", name, dur, tuple(sorted(links)), (dep,), (key,), nbytes * len(src), copies=copies)
+
+
+def mirror(ctx: CostContext, layout: PipelineLayout) -> dict[int, int] | None:
+    """Device -> its counterpart in replica 0 when one replica may stand for all
+    (module docstring): a synchronous schedule, every rank with the same ``d > 1``
+    replicas of the same width, and the links each replica's stage-to-stage transfers
+    cross used by no other replica. None otherwise."""
+    d = len(layout.ranks[0])
+    if layout.asynchronous or d < 2 or any(len(reps) != d for reps in layout.ranks) \
+            or len({len(rep) for reps in layout.ranks for rep in reps}) != 1:
+        return None
+    p = len(layout.ranks)
+    owner: dict[int, int] = {}  # link -> the replica whose transfers cross it
+    for s in range(layout.stages - 1):
+        src, dst = layout.ranks[s % p], layout.ranks[(s + 1) % p]
+        for i in range(d):
+            for a, b in zip(src[i], dst[i], strict=True):
+                for way in ((a, b), (b, a)):
+                    for link in ctx.transfer(*way, 1.0)[1]:
+                        if owner.setdefault(link, i) != i:
+                            return None
+    return {dev: reps[0][q] for reps in layout.ranks for rep in reps for q, dev in enumerate(rep)}
 
 
 def _stage_sync(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLayout, name: str, stage: int,
@@ -225,17 +254,18 @@ def _stage_sync(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLa
 
 
 def _updates(ctx: CostContext, layout: PipelineLayout, optimizer: str, devs: tuple[int, ...], nbytes: float,
-             tensors: float, deps: tuple, key) -> list[Task]:
+             tensors: float, deps: tuple, key, copies: int = 1) -> list[Task]:
     """One optimizer update on each of ``devs`` (stages on DTensors when tensor parallel)."""
     sharded = len(layout.ranks[0][0]) > 1
     dur = update_s(ctx, optimizer, nbytes, tensors, "pipeline", sharded=sharded)
-    return [Task("update", "optimizer", dur, (d,), deps, (key,)) for d in devs]
+    return [Task("update", "optimizer", dur, (d,), deps, (key,), copies=copies) for d in devs]
 
 
 def action_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLayout, optimizer: str,
-                 by_lane: dict[tuple[int, int], tuple[Action, ...]]) -> list[Task]:
+                 by_lane: dict[tuple[int, int], tuple[Action, ...]], copies: int = 1) -> list[Task]:
     """The compute and transfer tasks of every lane's actions (module docstring), in an
-    order the scheduler can take; PipeDream's per-round syncs and updates included."""
+    order the scheduler can take; PipeDream's per-round syncs and updates included.
+    ``copies``: the replicas each task stands for (:func:`mirror`)."""
     asynchronous = layout.asynchronous
     last = layout.stages - 1
     cal = ctx.calibration
@@ -275,22 +305,24 @@ def action_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineL
                 c_s = costs[s]
                 if a.kind == "F":
                     key = Step("forward", s, j, c)
-                    ordered.append(Task("fwd", a.text, c_s.forward_s + action_s, devs, tuple(need), (key,)))
+                    ordered.append(Task("fwd", a.text, c_s.forward_s + action_s, devs, tuple(need), (key,),
+                                        copies=copies))
                     done.add(key)
                     if s < last:
                         nxt = Step("input", s + 1, j, c)
                         ordered.append(_move(ctx, f"act {a.text}", devs, group(s + 1, replica(s + 1, j, i)),
-                                             c_s.send_bytes, key, nxt))
+                                             c_s.send_bytes, key, nxt, copies))
                         done.add(nxt)
                 else:
                     key = Step("backward", s, j, c)
-                    ordered.append(Task("bwd", a.text, c_s.backward_s + action_s, devs, tuple(need), (key,)))
+                    ordered.append(Task("bwd", a.text, c_s.backward_s + action_s, devs, tuple(need), (key,),
+                                        copies=copies))
                     done.add(key)
                     waits.pop(lane, None)
                     if s > 0:
                         prev = Step("grad", s - 1, j, c)
                         ordered.append(_move(ctx, f"grad {a.text}", devs, group(s - 1, replica(s - 1, j, i)),
-                                             costs[s - 1].send_bytes, key, prev))
+                                             costs[s - 1].send_bytes, key, prev, copies))
                         done.add(prev)
                     if asynchronous:
                         n = len(layout.ranks[r])
@@ -328,16 +360,18 @@ def held_params(costs: Sequence[StageCost], layout: PipelineLayout, devices: int
 
 
 def sync_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLayout, optimizer: str,
-               by_lane: dict[tuple[int, int], tuple[Action, ...]]) -> list[Task]:
+               by_lane: dict[tuple[int, int], tuple[Action, ...]], mirrored: dict[int, int] | None = None) -> list[Task]:
     """A synchronous schedule's end of iteration (module docstring): each stage's
     gradient all-reduce over its replicas after its last backward, the tied weights'
-    all-reduces, one optimizer update per device after every sync it takes part in."""
+    all-reduces, one optimizer update per device after every sync it takes part in
+    (``mirrored``: on replica 0's devices only, each standing for every replica's,
+    :func:`mirror`)."""
     ordered: list[Task] = []
     held, tensors = held_params(costs, layout, ctx.cluster.devices)
     after: dict[int, list] = {}
     for s in range(layout.stages):
         r = layout.rank_of(s)
-        deps = tuple(Step("backward", s, max(a.microbatch for a in by_lane[(r, i)] if a.stage == s), i)
+        deps = tuple(Step("backward", s, max(a.microbatch for a in by_lane[(r, 0)] if a.stage == s), i)
                      for i in range(len(layout.ranks[r])))
         ordered.extend(_stage_sync(ctx, costs, layout, f"sync stage {s}", s, deps, Synced(s)))
         for rep in layout.ranks[r]:
@@ -352,9 +386,11 @@ def sync_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLay
                             (key,), nbytes, f"tied weights of stages {a_st} and {b_st}"))
         for d in members:
             after.setdefault(d, []).append(key)
+    copies = len(layout.ranks[0]) if mirrored is not None else 1
     for d, deps in sorted(after.items()):
-        if held[d]:
-            ordered.extend(_updates(ctx, layout, optimizer, (d,), held[d], tensors[d], tuple(deps), Updated(d)))
+        if held[d] and (mirrored is None or mirrored[d] == d):
+            ordered.extend(_updates(ctx, layout, optimizer, (d,), held[d], tensors[d], tuple(deps), Updated(d),
+                                    copies))
     return ordered
 
 
@@ -394,9 +430,11 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
         raise ValueError(f"{len(costs)} stage costs for {layout.stages} stages")
     devices = ctx.cluster.devices
     by_lane = lanes(layout)
-    ordered = action_tasks(ctx, costs, layout, optimizer, by_lane)
+    mirrored = None if timeline else mirror(ctx, layout)
+    acting = by_lane if mirrored is None else {lane: acts for lane, acts in by_lane.items() if lane[1] == 0}
+    ordered = action_tasks(ctx, costs, layout, optimizer, acting, len(layout.ranks[0]) if mirrored else 1)
     if not layout.asynchronous:
-        ordered += sync_tasks(ctx, costs, layout, optimizer, by_lane)
+        ordered += sync_tasks(ctx, costs, layout, optimizer, by_lane, mirrored)
     run = run_tasks(ordered, devices, len(ctx.cluster.links), timeline)
     if layout.asynchronous:
         m = layout.microbatches
@@ -406,12 +444,16 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
         time_s = per_unit * (layout.units or 1)
     else:
         time_s = max(run.free, default=0.0)
-    terms = pipeline_memory(ctx, costs, layout, optimizer, by_lane)
+    terms = pipeline_memory(ctx, costs, layout, optimizer, acting)
+    compute = busy_compute(ordered, devices)
+    if mirrored is not None:  # every replica's figures are replica 0's
+        terms = [terms[mirrored.get(d, d)] for d in range(devices)]
+        compute = [compute[mirrored.get(d, d)] for d in range(devices)]
     return Simulation(
         iteration_time_s=time_s,
         memory_bytes=tuple(peak_bytes(m, ctx.calibration, "pipeline") for m in terms),
         capacity_bytes=ctx.cluster.device.memory_capacity.value,
-        compute_s=tuple(busy_compute(ordered, devices)),
+        compute_s=tuple(compute),
         timeline=tuple(run.timeline) if timeline else (),
         link_names=tuple(link.id for link in ctx.cluster.links),
         critical_path_s=max(run.chain.values(), default=0.0) if timeline else float("nan"),

@@ -3,7 +3,9 @@ planner's choices (VGG-16 on PipeDream's cluster), plan round trips, profiles.""
 
 from __future__ import annotations
 
+import functools
 import json
+import sys
 
 import pytest
 from conftest import ROOT, Branchy
@@ -200,3 +202,70 @@ def test_backward_working_set():
     assert backward_working([1, 10, 10], [50, 1, 1]) == 41.0
     # a later stage's first node hands back the gradient of the input it received
     assert backward_working([10, 10], [4, 4], received=20.0) == 14.0
+
+
+@functools.cache
+def _gpt_tiny():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import zoo
+
+    model, inputs = zoo.build("gpt_tiny")
+    return trace(model, inputs)
+
+
+# --------------------------------------------------------------------------- one replica for all
+
+MIRROR_CASES = [("dgx-h100", 16, 2, 2, "1f1b"), ("dgx-h100", 32, 2, 8, "interleaved"), ("dgx-a100", 16, 4, 1, "gpipe"),
+                ("cpu", 4, 2, 1, "1f1b"), ("flexflow-k80", 8, 2, 2, "interleaved")]
+
+
+@pytest.mark.parametrize(("cl", "n", "p", "t", "schedule"), MIRROR_CASES,
+                         ids=[f"{c}x{n}-p{p}t{t}-{s}" for c, n, p, t, s in MIRROR_CASES])
+def test_one_replica_simulates_all(cl, n, p, t, schedule):
+    """Without a timeline a synchronous pipeline whose replicas cross links of their own is
+    simulated on replica 0 (:func:`flexsearch.sim.pipeline.mirror`): the same time,
+    memory and compute per device as every replica simulated."""
+    from flexsearch.cost.calibration import load_calibration
+    from flexsearch.sim.pipeline import mirror
+    from flexsearch.sim.predict import predict
+    from flexsearch.strategy.kinds import Pipelined
+
+    g = _gpt_tiny()
+    cluster = Cluster.preset(cl, n)
+    ctx = CostContext(cluster, calibration=load_calibration(cluster.device.name) if cl == "cpu" else None)
+    v = 2 if schedule == "interleaved" else 1
+    k = len(g.nodes)
+    bounds = tuple((k * i // (p * v), k * (i + 1) // (p * v)) for i in range(p * v))
+    for m in (1, 2):  # 8 samples over 4 replicas at most
+        for rc in ("none", "full"):
+            strategy = Pipelined(bounds, tensor=t, replicas=n // (p * t), schedule=schedule, microbatches=m,
+                                 chunks=v, recompute=rc)
+            fast = predict(g, strategy, ctx, timeline=False)
+            full = predict(g, strategy, ctx)
+            assert fast.iteration_time_s == full.iteration_time_s
+            assert fast.memory_bytes == full.memory_bytes and fast.memory_terms == full.memory_terms
+            assert fast.compute_s == full.compute_s
+            assert fast.serial_s == pytest.approx(full.serial_s, rel=1e-12)
+    layout = PipelineLayout(schedule, 4, tuple(tuple(tuple(range(r * n // p + i * t, r * n // p + (i + 1) * t))
+                                                     for i in range(n // (p * t))) for r in range(p)), chunks=v)
+    mirrored = mirror(ctx, layout)
+    # replicas sharing a link: the K80 nodes' one NIC, the CPU host's one memory bus
+    assert (mirrored is not None) == (cl not in ("flexflow-k80", "cpu"))
+    if mirrored is not None:
+        assert all(mirrored[d] in layout.ranks[r][0] for r, reps in enumerate(layout.ranks) for rep in reps
+                   for d in rep)
+
+
+@pytest.mark.parametrize(("cl", "own"), [("flexflow-k80", False), ("dgx-a100", True)])
+def test_replicas_sharing_links_are_all_simulated(cl, own):
+    """A 2-stage pipeline, one stage per node, a replica per device: on the K80 cluster
+    every replica's activations leave through the node's one NIC, so one replica cannot
+    stand for all; a DGX has a NIC per GPU."""
+    from flexsearch.sim.pipeline import mirror
+
+    cluster = Cluster.preset(cl, 16)
+    per = cluster.devices_per_node
+    layout = PipelineLayout("1f1b", 4, (tuple((d,) for d in range(per)), tuple((d,) for d in range(per, 2 * per))))
+    ctx = CostContext(cluster)
+    assert (set(ctx.transfer(0, per, 1.0)[1]) == set(ctx.transfer(1, per + 1, 1.0)[1])) != own
+    assert (mirror(ctx, layout) is not None) == own

@@ -63,6 +63,7 @@ from flexsearch.cost.hardware import Cluster
 from flexsearch.errors import FlexsearchError
 from flexsearch.graph.tracer import trace
 from flexsearch.precision import precision
+from flexsearch.search.pipeline import block_bounds
 from flexsearch.search.planner import plan_graph
 from flexsearch.sim.context import CostContext
 from flexsearch.sim.predict import predict
@@ -140,10 +141,10 @@ def layer_bounds(graph, layers: int, p: int) -> tuple[tuple[int, int], ...]:
     units = recompute_units(graph)
     if len(units) != layers:
         raise ValueError(f"expected {layers} layers, found {len(units)} repeated blocks")
-    per = layers // p
-    starts = [0] + [units[k * per].start for k in range(1, p)]
-    ends = starts[1:] + [len(graph.nodes)]
-    return tuple(zip(starts, ends, strict=True))
+    bounds = block_bounds(graph, p)
+    if bounds is None:
+        raise ValueError(f"{layers} layers do not split into {p} stages")
+    return bounds
 
 
 def megatron_layout(graph, row: Row, ctx: CostContext):

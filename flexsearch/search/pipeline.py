@@ -13,7 +13,8 @@ each ``(t, p, m, schedule)`` the partitioner (:mod:`.partition`, straight pipeli
 chunks within ``1 / v`` of its memory) places the cuts; the best candidates by the
 partitioner's estimate ``(m v + p - 1) / v * bottleneck`` are simulated
 (:mod:`flexsearch.sim.pipeline`), more while none of them fits (the simulation's memory
-is the exact one), and the fastest that fits wins.
+is the exact one), then the best one's layout cut at block boundaries
+(:func:`block_bounds`), and the fastest that fits wins.
 
 **PipeDream's plan** (a baseline, simulated, not emitted): the hierarchical partitioner
 with a replication factor per stage over the cluster's levels (devices in a node,
@@ -49,7 +50,7 @@ from flexsearch.sim.stages import (
 from flexsearch.strategy.config import Config
 from flexsearch.strategy.kinds import Pipelined
 from flexsearch.strategy.recipes import stage_configs
-from flexsearch.strategy.recompute import Checkpointing
+from flexsearch.strategy.recompute import Checkpointing, recompute_units
 from flexsearch.strategy.schedules import in_flight, rank_actions
 
 SYNC_SCHEDULES = ("1f1b", "gpipe", "interleaved")
@@ -259,21 +260,46 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
                         estimates.append((est, t, p, d, m, schedule, v, recompute, part))
                         break
     estimates.sort(key=lambda e: (e[0], RECOMPUTE_ORDER.index(e[7])))
-    results = []
-    for rank, (_, t, p, d, m, schedule, v, recompute, part) in enumerate(estimates):
-        if results and (past(deadline) or (rank >= simulate_top and any(r.simulation.feasible for r in results))):
-            break
-        bounds = [(s.start, s.end) for s in part.stages]
+    def simulated(bounds, t: int, p: int, d: int, m: int, schedule: str, v: int, recompute: str) -> PipelineResult:
         costs, local = costs_for(d * m, t)
         sim = simulate_stages(graph, ctx, bounds=bounds, tensor=t, replicas=d, schedule=schedule,
                               microbatches=m, chunks=v, recompute=recompute, optimizer=optimizer,
                               timeline=False, costs=costs)
         stages = tuple((a, b, tuple(range((k % p) * d * t, (k % p + 1) * d * t)))
                        for k, (a, b) in enumerate(bounds))
-        results.append(PipelineResult("hybrid" if t > 1 else "pipeline", schedule, m, v, recompute, t, d,
-                                      stages, replicated_configs(local, d), sim))
+        return PipelineResult("hybrid" if t > 1 else "pipeline", schedule, m, v, recompute, t, d,
+                              stages, replicated_configs(local, d), sim)
+
+    results = []
+    for rank, (_, t, p, d, m, schedule, v, recompute, part) in enumerate(estimates):
+        if results and (past(deadline) or (rank >= simulate_top and any(r.simulation.feasible for r in results))):
+            break
+        results.append(simulated([(s.start, s.end) for s in part.stages], t, p, d, m, schedule, v, recompute))
     results.sort(key=lambda r: (not r.simulation.feasible, r.simulation.iteration_time_s))
+    best = results[0] if results and results[0].simulation.feasible else None
+    aligned = None if best is None else block_bounds(graph, len(best.stages))
+    if aligned is not None and aligned != tuple((a, b) for a, b, _ in best.stages) and not past(deadline):
+        # the best layout cut at block boundaries, as Megatron and torchtitan cut (the
+        # partitioner balances its estimate and may cut inside a block)
+        p = len(best.stages) // best.chunks
+        results.append(simulated(aligned, best.tensor, p, best.replicas, best.microbatches, best.schedule,
+                                 best.chunks, best.recompute))
+        results.sort(key=lambda r: (not r.simulation.feasible, r.simulation.iteration_time_s))
     return results
+
+
+def block_bounds(graph: OpGraph, stages: int) -> tuple[tuple[int, int], ...] | None:
+    """``stages`` stages of equally many of the graph's repeated blocks (transformer
+    layers: :func:`~flexsearch.strategy.recompute.recompute_units`), the nodes before the
+    first block in the first stage and those after the last in the last; None when the
+    graph has no repeated blocks or their count does not divide by ``stages``."""
+    units = recompute_units(graph) if graph.blocks else ()
+    if not units or len(units) % stages:
+        return None
+    per = len(units) // stages
+    starts = [0] + [units[k * per].start for k in range(1, stages)]
+    ends = starts[1:] + [len(graph.nodes)]
+    return tuple(zip(starts, ends, strict=True))
 
 
 def stage_chain(costs: Sequence[NodeCost], cuts: Sequence[float], recompute: Checkpointing | None = None,

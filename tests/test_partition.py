@@ -107,3 +107,22 @@ def test_nested_pipeline_time_reads_the_definition():
     inner = (Stage(0, 1, 1), Stage(1, 2, 1))
     # Inner pipeline within a machine: max(4, 4, cut 2*10/10) = 4; two machines replicate it.
     assert pipeline_time(chain, levels, (Stage(0, 2, 2, inner),)) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_straight_walk_equals_reach_arrays(seed):
+    """One level, no replication: the scalar walk of ``_Solver._straight`` answers
+    exactly what the reach arrays answer, at every bottleneck (memory or not)."""
+    from flexsearch.search.partition import _Solver
+
+    rng = random.Random(seed)
+    n = rng.randint(1, 60)
+    chain = Chain(compute=tuple(rng.uniform(0, 5) for _ in range(n)), params=tuple(rng.uniform(0, 5) for _ in range(n)),
+                  cut_bytes=(0.0,) + tuple(rng.uniform(0, 20) for _ in range(n - 1)) + (0.0,),
+                  stash=tuple(rng.uniform(0, 3) for _ in range(n)))
+    level = Level(rng.randint(1, 12), rng.uniform(1, 10), rng.choice([0.0, 0.1]))
+    memory = Memory(rng.uniform(5, 60), 2.0, in_flight=lambda r: 2) if seed % 2 else None
+    solver = _Solver(chain, [level], memory, False)
+    for x in [rng.uniform(0, 40) for _ in range(30)] + [float("inf")]:
+        solver._info.clear()
+        assert solver._straight(x) == bool(solver.reach(0, x, 1)[0] >= n), x

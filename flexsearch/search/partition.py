@@ -285,7 +285,27 @@ class _Solver:
 
     def feasible(self, x: float) -> bool:
         self._info.clear()
+        if len(self.levels) == 1 and not self.replicate:
+            return self._straight(x)
         return bool(self.reach(len(self.levels) - 1, x, 1)[0] >= self.chain.layers)
+
+    def _straight(self, x: float) -> bool:
+        """:meth:`feasible` for a straight pipeline on one level, without the arrays of
+        every start: with one replica per stage the recurrence is ``reach_w(s) =
+        max(reach_{w-1}(s), reach_{w-1}(cut(s)))``; ``reach_1 = e`` and ``cut`` are
+        non-decreasing and ``cut(s) >= s``, so ``reach_w(s) = e(cut^{w-1}(s))``: a walk of
+        ``w - 1`` cuts from position 0 (the same array entries :meth:`info` reads)."""
+        level = self.levels[0]
+        e = self.reach(-1, x, 1)
+        allowed = np.zeros(len(self.idx), dtype=bool)
+        allowed[1:-1] = 2 * (level.latency + self.cuts[1:-1] / level.bandwidth) <= x * (1 + 1e-12)
+        prev_allowed = np.maximum.accumulate(np.where(allowed, self.idx, -1))
+        s = 0
+        for _ in range(level.workers - 1):
+            if e[s] >= self.chain.layers:
+                return True
+            s = max(int(prev_allowed[e[s]]), s)
+        return bool(e[s] >= self.chain.layers)
 
     def build(self, k: int, x: float, rep: int, s: int, target: int) -> tuple[Stage, ...]:
         """Retrace one level-k machine's pipeline over ``s..target``."""

@@ -108,10 +108,10 @@ class Simulator:
 
     def replica(self, configs: Mapping[str, Config], group: int = 0) -> Replica | None:
         """The replica quotient ``configs`` allow (module docstring), None when they do
-        not repeat: every op (sources have no tasks) on all ``n`` devices, period ``w`` the least common
-        multiple of their model-parallel degrees ``t`` (but an op replicated on every
-        device is the same on each) and of ``group`` (an HSDP shard
-        group), ``w < n`` dividing ``n``; for ``w > 1``, the replicas inside nodes
+        not repeat. Every op (sources have no tasks) on all ``n`` devices; the period
+        ``w`` is the least common multiple of their model-parallel degrees ``t`` (an op
+        replicated on every device is the same on each) and of ``group`` (an HSDP shard
+        group), ``w < n`` dividing ``n``; for ``w > 1`` the replicas lie inside nodes
         (``w`` divides the devices per node) on links of their own (a switch, or a
         replica per node)."""
         n = self.cluster.devices

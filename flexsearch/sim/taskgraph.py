@@ -39,7 +39,10 @@ kind of links), a fragment can be built for devices ``0 .. w-1`` only. Their com
 tasks, the transfers and collectives among them stand for the same tasks on every
 replica (``Task.copies``); a collective over every replica (its group the same when
 shifted by ``w``) is kept whole; the other replicas' own tasks are left out. A task
-that couples replicas otherwise raises :class:`NotPeriodic`.
+that couples replicas otherwise raises :class:`NotPeriodic`. The premise: a collective
+over every replica loads each member's links alike (the ring, tree and hierarchical
+algorithms of :mod:`flexsearch.cost.comm` send and receive on every member), so the
+first replica's busy links stand for every replica's when it looks for a gap.
 """
 
 from __future__ import annotations

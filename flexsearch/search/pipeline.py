@@ -61,6 +61,11 @@ SIMULATE_TOP = 6
 misses transfers queueing on shared links and the schedule's exact bubbles; six covers
 the usual close calls (two schedules x recomputation or not, a neighbouring
 microbatch count) at a few simulations' cost."""
+SIMULATE_MAX = 4 * SIMULATE_TOP
+"""Candidates simulated at most while none of the first fits in memory (the
+partitioner's memory rule leaves out what the simulation adds: the rebuilt activations,
+the backward's gradient buffers, the loss): on GPT 1T over 3,072 A100s the first fitting
+one is the seventh; past this many, the search reports that no pipeline fits."""
 MICROBATCH_OPTIONS = 5
 """Microbatch counts tried per stage count (:func:`microbatch_options`): a geometric
 sequence of five spans a 16x range of microbatch sizes, past the point where smaller
@@ -195,9 +200,10 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
                      max_stages: int | None = None, deadline: float | None = None) -> list[PipelineResult]:
     """Every emittable pipeline and hybrid candidate on ``ctx``'s cluster (module
     docstring), the best ``simulate_top`` by the partitioner's estimate simulated
-    (and, while none of those fits, the next ones until one does; past ``deadline``, a
-    ``time.perf_counter()`` time, no more layouts are estimated and no more are
-    simulated once one is); results sorted fastest first, feasible ones first."""
+    (and, while none of those fits, the next ones until one does, up to
+    :data:`SIMULATE_MAX`; past ``deadline``, a ``time.perf_counter()`` time, no more
+    layouts are estimated and no more are simulated once one is); results sorted
+    fastest first, feasible ones first."""
     cluster = ctx.cluster
     n = cluster.devices
     try:
@@ -272,7 +278,8 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
 
     results = []
     for rank, (_, t, p, d, m, schedule, v, recompute, part) in enumerate(estimates):
-        if results and (past(deadline) or (rank >= simulate_top and any(r.simulation.feasible for r in results))):
+        if results and (past(deadline) or rank >= max(simulate_top, SIMULATE_MAX)
+                        or (rank >= simulate_top and any(r.simulation.feasible for r in results))):
             break
         results.append(simulated([(s.start, s.end) for s in part.stages], t, p, d, m, schedule, v, recompute))
     results.sort(key=lambda r: (not r.simulation.feasible, r.simulation.iteration_time_s))

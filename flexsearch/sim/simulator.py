@@ -62,6 +62,7 @@ from flexsearch.sim.taskgraph import (
     activation_split,
     backward_working,
     build_fragment,
+    kept,
     kept_bytes,
     loss_held_bytes,
     loss_operands,
@@ -271,11 +272,7 @@ class Simulator:
         def coll(op: str, u: str, members: list[int], nbytes: float, key: tuple, deps: tuple = ()) -> list[Task]:
             label = u if u != ROOT else "root"
             t = collective_task(ctx, op, members, nbytes, f"fsdp {label}", deps, (key,), f"FSDP unit {label}")
-            t = replace(t, duration=t.duration + copy_s * nbytes + fixed)
-            if replica is None:
-                return [t]
-            kept = replica.task(t, members)
-            return [] if kept is None else [kept]
+            return kept(replica, replace(t, duration=t.duration + copy_s * nbytes + fixed), members)
 
         def gathers(u: str, tag: str) -> list[Task]:
             return [t for k, members in enumerate(groups) for t in coll("all_gather", u, members, size[u] * gather,

@@ -93,7 +93,8 @@ class Replica:
         raise NotPeriodic(f"{t.detail}: devices {sorted(group)} do not repeat every {self.width}")
 
 
-def _keep(replica: Replica | None, t: Task, members: Sequence[int]) -> list[Task]:
+def kept(replica: Replica | None, t: Task, members: Sequence[int]) -> list[Task]:
+    """``t`` as a list, as ``replica`` keeps it (:meth:`Replica.task`; all of it without one)."""
     if replica is None:
         return [t]
     kept = replica.task(t, members)
@@ -343,12 +344,12 @@ def _mesh_move(
         return Task("coll", n, seconds, res, deps, defines, nbytes, f"{what} d{src}->d{dst} all_gather+broadcast")
 
     key = ("x", n, k, "move")
-    forward = _keep(replica, move(tuple((ready, p.name, h) for h in src), (key,), f"{p.name}->{n}"), members)
+    forward = kept(replica, move(tuple((ready, p.name, h) for h in src), (key,), f"{p.name}->{n}"), members)
     mine = [d for d in dst if replica is None or d < replica.width]
     needs = {d: [key] for d in mine}
     for d in mine:
         frag.activations[d] = frag.activations.get(d, 0.0) + nbytes
-    backward = _keep(replica, move(tuple(("b", n, d) for d in dst), tuple(("G", p.name, h) for h in src),
+    backward = kept(replica, move(tuple(("b", n, d) for d in dst), tuple(("G", p.name, h) for h in src),
                                    f"grad {n}->{p.name}"), members)
     return forward, backward, needs
 
@@ -379,20 +380,20 @@ def edge_tasks(
     for h, d, vol in geo.transfers:
         key = ("x", n, k, h, d)
         nbytes = vol * esize
-        kept = _keep(replica, transfer_task(ctx, h, d, nbytes, n, ((ready, p.name, h),), (key,), f"{p.name}->{n}"),
-                     (h, d))
-        if kept:
-            forward += kept
+        sent = kept(replica, transfer_task(ctx, h, d, nbytes, n, ((ready, p.name, h),), (key,), f"{p.name}->{n}"),
+                    (h, d))
+        if sent:
+            forward += sent
             needs.setdefault(d, []).append(key)
             frag.activations[d] = frag.activations.get(d, 0.0) + nbytes
     for d, h in geo.grad_local:
         if d < width:
             frag.grad_local.append((d, ("G", p.name, h)))
     for d, h, vol in geo.grad_transfers:
-        backward += _keep(replica, transfer_task(ctx, d, h, vol * esize, n, (("b", n, d),),
+        backward += kept(replica, transfer_task(ctx, d, h, vol * esize, n, (("b", n, d),),
                                                  (("G", p.name, h),), f"grad {n}->{p.name}"), (d, h))
     for op, group, vol, rdev, holders in geo.grad_collectives:
-        backward += _keep(replica, collective_task(
+        backward += kept(replica, collective_task(
             ctx, op, list(group), vol * esize, n, tuple(("b", n, d) for d in rdev),
             tuple(("G", p.name, h) for h in holders), f"grad {n}->{p.name}"), group)
     return forward, backward, needs
@@ -461,7 +462,7 @@ def node_tasks(
     if c.kind == "r":
         for i in range(c.s):
             group = [c.device(i, j) for j in range(c.t)]
-            frag.forward += _keep(replica, collective_task(
+            frag.forward += kept(replica, collective_task(
                 ctx, "all_reduce", group, node.output_bytes / c.s, n,
                 tuple(("f", n, d) for d in group), tuple(("F", n, d) for d in group),
                 "partial sums"), group)
@@ -500,7 +501,7 @@ def node_tasks(
             key = ("s", n, g_i)
             # the DTensor emitter all-reduces each parameter's gradient on its own
             calls = count if ctx.calibration is not None else 1
-            frag.backward += _keep(replica, collective_task(
+            frag.backward += kept(replica, collective_task(
                 ctx, "all_reduce", group, shard, n, tuple(("b", n, d) for d in group), (key,),
                 "gradients", calls), group)
             frag.sync.extend((d, key) for d in group if d < width)

@@ -308,3 +308,26 @@ def test_planner_chooses_dpsgd_on_the_slow_network_and_says_why(resnet20_plans, 
     # time to accuracy weighs the iterations: it never picks a worse-connected graph
     # than the per-iteration objective does
     assert plans["time_to_accuracy"].spectral_gap >= plans["iteration"].spectral_gap
+
+
+def test_past_the_deadline_one_topology_and_a_note(resnet20):
+    """Past the planner's deadline the decentralized phase simulates one topology (so a
+    decentralized plan still exists to compare), no parameter server, and says so; the
+    sharded parameter server is left out beyond PS_SHARDED_MAX_DEVICES (n^2 transfers)."""
+    import time
+
+    from flexsearch.search.decentralized import PS_SHARDED_MAX_DEVICES
+    from flexsearch.search.planner import plan_graph, with_decentralized
+
+    cluster = Cluster.preset("commodity", 8)
+    ctx = CostContext(cluster)
+    past = time.perf_counter()
+    assert len(decentralized_candidates(resnet20, ctx, optimizer="momentum", deadline=past)) == 1
+    plan = plan_graph(resnet20, cluster, kinds=("data", "soap", "pipeline", "hybrid"), optimizer="momentum",
+                      max_iters=0)
+    late = with_decentralized(plan, resnet20, ctx, allow=False, deadline=past)
+    assert "the budget cut short: 4 of 5 D-PSGD topologies, the parameter-server baselines not simulated" \
+        in late.notes[-1]
+    assert not {"ps", "ps-sharded"} & set(late.baselines)
+    assert {"ps", "ps-sharded"} <= set(with_decentralized(plan, resnet20, ctx, allow=False).baselines)
+    assert PS_SHARDED_MAX_DEVICES < 3072

@@ -165,8 +165,8 @@ def decentralized_candidates(
     caller cost the replica once for several calls;
     ``noise_ratio`` and ``heterogeneity_ratio`` go to
     :func:`~flexsearch.strategy.topology.iterations_factor`. Past ``deadline`` (a
-    ``time.perf_counter()`` time) no more topologies are simulated. Raises ValueError
-    when the batch does not split over the devices."""
+    ``time.perf_counter()`` time) no more topologies are simulated after the first.
+    Raises ValueError when the batch does not split over the devices."""
     _check_objective(objective)
     tops, _ = candidate_topologies(ctx.cluster.devices, topologies)
     if not tops:
@@ -175,7 +175,7 @@ def decentralized_candidates(
         cost = replica_cost(graph, ctx)
     out = []
     for top in tops:
-        if past(deadline):
+        if out and past(deadline):  # at least one, so that a decentralized plan exists to compare
             break
         sim = simulate_gossip(ctx, cost, top, optimizer=optimizer, timeline=timeline)
         factor = iterations_factor(top, noise_ratio=noise_ratio, heterogeneity_ratio=heterogeneity_ratio)

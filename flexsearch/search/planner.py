@@ -262,8 +262,8 @@ def with_decentralized(plan: Plan, graph: OpGraph, ctx: CostContext, *, allow: b
     (``kinds=("decentralized",)``); the parameter servers join the baselines; the plan's
     ``notes`` say why D-PSGD was chosen or rejected, under which objective, and where the
     iterations factor's constants (``convergence``) come from. Past ``deadline`` (a
-    ``time.perf_counter()`` time) no more topologies are simulated, nor the parameter
-    servers, and a note says so."""
+    ``time.perf_counter()`` time) no more topologies are simulated after the first, nor
+    the parameter servers, and a note says so."""
     if ctx.cluster.devices < 2:
         if require:
             raise PlanKindError("no decentralized plan on one device: there is nothing to exchange; "

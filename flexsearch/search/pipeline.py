@@ -282,8 +282,8 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
                         or (rank >= simulate_top and any(r.simulation.feasible for r in results))):
             break
         results.append(simulated([(s.start, s.end) for s in part.stages], t, p, d, m, schedule, v, recompute))
-    results.sort(key=lambda r: (not r.simulation.feasible, r.simulation.iteration_time_s))
-    best = results[0] if results and results[0].simulation.feasible else None
+    best = min((r for r in results if r.simulation.feasible), key=lambda r: r.simulation.iteration_time_s,
+               default=None)
     aligned = None if best is None else block_bounds(graph, len(best.stages))
     if aligned is not None and aligned != tuple((a, b) for a, b, _ in best.stages) and not past(deadline):
         # the best layout cut at block boundaries, as Megatron and torchtitan cut (the
@@ -291,7 +291,7 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
         p = len(best.stages) // best.chunks
         results.append(simulated(aligned, best.tensor, p, best.replicas, best.microbatches, best.schedule,
                                  best.chunks, best.recompute))
-        results.sort(key=lambda r: (not r.simulation.feasible, r.simulation.iteration_time_s))
+    results.sort(key=lambda r: (not r.simulation.feasible, r.simulation.iteration_time_s))
     return results
 
 

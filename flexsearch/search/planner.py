@@ -281,11 +281,11 @@ def with_decentralized(plan: Plan, graph: OpGraph, ctx: CostContext, *, allow: b
                                         noise_ratio=convergence.noise_ratio,
                                         heterogeneity_ratio=convergence.heterogeneity_ratio, deadline=deadline)
     cut = []
-    tops = len(dz.candidate_topologies(ctx.cluster.devices)[0])
-    if len(cands) < tops:
+    late = past(deadline)
+    if late and len(cands) < (tops := len(dz.candidate_topologies(ctx.cluster.devices)[0])):
         cut.append(f"{tops - len(cands)} of {tops} D-PSGD topologies")
-    central = {} if past(deadline) else dz.centralized_baselines(graph, ctx, optimizer=plan.optimizer, cost=cost)
-    if not central:
+    central = {} if late else dz.centralized_baselines(graph, ctx, optimizer=plan.optimizer, cost=cost)
+    if late:
         cut.append("the parameter-server baselines")
     baselines = dict(plan.baselines)
     infeasible = list(plan.infeasible_baselines)

@@ -45,6 +45,7 @@ def _truth() -> DeviceCalibration:
     raw["fsdp_collective_s"] = {"value": 3e-4, "source": "test"}
     raw["zero1_per_tensor_s"] = {"value": 6e-5, "source": "test"}
     raw["pipeline_action_s"] = {"value": 2e-4, "source": "test"}
+    raw["move_s"] = {"value": 8e-4, "source": "test"}
     for k, v in {"ddp": 1e-3, "zero1": 6e-3, "fsdp": 2e-3, "sharded": 3e-3, "pipeline": 4e-3,
                  "decentralized": 5e-3}.items():
         raw["step_s"][k] = {"value": v, "source": "test"}
@@ -80,7 +81,7 @@ def simulated_measurements(truth: DeviceCalibration, profile_path) -> dict:
         "plain": {n: {k: predict(n, "plain", truth, one=True)[k] for k in ("step", "forward")} for n in probes.PROBES},
         "pipeline": {f"m{m}": probe("deep32", "pipeline", microbatches=m) for m in (2, 8)},
     }
-    for mode in ("ddp", "zero1", "fsdp", "sharded", "decentralized"):
+    for mode in ("ddp", "zero1", "fsdp", "sharded", "decentralized", "moves"):
         out[mode] = {n: probe(n, mode) for n in probes.PROBES}
     return json.loads(json.dumps(out))  # as the progress file stores it
 

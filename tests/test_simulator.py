@@ -383,6 +383,48 @@ def test_parameter_split_communicates_and_reduce_split_all_reduces():
     assert xfers and not any("partial sums" in t.task.detail for t in s.timeline)
 
 
+def test_soap_output_comes_back_whole_to_every_device():
+    """Calibrated (the emitter's runtime), a SOAP plan's output is brought whole to every
+    device before the loss's gradient: an all-gather over a split output's block, a
+    broadcast (and the calibrated cost of a move) from a block on some devices only.
+    Every device then holds the whole output and the loss's hold over it; the same
+    layout run with DDP keeps each device's share."""
+    from flexsearch.cost.calibration import Term, load_calibration
+    from flexsearch.sim.context import CostContext
+
+    g = graph("mlp_tiny")
+    c = cluster("cpu", 2)
+    cal = load_calibration(c.device.name)
+    ctx = CostContext(c, calibration=cal.model_copy(update={"move_s": Term(value=1e-3, source="test")}))
+    space = Space(g, 2)
+    data = space.expand(baselines.data_parallel(space))
+    last = g.node(next(n for n in g.nodes if n.kind == "output").inputs[0])
+    out_bytes = last.outputs[0].nbytes
+
+    def gathers(sim):
+        return [s for s in sim.timeline if s.task.detail.startswith("output ")]
+
+    soap, ddp = Simulator(g, ctx).simulate(data, ddp=False), Simulator(g, ctx).simulate(data, ddp=True)
+    (gather,) = gathers(soap)
+    assert not gathers(ddp) and "all_gather" in gather.task.detail and gather.task.nbytes == out_bytes
+    assert gather.task.duration == pytest.approx(ctx.collective("all_gather", (0, 1), out_bytes).time_s)
+    backward = [s for s in soap.timeline if s.task.kind == "bwd" and s.task.name == last.name]
+    assert backward and min(s.start for s in backward) >= gather.end  # the loss's gradient waits
+    # the whole output, twice (the gathered tensor and the loss's hold), less DDP's two shares
+    assert soap.memory_terms[0].activations - ddp.memory_terms[0].activations >= out_bytes
+    assert soap.memory_terms[0].loss_grad == pytest.approx(2 * ddp.memory_terms[0].loss_grad)
+
+    on_one = {n: Config(first=1) if not is_source(g.node(n)) else x for n, x in data.items()}
+    (gather,) = gathers(Simulator(g, ctx).simulate(on_one))
+    assert "broadcast" in gather.task.detail and "all_gather" not in gather.task.detail
+    assert gather.task.duration == pytest.approx(ctx.collective("broadcast", (0, 1), out_bytes).time_s + 1e-3)
+    copies = {n: Config(1, "x", 2) if not is_source(g.node(n)) else x for n, x in data.items()}
+    (gather,) = gathers(Simulator(g, ctx).simulate(copies))  # whole on both: moved to the runtime's mesh only
+    assert gather.task.detail.endswith(" move") and gather.task.duration == pytest.approx(1e-3)
+    uncalibrated = Simulator(g, CostContext(c)).simulate(data, ddp=False)
+    assert not gathers(uncalibrated)  # FlexFlow's runtime: the loss over each device's share
+
+
 def test_memory_counts_optimizer_state():
     g = graph("mlp_tiny")
     space = Space(g, 1)

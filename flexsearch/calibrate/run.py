@@ -21,7 +21,8 @@ overhead the residual of the simulator (with the terms fitted before it) on the 
    and per step; 10. ``sharded``: DTensor ops' per-op overhead and per step (SOAP
    plans, every op data parallel on DTensors); 11. ``pipeline``: per schedule action
    and per step (GPipe over 2 stages with 2 and 8 microbatches); 12. ``decentralized``:
-   per step. Stages 8-12 (but ``zero1``, which runs DDP's runtime) also give each
+   per step; 13. ``moves``: per move of a SOAP plan between device blocks (each
+   probe layer on the next device in turn). Stages 8-12 (but ``zero1``, which runs DDP's runtime) also give each
    mode's ``runtime_bytes``: measured peak memory minus the simulator's.
 
 Every stage but the profile is measured ``repeats`` times (:class:`Settings`), in
@@ -67,7 +68,7 @@ CLUSTER = "cpu"
 """The preset whose device is calibrated: this machine's gloo processes."""
 MODES = ("ddp", "zero1", "fsdp", "sharded", "pipeline", "decentralized")
 STAGES = ("profile", "collectives", "concurrency", "updates", "working", "overlap", "sharded_update", "plain",
-          *MODES)
+          *MODES, "moves")
 DEGREES = (2, 4, 8, 16, 32)
 """Sample splits profiled: the probes' per-rank batches and pipeline microbatches."""
 
@@ -117,6 +118,7 @@ def probe_strategy(graph: OpGraph, cl: Cluster, mode: str, microbatches: int = 2
     DTensors (``sharded``; ``plain`` on one device: the model alone in one process);
     GPipe over two even stages; D-PSGD on a ring."""
     from flexsearch.strategy import recipes
+    from flexsearch.strategy.config import Config, is_source
     from flexsearch.strategy.fsdp import fsdp_units
     from flexsearch.strategy.kinds import DataParallel, Decentralized, Pipelined, Soap
     from flexsearch.strategy.space import Space
@@ -133,11 +135,19 @@ def probe_strategy(graph: OpGraph, cl: Cluster, mode: str, microbatches: int = 2
         return DataParallel(configs, dp, shard="zero3", fsdp_units=fsdp_units(graph.modules))
     if mode in ("sharded", "plain"):  # plain: one process, the model as it is
         return Soap(configs, dp)
+    if mode == "moves":  # layer k whole on device k mod n: a _Move between every two layers
+        return Soap({n.name: configs[n.name] if is_source(n) else Config(first=_layer(n) % cl.devices)
+                     for n in graph.nodes})
     if mode == "pipeline":
         n = len(graph.nodes)
         return Pipelined(((0, n // 2), (n // 2, n)), tensor=1, replicas=cl.devices // 2, schedule="gpipe",
                          microbatches=microbatches)
     return Decentralized(build("ring", cl.devices))
+
+
+def _layer(node) -> int:
+    """The probe layer a node belongs to (its module ``layers.K.J``)."""
+    return int(node.module.split(".")[1])
 
 
 def probe_plan(graph: OpGraph, cl: Cluster, strategy: Strategy) -> Plan:
@@ -366,6 +376,16 @@ def assemble(raw: dict[str, Any], s: Settings, where: str, profile_path: Path) -
     cal["step_s"]["sharded"] = num(base, f"{what}: intercept per step")
     floor("sharded", m8, predict("deep8", "sharded", current(), worst=m8["worst_rank"]),
           "SOAP run of the 8-layer MLP")
+
+    # SOAP moves between device blocks: per move, each way (the probes' moves as the
+    # simulator counts them on the critical path: its step's growth per second of move_s)
+    m8, m32, p8, p32 = residuals("moves")
+    probe = DeviceCalibration.model_validate({**cal, "move_s": {"value": 1.0, "source": "probe"}})
+    n8, n32 = (predict(name, "moves", probe)["step"] - p["step"] for name, p in (("deep8", p8), ("deep32", p32)))
+    per_move, _ = fit.residual_line(m8["step"] - p8["step"], m32["step"] - p32["step"], n8, n32)
+    what = (f"residual of the simulator on SOAP runs of 16-wide MLPs of 8 and 32 layers, layer k on device k mod "
+            f"{s.ranks} ({n8:.0f} and {n32:.0f} moves on the critical path; medians of {s.steps} steps)")
+    cal["move_s"] = num(per_move, f"{what}: slope per move")
 
     # pipelines: per schedule action and per step (GPipe, 2 stages, 2 and 8 microbatches)
     m2, m8_ = raw["pipeline"]["m2"], raw["pipeline"]["m8"]

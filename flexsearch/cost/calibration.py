@@ -170,6 +170,11 @@ class DeviceCalibration(Frozen):
     """ZeRO-1 (``ZeroRedundancyOptimizer``): per parameter tensor, the Python step's
     bookkeeping and one broadcast posted and waited for; with ``step_s["zero1"]`` per
     step, on top of DDP's (None: not measured, costs nothing)."""
+    move_s: Term | None = None
+    """A cross-block move of the SOAP emitter (``_Move`` of :mod:`flexsearch.emit.sharded`:
+    a tensor from one device block to another), each way (the forward's, and its
+    gradient's in the backward): the Python, DTensor and allocation work beyond its
+    collectives (None: not measured, costs nothing)."""
     repeats: int = 1
     """How many times each term was measured (its value: the median of the repeats kept)."""
     step_spread: Term | None = None
@@ -195,6 +200,10 @@ class DeviceCalibration(Frozen):
         """Bytes ``mode``'s runtime allocates per device (0 when not measured)."""
         v = self.runtime_bytes.get(mode)
         return v.value if v is not None else 0.0
+
+    def move(self) -> float:
+        """Seconds of :attr:`move_s` (0 when not measured)."""
+        return self.move_s.value if self.move_s is not None else 0.0
 
     def op_s(self, mode: Literal["plain", "sharded"]) -> tuple[float, float]:
         o = self.op_overhead[mode]

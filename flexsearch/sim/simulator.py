@@ -10,7 +10,9 @@ device; every link a transfer or collective loads) until it ends
 with compute on the devices. The iteration time is the end of the last task.
 
 **Execution modes.** A plan the emitter runs on DTensors (SOAP) synchronises each
-layer's gradients on its own; one it runs with DDP (``ddp``, calibrated: the ``data``
+layer's gradients on its own, and returns the whole output to every device, where the
+loss runs over all of it (:func:`~flexsearch.sim.taskgraph.output_gather`, calibrated);
+one it runs with DDP (``ddp``, calibrated: the ``data``
 plan) all-reduces them in DDP's buckets (:meth:`Simulator._buckets`); one it runs with
 FSDP2 (``shard``: ``zero2``, ``zero3``, ``hsdp``) gathers and reduce-scatters each FSDP
 unit (:meth:`Simulator._fsdp`); ZeRO-1 (``zero1``) runs DDP, then each device updates
@@ -360,9 +362,11 @@ class Simulator:
                 members, size, tensors, cap = [], 0.0, 0, cal.ddp_bucket_bytes.value
         return out
 
-    def _output_grad(self, configs: Mapping[str, Config] | None) -> dict[int, float]:
+    def _output_grad(self, configs: Mapping[str, Config] | None, whole: bool = False) -> dict[int, float]:
         """Per device, the bytes the loss holds over its share of the model's outputs
-        (:func:`~flexsearch.sim.taskgraph.loss_held_bytes`)."""
+        (:func:`~flexsearch.sim.taskgraph.loss_held_bytes`); ``whole``: over all of
+        them on every device (the SOAP emitter's loss,
+        :func:`~flexsearch.sim.taskgraph.output_gather`)."""
         out: dict[int, float] = {}
         if configs is None:
             return out
@@ -370,8 +374,8 @@ class Simulator:
             p, c = self.graph.node(name), configs.get(name)
             if c is None or not p.outputs:
                 continue
-            held = loss_held_bytes(p, p.outputs[0].nbytes / activation_split(c))
-            for d in c.devices:
+            held = loss_held_bytes(p, p.outputs[0].nbytes / (1 if whole else activation_split(c)))
+            for d in range(self.cluster.devices) if whole else c.devices:
                 out[d] = out.get(d, 0.0) + held
         return out
 
@@ -470,7 +474,7 @@ class Simulator:
             if keep_timeline:
                 timeline.append(Scheduled(t, start, start + t.duration))
         makespan = max(free[:devices] + free[devices:], default=0.0)
-        loss_grad = self._output_grad(configs)
+        loss_grad = self._output_grad(configs, whole=cal is not None and not ddp and shards == 1)
         buckets_held = ddp and shards == 1  # DDP keeps a flat copy of the gradients
         backward = self._backward_working(frags)
         width = replica.width if replica is not None else devices

@@ -326,7 +326,8 @@ def _mesh_move(
     """Edge ``p -> node`` between ops on different device blocks as the SOAP emitter runs
     it (calibrated simulations): the producer's output gathered on its block (an
     all-gather when split), then broadcast whole to the consumer's block; the gradient
-    comes back the same way. Each consumer device keeps the whole tensor."""
+    comes back the same way. Each consumer device keeps the whole tensor. Each way
+    also costs the calibration's ``move_s`` (the emitter's own work per move)."""
     n = node.name
     esize = dtype_size(p.outputs[0].dtype)
     nbytes = float(esize * math.prod(p.outputs[0].shape))
@@ -338,7 +339,7 @@ def _mesh_move(
     def move(deps: tuple[Key, ...], defines: tuple[Key, ...], what: str) -> Task:
         gather = ctx.collective("all_gather", tuple(src), nbytes) if split and len(src) > 1 else None
         bcast = ctx.collective("broadcast", tuple(members), nbytes)
-        seconds = bcast.time_s + (gather.time_s if gather is not None else 0.0)
+        seconds = bcast.time_s + (gather.time_s if gather is not None else 0.0) + ctx.calibration.move()
         links = [link for cost in (gather, bcast) if cost is not None for link, _ in cost.loads]
         res = ctx.device_resources(members) + link_resources(ctx, links)
         return Task("coll", n, seconds, res, deps, defines, nbytes, f"{what} d{src}->d{dst} all_gather+broadcast")
@@ -399,6 +400,52 @@ def edge_tasks(
     return forward, backward, needs
 
 
+def output_gather(producers: list[tuple[OpNode, Config]], ctx: CostContext, frag: Fragment,
+                  replica: Replica | None = None) -> Fragment:
+    """The model's outputs brought whole to every device, as the SOAP emitter returns
+    them (calibrated simulations; :mod:`flexsearch.emit.sharded`: every rank gets the
+    whole output and computes the loss over all of it): per output not already whole on
+    every device, an all-gather over its producer's block when split, then a broadcast
+    to the devices outside the block. The loss's gradient of the output is ready when
+    the gather ends (the loss runs on the gathered tensor), and every device keeps the
+    whole output (the loss saves it; :meth:`Simulator._output_grad` counts the loss's
+    own hold over the whole output too). From a block other than the whole runtime's
+    mesh the emitter moves it (``_Move``): the calibration's ``move_s`` more.
+
+    The measurement behind it: ``torch.profiler`` on the GPT SOAP row of
+    ``benchmarks/fidelity.py`` (2 ranks): the output's ``_Move`` took 10.7 ms per
+    step on both ranks and the loss ran over the whole 16 x 64 x 2048 logits on each,
+    neither of which the simulated timeline had."""
+    world = list(range(ctx.cluster.devices))
+    for p, pc in producers:
+        if is_source(p) or not p.outputs:
+            continue
+        src = sorted(set(pc.devices))
+        split = pc.kind in ("a", "p") or pc.s > 1
+        outside = [d for d in world if d not in src]
+        moved = (pc.first, pc.s, pc.t) != (0, len(world), 1)  # not on the whole runtime's mesh: a _Move
+        if not (split or outside or moved):
+            continue  # whole on every device already
+        nbytes = float(p.outputs[0].nbytes)
+        costs = {}
+        if split and len(src) > 1:
+            costs["all_gather"] = ctx.collective("all_gather", tuple(src), nbytes)
+        if outside:
+            costs["broadcast"] = ctx.collective("broadcast", tuple(world), nbytes)
+        links = [link for cost in costs.values() for link, _ in cost.loads]
+        seconds = sum(cost.time_s for cost in costs.values()) + (ctx.calibration.move() if moved else 0.0)
+        ready = "F" if pc.kind == "r" else "f"
+        task = Task("coll", p.name, seconds, ctx.device_resources(world) + link_resources(ctx, links),
+                    tuple((ready, p.name, h) for h in src), tuple(("G", p.name, h) for h in src), nbytes,
+                    f"output {p.name} d{src}->every device {'+'.join(costs) or 'move'}")
+        frag.forward += kept(replica, task, world)
+        if split or outside:  # a new whole tensor on every device (a replicated one is the same tensor)
+            for d in world:
+                if replica is None or d < replica.width:
+                    frag.activations[d] = frag.activations.get(d, 0.0) + nbytes
+    return frag
+
+
 def build_fragment(
     node: OpNode,
     c: Config,
@@ -410,6 +457,8 @@ def build_fragment(
     (in ``node.inputs`` order); of the first replica only with ``replica`` (module
     docstring)."""
     frag = Fragment()
+    if node.kind == "output" and ctx.calibration is not None and not ctx.ddp:
+        return output_gather(producers, ctx, frag, replica)
     if is_source(node):
         return frag
     needs: dict[int, list[Key]] = {d: [] for _, _, d in tasks_of(c) if replica is None or d < replica.width}

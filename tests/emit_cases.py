@@ -108,3 +108,17 @@ def check_job(rank: int, world: int, spec: str, plans: list) -> list:
         groups_agree(world)
         out.append((plan.kind, plan.schedule, r["loss"], r["reference_loss"], r["params"]))
     return out
+
+
+def attention_kernels_job(rank: int, world: int, spec: str, plan) -> list[str]:
+    """On every rank: the attention kernels a forward of the emitted ``plan`` runs
+    (``torch.profiler``'s op names; the second forward: the first also finds output
+    shapes on meta tensors)."""
+    from flexsearch.emit import parallelize
+
+    model, x, _ = with_target(spec)
+    module = parallelize(model, plan)
+    module(*x)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        module(*x)
+    return sorted({e.name for e in prof.events() if "scaled_dot_product" in e.name})

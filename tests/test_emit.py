@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from emit_cases import FAMILIES, KINDS, check_job, load, make_plan
+from emit_cases import FAMILIES, KINDS, attention_kernels_job, check_job, load, make_plan
 
 import flexsearch
 from flexsearch.emit import parallelize
@@ -206,3 +206,36 @@ def test_a_hung_job_reports_where_its_ranks_stood() -> None:
     msg = str(e.value)
     assert msg.startswith("ranks [1] still running after 12 s (killed)"), msg
     assert "rank 1 stood at:" in msg and "hang_job" in msg, msg
+
+
+def test_attention_on_one_device_runs_the_original_kernel() -> None:
+    """A SOAP plan with attention alone on device 1 and the rest data parallel (moves
+    both ways): attention runs on local tensors with the kernel the original model runs
+    (not DTensor's math decomposition); loss and every gradient match the
+    single-process model."""
+    from flexsearch.graph.tracer import trace
+    from flexsearch.search.results import plan_from
+    from flexsearch.sim.context import CostContext
+    from flexsearch.sim.predict import predict
+    from flexsearch.strategy import recipes
+    from flexsearch.strategy.kinds import Soap
+    from flexsearch.strategy.space import Space
+
+    spec = FAMILIES["gpt"]
+    model, x = load(spec)
+    graph = trace(model, x)
+    cl = flexsearch.Cluster.resolve("cpu", 2)
+    space = Space(graph, 2)
+    decisions = dict(recipes.data_parallel(space))
+    attention = [u for u in space.units if any(graph.node(m).kind == "attention" for m in u.nodes)]
+    assert attention
+    for u in attention:
+        decisions[u.name] = next(c for c in space.candidates(u) if c.n == 1 and c.first == 1)
+    strategy = Soap(space.expand(decisions), decisions)
+    plan = plan_from(graph, cl, strategy, predict(graph, strategy, CostContext(cl)), baselines={}, lower_bound_s=0.0)
+    (kind, _schedule, loss, ref, params), = run_ranks(check_job, 2, spec, [plan], timeout_s=300)[0]
+    assert kind == "soap" and params
+    assert loss == pytest.approx(ref, rel=1e-5)
+    kernels = run_ranks(attention_kernels_job, 2, spec, plan, timeout_s=300)[1]
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in kernels, kernels
+    assert "aten::_scaled_dot_product_attention_math" not in kernels, kernels

@@ -386,7 +386,8 @@ class ShardedModule(nn.Module):
         mod = self._gm[0].get_submodule(n.target) if n.op == "call_module" else None
         if isinstance(mod, nn.Embedding) and c.kind == "r" and c.t > 1:
             return self._vocab_parallel(n, mod, args, c, mesh)
-        if node.kind in _LOCAL_KINDS or node.opaque or isinstance(mod, _LOCAL_MODULES):
+        if node.kind in _LOCAL_KINDS or node.opaque or isinstance(mod, _LOCAL_MODULES) or \
+                (node.kind == "attention" and c.n == 1):
             return self._call_local(n, node, mod, args, kwargs, c, mesh)
         state = {}
         if mod is not None:
@@ -518,7 +519,10 @@ class ShardedModule(nn.Module):
 
 
 _LOCAL_KINDS = frozenset({"rnn", "opaque"})
-"""Op kinds run on local tensors (DTensor has no sharding rule for them)."""
+"""Op kinds run on local tensors (DTensor has no sharding rule for them). Attention on one
+device also runs locally: with the kernel the original model runs (the profiled one; on
+DTensors it runs the math backend, ``torch.profiler``: 2.4 ms against 1.0 ms per call on
+the GPT of ``benchmarks/fidelity.py``)."""
 _LOCAL_MODULES = (nn.modules.conv._ConvNd, nn.RNNBase)
 """Layers run on local shards with their sample (and channel) split kept."""
 

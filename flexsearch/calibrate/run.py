@@ -22,8 +22,9 @@ overhead the residual of the simulator (with the terms fitted before it) on the 
    plans, every op data parallel on DTensors); 11. ``pipeline``: per schedule action
    and per step (GPipe over 2 stages with 2 and 8 microbatches); 12. ``decentralized``:
    per step; 13. ``moves``: per move of a SOAP plan between device blocks (each
-   probe layer on the next device in turn). Stages 8-12 (but ``zero1``, which runs DDP's runtime) also give each
-   mode's ``runtime_bytes``: measured peak memory minus the simulator's.
+   probe layer on the next device in turn). Stages 8-12 (but ``zero1``, which runs
+   DDP's runtime) also give each mode's ``runtime_bytes``: measured peak memory minus
+   the simulator's.
 
 Every stage but the profile is measured ``repeats`` times (:class:`Settings`), in
 rounds over all stages (a burst of load from elsewhere spoils one sample of several

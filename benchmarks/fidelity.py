@@ -19,8 +19,10 @@ D-PSGD on the best gossip topology for the rank count), every plan made by
 ``plan_graph(kinds=...)``; and the data-parallel plan changed in one field
 (:func:`variant_of`): ``zero1`` (ZeroRedundancyOptimizer), ``zero2`` / ``zero3``
 (FSDP2 without / with resharding after the forward), ``recompute`` (DDP with every
-block checkpointed). Not yet here: bf16-mixed cases (the profiler times ops at the
-traced dtypes, not under autocast, and the CI machines' CPUs have no native bf16):
+block checkpointed); and ``bf16``: the data-parallel plan of the model traced, profiled
+(ops under ``torch.autocast``) and planned in ``bf16-mixed`` precision, run under
+autocast (where this CPU runs bf16 natively, AVX512-BF16 or AMX; elsewhere the row
+says so):
 
 1. **profile**: every distinct op measured alone by the profiler
    (:func:`flexsearch.cost.profiler.profile_model`, ``--threads`` threads) at the whole
@@ -81,11 +83,13 @@ from flexsearch.calibrate.probes import build_probe  # noqa: E402
 from flexsearch.cost.calibration import DeviceCalibration, load_calibration, within_noise  # noqa: E402
 from flexsearch.cost.hardware import Cluster, user_dir  # noqa: E402
 from flexsearch.cost.profiler import ProfileDB, host_info, local_device, profile_model  # noqa: E402
-from flexsearch.errors import PlanKindError  # noqa: E402
+from flexsearch.emit.precision import check_runs_here  # noqa: E402
+from flexsearch.errors import EmitError, PlanKindError  # noqa: E402
 from flexsearch.graph.opgraph import OpGraph  # noqa: E402
 from flexsearch.graph.tracer import trace  # noqa: E402
 from flexsearch.measure import load_average, measure_plan  # noqa: E402
 from flexsearch.plan import Plan  # noqa: E402
+from flexsearch.precision import precision as precision_of  # noqa: E402
 from flexsearch.search.planner import plan_graph  # noqa: E402
 from flexsearch.search.results import plan_from  # noqa: E402
 from flexsearch.sim.context import CostContext  # noqa: E402
@@ -94,7 +98,9 @@ from flexsearch.strategy.fsdp import fsdp_units  # noqa: E402
 from flexsearch.strategy.kinds import FSDP_SHARDINGS  # noqa: E402
 
 KINDS = ("data", "fsdp", "soap", "gpipe", "1f1b", "interleaved", "hybrid", "dpsgd", "zero1", "zero2", "zero3",
-         "recompute")
+         "recompute", "bf16")
+PRECISIONS = {"bf16": ("bf16-mixed", "data")}
+"""Kinds in another precision than fp32: (precision, the plan kind)."""
 VARIANTS = {"zero1": {"shard": "zero1"}, "zero2": {"shard": "zero2"}, "zero3": {"shard": "zero3"},
             "recompute": {"recompute": "full"}}
 """Kinds made from the data-parallel plan by changing one field: a ZeRO stage, or full
@@ -186,11 +192,12 @@ def variant_of(graph: OpGraph, cl: Cluster, change: dict, measured, calibration:
     return plan_from(graph, cl, strategy, predict(graph, strategy, ctx), baselines={}, lower_bound_s=0.0)
 
 
-def profile(model, inputs, threads: int, path: Path = PROFILE):
-    """Measure the model's ops (full batch and the splits of :data:`DEGREES`) into
-    ``path`` (kept: a rerun measures only what is new), as the ``cpu`` preset's device:
-    the preset's devices are this machine's processes of ``threads`` threads."""
-    db, _ = profile_model(model, inputs, out=path, threads=threads, degrees=DEGREES)
+def profile(model, inputs, threads: int, path: Path = PROFILE, precision: str = "fp32"):
+    """Measure the model's ops (full batch and the splits of :data:`DEGREES`) in
+    ``precision`` into ``path`` (kept: a rerun measures only what is new), as the ``cpu``
+    preset's device: the preset's devices are this machine's processes of ``threads``
+    threads."""
+    db, _ = profile_model(model, inputs, out=path, threads=threads, degrees=DEGREES, precision=precision)
     return db.aliased(Cluster.resolve(CLUSTER, 1).device.name)
 
 
@@ -227,7 +234,8 @@ def describe(plan: Plan) -> str:
                 f"x{plan.tensor_degree} m{plan.microbatches}")
     if plan.kind == "data":
         name = {"none": "ddp", "zero3": "fsdp"}.get(plan.shard, plan.shard)
-        return name + (f" rc={plan.recompute}" if plan.recompute != "none" else "")
+        return name + (f" rc={plan.recompute}" if plan.recompute != "none" else "") + \
+            (f" {plan.precision}" if plan.precision != "fp32" else "")
     if plan.kind == "decentralized":
         return f"dpsgd {plan.topology}"
     kinds: dict[str, int] = {}
@@ -243,10 +251,15 @@ def run_case(family: str, kind: str, *, ranks: int, threads: int, steps: int, wa
     from flexsearch.emit.launch import RanksFailed
 
     model, x, _ = build(family, batch)
-    graph = trace(model, x, name=f"fidelity:{family}")
+    precision, plan_kind = PRECISIONS.get(kind, ("fp32", kind))
+    try:
+        check_runs_here(model, precision_of(precision), "cpu")
+    except EmitError as e:
+        return Row(family, kind, "-", error=str(e)[:120])
+    graph = trace(model, x, name=f"fidelity:{family}", precision=precision)
     cl = Cluster.resolve(CLUSTER, ranks)
-    db = profile(model, x, threads, profile_path)
-    plan = plan_for(graph, cl, kind, measured=db, calibration=calibration)
+    db = profile(model, x, threads, profile_path, precision)
+    plan = plan_for(graph, cl, plan_kind, measured=db, calibration=calibration)
     if plan is None:
         return Row(family, kind, "-", error="no such plan")
     row = Row(family, kind, describe(plan))

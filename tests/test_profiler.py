@@ -98,6 +98,35 @@ def test_cache_hit_and_miss(tmp_path):
     assert db2.lookup(g2.nodes[1], Partition(), device, "float32") is None
 
 
+def test_mixed_precision_profile_runs_ops_under_autocast(tmp_path, monkeypatch):
+    """``precision="bf16-mixed"``: the graph traced under autocast, its lowered ops
+    measured under autocast and keyed by their traced dtype (bf16), next to the fp32
+    entries of the same model, which a mixed-precision lookup does not take."""
+    import flexsearch.cost.profiler as profiler
+
+    seen: list = []
+    real = profiler.measure_call
+
+    def spy(call, **kw):
+        seen.append(kw.get("autocast"))
+        return real(call, **kw)
+
+    monkeypatch.setattr(profiler, "measure_call", spy)
+    path = tmp_path / "prof.json"
+    model, inputs = Net(), (torch.randint(0, 64, (8, 4)),)
+    db, counts = profile_model(model, inputs, out=path, repeats=2, warmup=0, precision="bf16-mixed")
+    assert counts["measured"] > 0 and set(seen) == {"bfloat16"}
+    g, _ = trace_calls(model, inputs, precision="bf16-mixed")
+    fc, device = g.node("fc"), local_device(1)
+    assert fc.outputs[0].dtype == "bfloat16"
+    assert db.lookup(fc, Partition(), device, "bfloat16") is not None
+    assert db.lookup(fc, Partition(), device, "float32") is None  # not profiled in fp32 yet
+    seen.clear()
+    db, counts = profile_model(model, inputs, out=path, repeats=2, warmup=0)
+    assert counts["measured"] > 0 and set(seen) == {None}  # fp32: new entries, no autocast
+    assert db.lookup(trace_calls(model, inputs)[0].node("fc"), Partition(), device, "float32") is not None
+
+
 def test_measured_time_overrides_roofline(tmp_path):
     model, inputs = Net(), (torch.randint(0, 64, (8, 4)),)
     db, _ = profile_model(model, inputs, out=tmp_path / "p.json", repeats=2, warmup=0)

@@ -42,6 +42,7 @@ from flexsearch.cost.compute import Partition, node_dtype
 from flexsearch.errors import ProfileError
 from flexsearch.graph.opgraph import OpGraph, OpNode
 from flexsearch.graph.tracer import ArgTensor, OpCall, trace_calls
+from flexsearch.precision import precision as precision_of
 
 PROFILE_VERSION = 1
 DEGREES = (2, 4, 8)
@@ -358,10 +359,12 @@ class _Timer:
 
 
 def measure_call(call: OpCall, *, device: torch.device | str = "cpu", warmup: int = 2, repeats: int = 5,
-                 input_grads: bool = True) -> tuple[float, float]:
+                 input_grads: bool = True, autocast: str | None = None) -> tuple[float, float]:
     """Median forward and backward seconds of one op call on real tensors (the
     backward w.r.t. the float inputs and the parameters; the parameters only when not
-    ``input_grads``)."""
+    ``input_grads``). ``autocast``: the forward runs under ``torch.autocast`` of that
+    dtype (mixed precision: its casts included, a weight's once per call as once per
+    training step), the backward outside it, as in training."""
     device = torch.device(device)
     timer = _Timer(device)
     leaves: list[torch.Tensor] = []
@@ -381,12 +384,18 @@ def measure_call(call: OpCall, *, device: torch.device | str = "cpu", warmup: in
         cannot write to a leaf), made outside the timed region."""
         return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) and x.requires_grad else x, (args, kwargs))
 
-    def run(a: tuple, k: dict) -> Any:
+    def plain(a: tuple, k: dict) -> Any:
         if call.op == "call_module":
             return torch.func.functional_call(call.module, state, a, k, strict=False)
         if call.op == "call_method":
             return getattr(a[0], call.target)(*a[1:], **k)
         return call.target(*a, **k)
+
+    def run(a: tuple, k: dict) -> Any:
+        if autocast is None:
+            return plain(a, k)
+        with torch.autocast(device.type, dtype=getattr(torch, autocast)):
+            return plain(a, k)
 
     for _ in range(warmup):
         run(*fresh())
@@ -423,8 +432,12 @@ def profile_graph(
     repeats: int = 5,
     max_bytes: int = 2 << 30,
     progress: Callable[[int, int, str], None] | None = None,
+    autocast: str | None = None,
 ) -> dict[str, int]:
     """Measure every distinct (op, partition) not yet in ``db``; save after each.
+    ``autocast``: the graph was traced under ``torch.autocast`` of this dtype (mixed
+    precision), and its ops run under it (:func:`measure_call`); keys carry each
+    node's dtype as traced, so a lowered op's entry is not its fp32 one.
 
     Returns counts: ``measured``, ``cached`` (hits), ``skipped`` (over ``max_bytes`` of
     tensors, or an op that cannot run alone).
@@ -458,7 +471,8 @@ def profile_graph(
                 counts["skipped"] += 1
                 continue
             try:
-                fwd, bwd = measure_call(call, device=device, warmup=warmup, repeats=repeats, input_grads=input_grads)
+                fwd, bwd = measure_call(call, device=device, warmup=warmup, repeats=repeats, input_grads=input_grads,
+                                        autocast=autocast)
             except (RuntimeError, ValueError, TypeError, IndexError):  # cannot run alone at this shape
                 counts["skipped"] += 1
                 continue
@@ -494,8 +508,11 @@ def profile_model(
     degrees: Iterable[int] = DEGREES,
     max_bytes: int = 2 << 30,
     progress: Callable[[int, int, str], None] | None = None,
+    precision: str = "fp32",
 ) -> tuple[ProfileDB, dict[str, int]]:
-    """Trace ``model`` and profile its ops into ``out`` (default ``profiles/<device>.json``)."""
+    """Trace ``model`` in ``precision`` (:mod:`flexsearch.precision`) and profile its
+    ops into ``out`` (default ``profiles/<device>.json``): mixed precision's under
+    ``torch.autocast``, a cast precision's on the cast model."""
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     previous = torch.get_num_threads()
     if device.type == "cpu":
@@ -506,10 +523,11 @@ def profile_model(
         db = ProfileDB.load(path, device=name)
         if not db.data.entries:
             db.data.host = host_info()
-        graph, calls = trace_calls(model, example_inputs)
+        prec = precision_of(precision)
+        graph, calls = trace_calls(model, example_inputs, precision=prec)
         counts = profile_graph(
             graph, calls, db, device=device, device_name=name, degrees=degrees,
-            warmup=warmup, repeats=repeats, max_bytes=max_bytes, progress=progress,
+            warmup=warmup, repeats=repeats, max_bytes=max_bytes, progress=progress, autocast=prec.autocast,
         )  # fmt: skip
     finally:
         torch.set_num_threads(previous)

@@ -19,10 +19,11 @@ Measured on this matrix: -0.3% to 0% for DDP and ZeRO-1 (both precisions) and FS
 fp32, +6.6% to +6.8% for FSDP2 in bf16-mixed.
 
 D-PSGD (both precisions) is checked the same way on both ranks, its gossip buffers
-counted with the activations: -0.2% (fp32) and -0.1% (bf16-mixed). Not in the matrix
-yet: pipelines (the loss, where the activations are read, runs on the last stage only)
-and SOAP plans (``MemTracker`` registers a post-accumulate-grad hook on every module
-parameter, and a tied weight the emitter moves to another op's layout is not a leaf).
+counted with the activations: -0.2% (fp32) and -0.1% (bf16-mixed). Not in the matrix:
+pipelines (``MemTracker`` raises ``NotImplementedError`` for a module called more than
+once per iteration, which a stage is, once per microbatch) and SOAP plans
+(``MemTracker`` registers a post-accumulate-grad hook on every module parameter, and a
+tied weight the emitter moves to another op's layout is not a leaf).
 """
 
 from __future__ import annotations

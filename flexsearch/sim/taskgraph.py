@@ -319,6 +319,29 @@ def edge_geometry(node: OpNode, c: Config, k: int, p: OpNode, pc: Config, node_o
                         tuple(grad_colls))
 
 
+def soap_runtime(ctx: CostContext) -> bool:
+    """Is ``ctx`` the SOAP emitter's runtime (calibrated, DTensor ops, not DDP), whose
+    moves between device blocks (:func:`move_cost`) and whole outputs
+    (:func:`output_gather`) the simulation follows?"""
+    return ctx.calibration is not None and not ctx.ddp
+
+
+def move_cost(ctx: CostContext, src: Sequence[int], members: Sequence[int], nbytes: float, *, split: bool,
+              broadcast: bool = True, moved: bool = True) -> tuple[float, tuple[int, ...], str]:
+    """Seconds, resources and collectives of the SOAP emitter's ``_Move`` of ``nbytes``
+    (calibrated): an all-gather over ``src`` when the tensor is ``split`` there, a
+    broadcast over ``members`` (``broadcast``), and the calibration's ``move_s`` for the
+    emitter's own work (``moved``)."""
+    costs = {}
+    if split and len(src) > 1:
+        costs["all_gather"] = ctx.collective("all_gather", tuple(src), nbytes)
+    if broadcast:
+        costs["broadcast"] = ctx.collective("broadcast", tuple(members), nbytes)
+    seconds = sum(cost.time_s for cost in costs.values()) + (ctx.calibration.move() if moved else 0.0)
+    links = [link for cost in costs.values() for link, _ in cost.loads]
+    return seconds, ctx.device_resources(members) + link_resources(ctx, links), "+".join(costs) or "move"
+
+
 def _mesh_move(
     node: OpNode, c: Config, k: int, p: OpNode, pc: Config, ctx: CostContext, frag: Fragment,
     replica: Replica | None = None,
@@ -335,14 +358,10 @@ def _mesh_move(
     src, dst = sorted(set(pc.devices)), sorted(set(c.devices))
     split = pc.kind in ("a", "p") or pc.s > 1
     members = sorted(set(src) | set(dst))
+    seconds, res, how = move_cost(ctx, src, members, nbytes, split=split)  # the same each way
 
     def move(deps: tuple[Key, ...], defines: tuple[Key, ...], what: str) -> Task:
-        gather = ctx.collective("all_gather", tuple(src), nbytes) if split and len(src) > 1 else None
-        bcast = ctx.collective("broadcast", tuple(members), nbytes)
-        seconds = bcast.time_s + (gather.time_s if gather is not None else 0.0) + ctx.calibration.move()
-        links = [link for cost in (gather, bcast) if cost is not None for link, _ in cost.loads]
-        res = ctx.device_resources(members) + link_resources(ctx, links)
-        return Task("coll", n, seconds, res, deps, defines, nbytes, f"{what} d{src}->d{dst} all_gather+broadcast")
+        return Task("coll", n, seconds, res, deps, defines, nbytes, f"{what} d{src}->d{dst} {how}")
 
     key = ("x", n, k, "move")
     forward = kept(replica, move(tuple((ready, p.name, h) for h in src), (key,), f"{p.name}->{n}"), members)
@@ -368,7 +387,7 @@ def edge_tasks(
     needs: dict[int, list[Key]] = {}
     if is_source(p):
         return forward, backward, needs
-    if ctx.calibration is not None and not ctx.ddp and (pc.first, pc.s, pc.t) != (c.first, c.s, c.t):
+    if soap_runtime(ctx) and (pc.first, pc.s, pc.t) != (c.first, c.s, c.t):
         return _mesh_move(node, c, k, p, pc, ctx, frag, replica)
     geo = geometry(ctx, node, c, k, p, pc)
     n = node.name
@@ -431,17 +450,10 @@ def output_gather(producers: list[tuple[OpNode, Config]], ctx: CostContext, frag
         if not (split or outside or moved):
             continue  # whole on every device already
         nbytes = float(p.outputs[0].nbytes)
-        costs = {}
-        if split and len(src) > 1:
-            costs["all_gather"] = ctx.collective("all_gather", tuple(src), nbytes)
-        if outside:
-            costs["broadcast"] = ctx.collective("broadcast", tuple(world), nbytes)
-        links = [link for cost in costs.values() for link, _ in cost.loads]
-        seconds = sum(cost.time_s for cost in costs.values()) + (ctx.calibration.move() if moved else 0.0)
+        seconds, res, how = move_cost(ctx, src, world, nbytes, split=split, broadcast=bool(outside), moved=moved)
         ready = "F" if pc.kind == "r" else "f"
-        task = Task("coll", p.name, seconds, ctx.device_resources(world) + link_resources(ctx, links),
-                    tuple((ready, p.name, h) for h in src), tuple(("G", p.name, h) for h in src), nbytes,
-                    f"output {p.name} d{src}->every device {'+'.join(costs) or 'move'}")
+        task = Task("coll", p.name, seconds, res, tuple((ready, p.name, h) for h in src),
+                    tuple(("G", p.name, h) for h in src), nbytes, f"output {p.name} d{src}->every device {how}")
         frag.forward += kept(replica, task, world)
         if split or outside:  # a new whole tensor on every device (a replicated one is the same tensor)
             for d in world:
@@ -461,7 +473,7 @@ def build_fragment(
     (in ``node.inputs`` order); of the first replica only with ``replica`` (module
     docstring)."""
     frag = Fragment()
-    if node.kind == "output" and ctx.calibration is not None and not ctx.ddp:
+    if node.kind == "output" and soap_runtime(ctx):
         return output_gather(producers, ctx, frag, replica)
     if is_source(node):
         return frag

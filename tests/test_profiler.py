@@ -10,10 +10,12 @@ from flexsearch import ProfileError
 from flexsearch.cost.compute import Partition, op_cost
 from flexsearch.cost.hardware import Cluster
 from flexsearch.cost.profiler import (
+    PROFILE_VERSION,
     ProfileDB,
     host_info,
     local_device,
     measure_call,
+    operand_copies,
     partitioned_call,
     partitions_of,
     profile_key,
@@ -72,6 +74,53 @@ def test_measure_call_runs_partitions():
     for p in partitions_of(g.node("fc")):
         fwd, bwd = measure_call(partitioned_call(g.node("fc"), calls["fc"], p), repeats=2, warmup=1)
         assert fwd > 0 and bwd > 0
+
+
+def test_each_timed_call_reads_operands_out_of_the_cache(monkeypatch):
+    """Cold measurement: the op's parameters and inputs exist in several copies, used in
+    turn (the same weight tensor twice in a row would be in the cache); every copy's
+    backward runs after all the copies' forwards. Hot (``cold=False``): one copy."""
+    g, calls = traced()
+    call = calls["fc"]
+    copies = operand_copies(call, torch.device("cpu"))
+    assert copies > 1  # a 16 -> 32 Linear is far smaller than any cache
+    seen: list[tuple[str, int]] = []
+    module = call.module
+    module.register_forward_pre_hook(lambda m, a: seen.append(("f", m.weight.data_ptr())))
+    real = torch.autograd.grad
+
+    def spy(outputs, inputs, *a, **k):
+        seen.append(("b", {t.data_ptr() for t in inputs}))
+        return real(outputs, inputs, *a, **k)
+
+    monkeypatch.setattr(torch.autograd, "grad", spy)
+    measure_call(call, repeats=3, warmup=1)
+    fwd = [p for kind, p in seen if kind == "f"]
+    assert len(set(fwd)) == copies >= 4
+    assert len(set(fwd[:4])) == 4  # warm-up and timed forwards: never the same weights twice running
+    backward = [p for kind, p in seen if kind == "b"]
+    assert all(fwd[4 + j] in backward[j] for j in range(copies))  # a round's forwards, then its backwards in order
+    seen.clear()
+    measure_call(call, repeats=3, warmup=1, cold=False)
+    assert len({p for kind, p in seen if kind == "f"}) == 1
+    huge = partitioned_call(g.node("fc"), call, Partition())
+    monkeypatch.setattr("flexsearch.cost.profiler.cache_bytes", lambda device: 8)
+    assert operand_copies(huge, torch.device("cpu")) == 1  # already larger than the cache: one copy
+
+
+def test_profile_of_an_older_method_is_measured_afresh(tmp_path):
+    """Entries timed the old way (hot) are not mixed with cold ones: the file is
+    re-measured whole and carries the current version."""
+    path = tmp_path / "prof.json"
+    model, inputs = Net(), (torch.randint(0, 64, (8, 4)),)
+    profile_model(model, inputs, out=path, repeats=1, warmup=0)
+    data = ProfileDB.load(path).data
+    assert data.version == PROFILE_VERSION
+    data.version = PROFILE_VERSION - 1
+    path.write_text(data.model_dump_json())
+    _, counts = profile_model(model, inputs, out=path, repeats=1, warmup=0)
+    assert counts["cached"] == 0 and counts["measured"] == len(data.entries)
+    assert ProfileDB.load(path).data.version == PROFILE_VERSION
 
 
 def test_cache_hit_and_miss(tmp_path):

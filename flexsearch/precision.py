@@ -59,6 +59,11 @@ class Precision:
         """The dtype FSDP all-gathers parameters in (``param_dtype``)."""
         return self.low
 
+    def priced_dtype(self, kind: str, dtype: str) -> str:
+        """The dtype an op of ``kind`` computing in ``dtype`` is priced and profiled at:
+        ``tf32`` for an fp32 matmul-class op under TF32, else ``dtype``."""
+        return "tf32" if self.tf32 and kind in MATMUL_KINDS and dtype == "float32" else dtype
+
     def gather_factor(self, param_dtype: str = "float32") -> float:
         """Bytes gathered per stored parameter byte (FSDP2 ``param_dtype``)."""
         return _BYTES.get(self.gather_dtype, 4) / _BYTES.get(param_dtype, 4)
@@ -72,6 +77,7 @@ _PRECISIONS = {
     "bf16": Precision("bf16", cast="bfloat16"),
 }
 FP32 = _PRECISIONS["fp32"]
+TF32 = _PRECISIONS["tf32"]
 
 
 def precision(name: str) -> Precision:

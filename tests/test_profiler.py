@@ -123,6 +123,27 @@ def test_profile_of_an_older_method_is_measured_afresh(tmp_path):
     assert ProfileDB.load(path).data.version == PROFILE_VERSION
 
 
+def test_tf32_profile_is_what_a_tf32_plan_looks_up(tmp_path):
+    """Under TF32 the cost model prices fp32 matmul-class ops as ``tf32``: the profiler
+    keys them so, and a TF32 context finds the measured times (it priced them from the
+    roofline before); other ops keep their fp32 entries."""
+    from flexsearch.precision import precision
+    from flexsearch.sim.context import CostContext
+
+    path = tmp_path / "prof.json"
+    model, inputs = Net(), (torch.randint(0, 64, (8, 4)),)
+    db, _ = profile_model(model, inputs, out=path, repeats=1, warmup=0, degrees=(), precision="tf32")
+    dtypes = {k.split("|")[-3] for k in db.data.entries}
+    assert dtypes == {"tf32", "float32"}  # the Linears, the embedding
+    g, _ = traced()
+    cl = Cluster.resolve("cpu", 1)
+    ctx = CostContext(cl, db.aliased(cl.device.name), precision=precision("tf32"))
+    fc = g.node("fc")
+    key = profile_key(fc, Partition(), "tf32", local_device(1))
+    assert ctx.compute_dtype(fc) == "tf32" and db.get(key) is not None
+    assert op_cost(fc, cl.device, Partition(), dtype="tf32", measured=ctx.measured).source == "measured"
+
+
 def test_cache_hit_and_miss(tmp_path):
     path = tmp_path / "prof.json"
     model, inputs = Net(), (torch.randint(0, 64, (8, 4)),)

@@ -43,6 +43,7 @@ from flexsearch.cost.compute import Partition, node_dtype
 from flexsearch.errors import ProfileError
 from flexsearch.graph.opgraph import OpGraph, OpNode
 from flexsearch.graph.tracer import ArgTensor, OpCall, trace_calls
+from flexsearch.precision import FP32, TF32
 from flexsearch.precision import precision as precision_of
 
 PROFILE_VERSION = 2
@@ -362,12 +363,25 @@ def cache_bytes(device: torch.device) -> int:
 
 
 class _Timer:
+    """Seconds of one call: on a CPU its wall time; on a GPU the time between two CUDA
+    events around it, with the GPU kept busy (``torch.cuda._sleep``, :data:`HEAD_START_S`)
+    while the CPU enqueues the call's kernels, so that the events time the kernels and
+    not the Python and launch work before each: in training the CPU runs ahead of the
+    GPU and hides it (timed without the head start, GPT-2's ops on an H200 came out up to
+    50% slower than inside the model's step)."""
+
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self.cycles = 0
+        if self.cuda:
+            khz = getattr(torch.cuda.get_device_properties(device), "clock_rate", 0) or 2_000_000
+            self.cycles = int(HEAD_START_S * khz * 1e3)
 
     def time(self, fn: Callable[[], Any]) -> tuple[float, Any]:
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if self.cycles:
+                torch.cuda._sleep(self.cycles)
             start.record()
             out = fn()
             end.record()
@@ -379,6 +393,9 @@ class _Timer:
 
 
 MAX_COPIES = 16
+HEAD_START_S = 0.005
+"""On a GPU, how long the GPU spins before each timed call while the CPU enqueues it
+(:class:`_Timer`)."""
 
 
 def operand_copies(call: OpCall, device: torch.device) -> int:
@@ -484,11 +501,14 @@ def profile_graph(
     max_bytes: int = 2 << 30,
     progress: Callable[[int, int, str], None] | None = None,
     autocast: str | None = None,
+    tf32: bool = False,
 ) -> dict[str, int]:
     """Measure every distinct (op, partition) not yet in ``db``; save after each.
     ``autocast``: the graph was traced under ``torch.autocast`` of this dtype (mixed
     precision), and its ops run under it (:func:`measure_call`); keys carry each
-    node's dtype as traced, so a lowered op's entry is not its fp32 one.
+    node's dtype as traced, so a lowered op's entry is not its fp32 one. ``tf32``: the
+    fp32 matmul-class ops run on TF32 (the caller enables it) and are keyed ``tf32``,
+    as the cost model looks them up (:meth:`flexsearch.precision.Precision.priced_dtype`).
 
     Returns counts: ``measured``, ``cached`` (hits), ``skipped`` (over ``max_bytes`` of
     tensors, or an op that cannot run alone).
@@ -503,8 +523,9 @@ def profile_graph(
         if is_first_layer(graph, node):
             variants.append((leaf_node(node), False))
         for keyed, input_grads in variants:
+            dtype = (TF32 if tf32 else FP32).priced_dtype(node.kind, node_dtype(node))
             for p in partitions_of(node, degrees):
-                key = profile_key(keyed, p, node_dtype(node), name)
+                key = profile_key(keyed, p, dtype, name)
                 if key not in seen:
                     seen.add(key)
                     todo.append((key, node, p, input_grads))
@@ -568,6 +589,10 @@ def profile_model(
     previous = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(threads)
+    prec = precision_of(precision)
+    tf32_before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    if device.type == "cuda":  # TF32 on exactly when the precision says so
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = prec.tf32
     try:
         name = local_device(threads if device.type == "cpu" else None)
         path = Path(out) if out is not None else default_profile_path(name)
@@ -576,14 +601,15 @@ def profile_model(
             db.data = ProfileFile(device=name)
         if not db.data.entries:
             db.data.host = host_info()
-        prec = precision_of(precision)
         graph, calls = trace_calls(model, example_inputs, precision=prec)
         counts = profile_graph(
             graph, calls, db, device=device, device_name=name, degrees=degrees,
             warmup=warmup, repeats=repeats, max_bytes=max_bytes, progress=progress, autocast=prec.autocast,
+            tf32=prec.tf32,
         )  # fmt: skip
     finally:
         torch.set_num_threads(previous)
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32_before
     return db, counts
 
 

@@ -29,7 +29,7 @@ from flexsearch.cost.compute import FREE_KINDS, MeasuredCosts, Partition, node_d
 from flexsearch.cost.efficiency import EfficiencyTable, load_efficiency
 from flexsearch.cost.hardware import Cluster
 from flexsearch.graph.opgraph import OpNode
-from flexsearch.precision import FP32, MATMUL_KINDS, Precision
+from flexsearch.precision import FP32, Precision
 from flexsearch.sim.tasks import Key, Task
 from flexsearch.strategy.config import Config
 
@@ -141,9 +141,9 @@ class CostContext:
     def compute_dtype(self, node: OpNode) -> str | None:
         """The dtype ``node`` is priced at when it is not its own: ``tf32`` for an fp32
         matmul-class op under TF32 (None: the node's dtype)."""
-        if self.precision.tf32 and node.kind in MATMUL_KINDS and node_dtype(node) == "float32":
-            return "tf32"
-        return None
+        dtype = node_dtype(node)
+        priced = self.precision.priced_dtype(node.kind, dtype)
+        return None if priced == dtype else priced
 
     def device_resources(self, devices) -> tuple[int, ...]:
         """The devices a communication among ``devices`` occupies: all of them when the

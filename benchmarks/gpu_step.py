@@ -1,0 +1,388 @@
+"""One GPU, one training step: the roofline cost model's prediction against a real run.
+
+The cost model prices a GPU op from the preset's datasheet peaks and the efficiency
+factors of ``flexsearch/costmodels/efficiency.json`` (vendor and published figures,
+cited there; none fitted to a run of this benchmark). This benchmark checks them where
+a user would: one training step of a zoo GPT in eager PyTorch on one GPU.
+
+Three parts, so that the GPU machine needs nothing but torch:
+
+- ``predict`` (here): per case, ``flexsearch.plan`` on one device of each GPU preset
+  (``dgx-h100``, ``h200``) at the case's precision: the predicted iteration time and
+  peak memory of the one-device (data) plan;
+- ``measure`` (on the GPU; imports only torch and the zoo's model files): the same model
+  and batch, initialised on the GPU, trained with ``torch.optim.Adam`` (the planner's
+  optimizer) under the precision (``bf16-mixed``: ``torch.autocast`` in bf16 over fp32
+  weights; ``tf32``: TF32 matmuls in fp32), a cross-entropy loss over the logits; after
+  ``--warmup`` steps, the median of ``--steps`` step times (CUDA events: forward,
+  loss, backward, optimizer step, ``zero_grad``) and the peak of
+  ``torch.cuda.max_memory_allocated`` over them. The loss is timed alone too
+  (``loss_ms``): the planner does not cost the loss, so it is part of the error. Then
+  three steps under ``torch.profiler``: the GPU's kernel time per step by category
+  (GEMM, attention, optimizer, other) and in all (``busy``: the rest of the step the
+  GPU waits for the CPU to launch work);
+- ``profile`` (on the GPU; needs flexsearch and its dependencies there):
+  ``flexsearch``'s own op profiler over each case's model on the GPU (whole ops), so
+  that ``predict --profile FILE`` also predicts each plan from measured op times
+  (``profiled``), as a user who runs ``flexsearch profile`` on their GPU would;
+- ``compare``: the predictions of the preset that matches the measured device, per
+  case: ``error`` = predicted / measured - 1 for time and memory; then per case the
+  predicted and measured time by category (predicted: the cost model's forward and
+  backward of every node of each kind at the plan's precision, and its optimizer
+  update; they need not add up to the iteration time, which the simulator schedules).
+
+    python benchmarks/gpu_step.py predict --out pred.json      # here
+    python benchmarks/gpu_step.py measure --out meas.json      # on the GPU machine
+    python benchmarks/gpu_step.py profile --out prof.json      # on the GPU machine
+    python benchmarks/gpu_step.py predict --profile prof.json --out pred.json
+    python benchmarks/gpu_step.py compare pred.json meas.json
+    python benchmarks/gpu_step.py --quick                      # all three on gpt_tiny, on this machine
+
+``--quick`` predicts for ``dgx-h100`` and measures on whatever device is here (a CPU
+in CI): a test of the plumbing, its errors mean nothing. Measured runs are kept in
+``costmodels/measurements/gpu-step-*.json``. The last line: ``key=value`` pairs
+(``median_time_error``, ``max_time_error``, ``median_memory_error``, ``rows``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from zoo import build  # noqa: E402  (stdlib only: safe on the GPU machine)
+
+PRESETS = ("dgx-h100", "h200")
+DEVICE_PRESET = {"H100": "dgx-h100", "H200": "h200"}
+CASES = [  # (zoo builder, batch, precision)
+    ("gpt2_small", 8, "bf16-mixed"),
+    ("gpt2_small", 16, "bf16-mixed"),
+    ("gpt2_medium", 8, "bf16-mixed"),
+    ("gpt2_xl", 4, "bf16-mixed"),
+    ("gpt2_small", 8, "tf32"),
+]
+QUICK = [("gpt_tiny", 4, "bf16-mixed")]
+
+
+def case_key(name: str, batch: int, precision: str) -> str:
+    return f"{name}:b{batch}:{precision}"
+
+
+# ----------------------------------------------------------------------------- predict
+
+PARTS = ("gemm", "attention", "optimizer", "other")
+
+
+def category(node_kind: str) -> str:
+    """A graph node's kind as one of :data:`PARTS`."""
+    if node_kind in ("linear", "matmul", "conv"):
+        return "gemm"
+    return "attention" if node_kind == "attention" else "other"
+
+
+def kernel_category(name: str) -> str:
+    """A CUDA kernel's name as one of :data:`PARTS` (cuBLAS/CUTLASS GEMMs, flash or
+    memory-efficient attention, the optimizer's multi-tensor kernels, the rest)."""
+    n = name.lower()
+    if "flash" in n or "fmha" in n or "attention" in n:
+        return "attention"
+    if "gemm" in n or "xmma" in n or "cutlass" in n or "nvjet" in n or "sm90" in n:
+        return "gemm"
+    if "multi_tensor" in n or "adam" in n:
+        return "optimizer"
+    return "other"
+
+
+def predict(cases, presets=PRESETS, profile: Path | None = None) -> dict:
+    """Per preset and case: the one-device plan's predicted time (s) and peak bytes;
+    with ``profile`` (what ``profile`` measured on the GPU) also ``profiled_s``, the
+    same plan's prediction with the measured op times in place of the roofline."""
+    import torch
+
+    import flexsearch
+    from flexsearch.cost.compute import WHOLE, op_cost
+    from flexsearch.cost.hardware import Cluster
+    from flexsearch.cost.profiler import ProfileDB
+    from flexsearch.precision import precision as precision_of
+    from flexsearch.sim.accounting import roofline_update_s
+    from flexsearch.sim.context import CostContext
+
+    out: dict = {"presets": {}}
+    for preset in presets:
+        rows = {}
+        for name, batch, precision in cases:
+            model, inputs = build(name, batch_size=batch)
+            t0 = time.perf_counter()
+            plan = flexsearch.plan(model, inputs, devices=1, cluster=preset, precision=precision,
+                                   decentralized=False, max_iters=50)
+            profiled = math.nan
+            if profile is not None:
+                db = ProfileDB.load(profile)
+                db.data.entries = {  # measured by the GPU machine's torch: answer for this one's
+                    k.rsplit("|torch-", 1)[0] + f"|torch-{torch.__version__}": e for k, e in db.data.entries.items()}
+                db = db.aliased(Cluster.resolve(preset, 1).device.name)
+                graph = flexsearch.trace(model, inputs, precision=precision)
+                profiled = flexsearch.simulate(graph, plan, measured=db, timeline=False).iteration_time_s
+            graph = flexsearch.trace(model, inputs, precision=precision)
+            cl = Cluster.resolve(preset, 1)
+            ctx = CostContext(cl, precision=precision_of(plan.precision))
+            parts: dict[str, float] = {"optimizer": roofline_update_s(ctx, plan.optimizer, graph.param_bytes)}
+            for node in graph.nodes:  # each op's forward and backward at the plan's precision
+                c = op_cost(node, cl.device, WHOLE, dtype=ctx.compute_dtype(node), efficiency=ctx.efficiency)
+                parts[category(node.kind)] = parts.get(category(node.kind), 0.0) + c.forward_s + c.backward_s
+            rows[case_key(name, batch, precision)] = {
+                "parts_s": parts,
+                "profiled_s": profiled,
+                "iteration_s": plan.predicted.iteration_time_s,
+                "peak_bytes": plan.predicted.peak_memory_bytes,
+                "kind": plan.kind,
+                "precision": plan.precision,
+                "model_flops": plan.model_flops,
+                "plan_s": time.perf_counter() - t0,
+            }
+        out["presets"][preset] = rows
+    return out
+
+
+# ----------------------------------------------------------------------------- measure
+
+
+def measure(cases, steps: int = 20, warmup: int = 5, profile: bool = True) -> dict:
+    """Per case (:func:`measure_case`), on the local GPU (else the CPU)."""
+    import torch
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows = {}
+    for case in cases:
+        rows[case_key(*case)] = measure_case(*case, dev, steps, warmup, profile)
+        print(f"{case_key(*case)}: {rows[case_key(*case)]}", flush=True)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d"), "steps": steps, "warmup": warmup, "rows": rows}
+
+
+def gpu_model(name: str, batch: int, dev):
+    """The zoo model on ``dev``, its parameters drawn afresh (tied ones kept tied), and a
+    batch of tokens."""
+    import torch
+
+    model, (idx,) = build(name, batch_size=batch)
+    shared: dict[int, list] = {}  # to_empty unties shared (tied) parameters: tie them again
+    for mod in model.modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            shared.setdefault(id(p), []).append((mod, pname))
+    model = model.to_empty(device=dev)
+    for (mod, pname), *others in shared.values():
+        for other, oname in others:
+            setattr(other, oname, getattr(mod, pname))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    return model.train(), torch.randint(0, model.config.vocab_size, idx.shape, device=dev)
+
+
+def measure_case(name: str, batch: int, precision: str, dev, steps: int, warmup: int, profile: bool) -> dict:
+    """Median step seconds, peak allocated bytes, the loss's own time and, on a GPU with
+    ``profile``, the kernels' time per step by category (module docstring)."""
+    import torch
+    import torch.nn.functional as F
+
+    cuda = dev.type == "cuda"
+    model, idx = gpu_model(name, batch, dev)
+    target = torch.randint_like(idx, 0, model.config.vocab_size)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+        torch.backends.cudnn.allow_tf32 = precision == "tf32"
+    mixed = precision == "bf16-mixed"
+
+    def loss_of(logits):
+        return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+
+    def step():
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=mixed):
+            logits = model(idx)
+        loss_of(logits).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def timed(fn) -> float:
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            return a.elapsed_time(b) / 1e3
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    for _ in range(warmup):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = [timed(step) for _ in range(steps)]
+    peak = torch.cuda.max_memory_allocated() if cuda else math.nan
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=mixed), torch.no_grad():
+        shape = model(idx)
+    logits = torch.randn(shape.shape, dtype=shape.dtype, device=dev, requires_grad=True)
+    del shape
+    loss_times = [timed(lambda: loss_of(logits).backward()) for _ in range(5)]
+    parts: dict[str, float] = {}
+    busy = math.nan
+    if cuda and profile:  # where the GPU's time goes: kernels by category, per step
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        busy = 0.0
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                us = getattr(e, "device_time", None)
+                us = e.cuda_time if us is None else us
+                k = kernel_category(e.name)
+                parts[k] = parts.get(k, 0.0) + us / 1e6 / 3
+                busy += us / 1e6 / 3
+    return {
+        "parts_s": parts,
+        "gpu_busy_s": busy,
+        "step_s": statistics.median(times),
+        "step_spread": (max(times) - min(times)) / 2 / statistics.median(times),
+        "peak_bytes": peak,
+        "loss_s": statistics.median(loss_times),
+        "params": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def profile_ops(cases, out: Path) -> None:
+    """On the GPU: ``flexsearch``'s op profiler (:func:`flexsearch.cost.profiler.profile_model`,
+    whole ops: a one-device plan splits none) over every case's model, into ``out``."""
+    import torch
+
+    from flexsearch.cost.profiler import profile_model
+
+    dev = torch.device("cuda")
+    for name, batch, precision in cases:
+        torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+        torch.backends.cudnn.allow_tf32 = precision == "tf32"
+        model, idx = gpu_model(name, batch, dev)
+        t0 = time.perf_counter()
+        _, counts = profile_model(model, (idx,), out=out, degrees=(), precision=precision)
+        print(f"{case_key(name, batch, precision)}: profiled {counts} in {time.perf_counter() - t0:.1f} s", flush=True)
+        del model
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- compare
+
+
+def preset_for(device: str) -> str:
+    for tag, preset in DEVICE_PRESET.items():
+        if tag in device:
+            return preset
+    return PRESETS[0]
+
+
+def compare(pred: dict, meas: dict) -> dict:
+    """Print the table; return the headline figures."""
+    preset = preset_for(meas["device"])
+    rows = pred["presets"][preset]
+    print(f"# measured on {meas['device']} (torch {meas['torch']}, {meas['date']}), predicted for the "
+          f"{preset} preset")
+    print(f"{'case':28} {'pred ms':>9} {'meas ms':>9} {'err':>7} {'profiled':>9} {'err':>7} {'loss ms':>8} "
+          f"{'pred GB':>8} {'meas GB':>8} {'err':>7} {'MFU':>6}")
+    terr, merr, perr = [], [], []
+    for key, m in meas["rows"].items():
+        p = rows.get(key)
+        if p is None:
+            print(f"{key:28} not predicted")
+            continue
+        te = p["iteration_s"] / m["step_s"] - 1
+        me = p["peak_bytes"] / m["peak_bytes"] - 1 if m["peak_bytes"] == m["peak_bytes"] else math.nan
+        terr.append(abs(te))
+        if me == me:
+            merr.append(abs(me))
+        pe = p.get("profiled_s", math.nan) / m["step_s"] - 1
+        if pe == pe:
+            perr.append(abs(pe))
+        mfu = p["model_flops"] / m["step_s"] / PEAK.get(preset, math.nan) if p.get("model_flops") else math.nan
+        print(f"{key:28} {p['iteration_s'] * 1e3:9.2f} {m['step_s'] * 1e3:9.2f} {te:+7.1%} "
+              f"{p.get('profiled_s', math.nan) * 1e3:9.2f} {pe:+7.1%} {m['loss_s'] * 1e3:8.2f} "
+              f"{p['peak_bytes'] / 1e9:8.2f} {m['peak_bytes'] / 1e9:8.2f} {me:+7.1%} {mfu:6.1%}")
+    print("# time by category, ms per step (predicted / GPU kernels measured); busy: the GPU's kernel time in all")
+    for key, m in meas["rows"].items():
+        p = rows.get(key)
+        if p is None or not m.get("parts_s"):
+            continue
+        cells = "  ".join(f"{k} {p['parts_s'].get(k, 0.0) * 1e3:.1f}/{m['parts_s'].get(k, 0.0) * 1e3:.1f}"
+                          for k in PARTS)
+        print(f"{key:28} {cells}  busy {m['gpu_busy_s'] * 1e3:.1f} of {m['step_s'] * 1e3:.1f}")
+    return {
+        "median_time_error": statistics.median(terr) if terr else math.nan,
+        "max_time_error": max(terr) if terr else math.nan,
+        "median_memory_error": statistics.median(merr) if merr else math.nan,
+        "median_profiled_error": statistics.median(perr) if perr else math.nan,
+        "rows": len(terr),
+    }
+
+
+PEAK = {"dgx-h100": 989.4e12, "h200": 989.4e12}  # dense bf16 tensor-core peak (the presets' own figure)
+
+
+def line(s: dict) -> str:
+    return " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in s.items())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("part", nargs="?", choices=("predict", "measure", "profile", "compare"))
+    ap.add_argument("files", nargs="*", help="compare: the predict and measure JSON files")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--profile", type=Path, help="predict: also with this op profile (what `profile` wrote)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="gpt_tiny, dgx-h100, measured on this machine")
+    args = ap.parse_args()
+    cases = QUICK if args.quick else CASES
+    if args.part == "profile":
+        if args.out is None:
+            ap.error("profile writes the op profile to --out FILE")
+        profile_ops(cases, args.out)
+        return
+    if args.part == "predict":
+        data = predict(cases, profile=args.profile)
+    elif args.part == "measure":
+        data = measure(cases, args.steps, args.warmup)
+    elif args.part == "compare":
+        if len(args.files) != 2:
+            ap.error("compare takes two files: the predictions and the measurements")
+        print(line(compare(*(json.loads(Path(f).read_text()) for f in args.files))))
+        return
+    else:
+        if not args.quick:
+            ap.error("name a part (predict, measure, compare), or --quick for all three on gpt_tiny")
+        pred = predict(cases, PRESETS[:1])
+        meas = measure(cases, steps=3, warmup=1)
+        print(line(compare(pred, meas)))
+        return
+    text = json.dumps(data, indent=1)
+    if args.out is not None:
+        args.out.write_text(text)
+        print(f"written to {args.out}")
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import statistics
+import time
 
 import torch
 
@@ -26,6 +27,8 @@ UPDATE_SETS = ((1, 1 << 22), (8, 1 << 19), (64, 1 << 16), (512, 1 << 13), (2, 1 
 """(tensors, elements each) of the optimizer-update measurements: bytes and tensor
 counts varied independently, so the fit separates the two terms."""
 PROBES = {"deep8": 8, "deep32": 32}
+OVERLAP_SAMPLES = 15
+"""Timed samples of each of the overlap probe's three measurements (interleaved)."""
 """Probe model name -> its depth."""
 
 
@@ -165,11 +168,16 @@ def probe_job(rank: int, world: int, what: str, n: int) -> dict:
             compute()
             w.wait()
 
-        out = {}
-        for key, fn in (("compute", compute), ("comm", lambda: dist.all_reduce(buf)), ("both", both)):
-            dist.barrier()
-            out[key] = median_time(fn)
-        return out
+        fns = {"compute": compute, "comm": lambda: dist.all_reduce(buf), "both": both}
+        times: dict[str, list[float]] = {key: [] for key in fns}
+        for i in range(OVERLAP_SAMPLES + 2):  # interleaved, so that a drift of the machine hits all three alike
+            for key, fn in fns.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                if i >= 2:
+                    times[key].append(time.perf_counter() - t0)
+        return {key: statistics.median(ts) for key, ts in times.items()}
     if what == "collectives":  # t(M) of each collective the emitters use
         out = {}
         for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):

@@ -274,7 +274,8 @@ def assemble(raw: dict[str, Any], s: Settings, where: str, profile_path: Path) -
             "value": overlap < 0.5,
             "source": f"{where}; a 16 MB all-reduce started asynchronously during 20 512x512 matmuls hides "
                       f"{max(0.0, overlap):.0%} of the shorter of the two (compute {over['compute'] * 1e3:.1f} ms, "
-                      f"all-reduce {over['comm'] * 1e3:.1f} ms, both {over['both'] * 1e3:.1f} ms); below 50%: "
+                      f"all-reduce {over['comm'] * 1e3:.1f} ms, both {over['both'] * 1e3:.1f} ms; medians of "
+                      f"{probes.OVERLAP_SAMPLES} interleaved samples); below 50%: "
                       "communication occupies the devices"},
         "optimizer": {k: {"per_tensor_s": num(a, f"{k} update on every rank at once (the slowest), least-squares "
                                                   f"fit of t = a tensors + b bytes over {len(probes.UPDATE_SETS)} "

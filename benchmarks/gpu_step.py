@@ -5,7 +5,8 @@ factors of ``flexsearch/costmodels/efficiency.json`` (vendor and published figur
 cited there; none fitted to a run of this benchmark). This benchmark checks them where
 a user would: one training step of a zoo GPT in eager PyTorch on one GPU.
 
-Three parts, so that the GPU machine needs nothing but torch:
+Four parts, so that measuring on the GPU machine needs nothing but torch (profiling
+there needs flexsearch too):
 
 - ``predict`` (here): per case, ``flexsearch.plan`` on one device of each GPU preset
   (``dgx-h100``, ``h200``) at the case's precision: the predicted iteration time and
@@ -89,9 +90,9 @@ def kernel_category(name: str) -> str:
     """A CUDA kernel's name as one of :data:`PARTS` (cuBLAS/CUTLASS GEMMs, flash or
     memory-efficient attention, the optimizer's multi-tensor kernels, the rest)."""
     n = name.lower()
-    if "flash" in n or "fmha" in n or "attention" in n:
+    if "flash" in n or "fmha" in n or "attention" in n or "sdpa" in n:
         return "attention"
-    if "gemm" in n or "xmma" in n or "cutlass" in n or "nvjet" in n or "sm90" in n:
+    if "gemm" in n or "xmma" in n or "cutlass" in n or "nvjet" in n:
         return "gemm"
     if "multi_tensor" in n or "adam" in n:
         return "optimizer"
@@ -274,8 +275,6 @@ def profile_ops(cases, out: Path) -> None:
 
     dev = torch.device("cuda")
     for name, batch, precision in cases:
-        torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
-        torch.backends.cudnn.allow_tf32 = precision == "tf32"
         model, idx = gpu_model(name, batch, dev)
         t0 = time.perf_counter()
         _, counts = profile_model(model, (idx,), out=out, degrees=(), precision=precision)
@@ -316,7 +315,8 @@ def compare(pred: dict, meas: dict) -> dict:
         pe = p.get("profiled_s", math.nan) / m["step_s"] - 1
         if pe == pe:
             perr.append(abs(pe))
-        mfu = p["model_flops"] / m["step_s"] / PEAK.get(preset, math.nan) if p.get("model_flops") else math.nan
+        peak = PEAK.get(key.rsplit(":", 1)[1], math.nan)
+        mfu = p["model_flops"] / m["step_s"] / peak if p.get("model_flops") else math.nan
         print(f"{key:28} {p['iteration_s'] * 1e3:9.2f} {m['step_s'] * 1e3:9.2f} {te:+7.1%} "
               f"{p.get('profiled_s', math.nan) * 1e3:9.2f} {pe:+7.1%} {m['loss_s'] * 1e3:8.2f} "
               f"{p['peak_bytes'] / 1e9:8.2f} {m['peak_bytes'] / 1e9:8.2f} {me:+7.1%} {mfu:6.1%}")
@@ -337,7 +337,8 @@ def compare(pred: dict, meas: dict) -> dict:
     }
 
 
-PEAK = {"dgx-h100": 989.4e12, "h200": 989.4e12}  # dense bf16 tensor-core peak (the presets' own figure)
+PEAK = {"bf16-mixed": 989.4e12, "tf32": 494.7e12}
+"""Dense tensor-core peak of the H100 and H200 SXM per precision (both presets' own figures)."""
 
 
 def line(s: dict) -> str:
@@ -371,7 +372,7 @@ def main() -> None:
         return
     else:
         if not args.quick:
-            ap.error("name a part (predict, measure, compare), or --quick for all three on gpt_tiny")
+            ap.error("name a part (predict, measure, profile, compare), or --quick for all but profile on gpt_tiny")
         pred = predict(cases, PRESETS[:1])
         meas = measure(cases, steps=3, warmup=1)
         print(line(compare(pred, meas)))

@@ -27,9 +27,9 @@ UPDATE_SETS = ((1, 1 << 22), (8, 1 << 19), (64, 1 << 16), (512, 1 << 13), (2, 1 
 """(tensors, elements each) of the optimizer-update measurements: bytes and tensor
 counts varied independently, so the fit separates the two terms."""
 PROBES = {"deep8": 8, "deep32": 32}
+"""Probe model name -> its depth."""
 OVERLAP_SAMPLES = 15
 """Timed samples of each of the overlap probe's three measurements (interleaved)."""
-"""Probe model name -> its depth."""
 
 
 class Chain(torch.nn.Module):

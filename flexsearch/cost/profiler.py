@@ -6,8 +6,9 @@ its full shape and at the partitioned shapes the search may ask for, and cache t
 run alone on real tensors of its input shapes: forward time, then the time of
 ``torch.autograd.grad`` of its outputs w.r.t. its float inputs and parameters. On a GPU
 with CUDA events; on a CPU with ``time.perf_counter`` and a fixed thread count. Each
-after ``warmup`` runs, the median of ``repeats``, every timed call on operands out of
-the cache (copies used in turn, the inputs just written), as in a training step.
+after ``warmup`` runs, the median of ``repeats`` (the backward: of whole rounds of
+copies, at least ``repeats``), every timed call on operands out of the cache (copies
+used in turn, the inputs just written), as in a training step.
 
 **Partitions** (:func:`partitions_of`): the whole op, and degrees 2, 4, 8 along each
 SOAP role the node has: ``sample`` divides the batch dim of every activation input;
@@ -25,6 +26,7 @@ interrupted run keeps what it measured and the next run resumes where it stopped
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import platform
@@ -345,12 +347,13 @@ def _nbytes(call: OpCall) -> int:
     return total
 
 
+@functools.cache
 def cache_bytes(device: torch.device) -> int:
     """The device's last-level cache in bytes: a CUDA device's L2, else the largest CPU
     cache level Linux lists (``/sys/devices/system/cpu/cpu0/cache``); 64 MiB when
     neither says."""
     if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).L2_cache_size) or 64 << 20
+        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)) or 64 << 20
     sizes = []
     for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
         text = f.read_text().strip().upper()
@@ -367,23 +370,26 @@ class _Timer:
     events around it, with the GPU kept busy (``torch.cuda._sleep``, :data:`HEAD_START_S`)
     while the CPU enqueues the call's kernels, so that the events time the kernels and
     not the Python and launch work before each: in training the CPU runs ahead of the
-    GPU and hides it (timed without the head start, GPT-2's ops on an H200 came out up to
-    50% slower than inside the model's step)."""
+    GPU and hides it (timed without the head start, GPT-2's ops on an H200 came out 6-57%
+    slower than inside the model's step). A call whose enqueueing outlasts the head start
+    doubles it for the calls after it."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.cycles = 0
+        self.head_s = HEAD_START_S
+        self.hz = 0.0
         if self.cuda:
-            khz = getattr(torch.cuda.get_device_properties(device), "clock_rate", 0) or 2_000_000
-            self.cycles = int(HEAD_START_S * khz * 1e3)
+            self.hz = (getattr(torch.cuda.get_device_properties(device), "clock_rate", 0) or 2_000_000) * 1e3
 
     def time(self, fn: Callable[[], Any]) -> tuple[float, Any]:
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            if self.cycles:
-                torch.cuda._sleep(self.cycles)
+            torch.cuda._sleep(int(self.head_s * self.hz))
             start.record()
+            t0 = time.perf_counter()
             out = fn()
+            if time.perf_counter() - t0 > self.head_s:  # the GPU caught up with the CPU: spin longer
+                self.head_s *= 2
             end.record()
             torch.cuda.synchronize()
             return start.elapsed_time(end) / 1e3, out
@@ -419,7 +425,8 @@ def measure_call(call: OpCall, *, device: torch.device | str = "cpu", warmup: in
     are not in the cache: the op's inputs and parameters exist in
     :func:`operand_copies` copies, used in turn (a forward's inputs are copied just
     before it, as its producer would have written them); the backwards run in the
-    order of their forwards, each after every copy's forward. Timed hot, in a loop over
+    order of their forwards, each after every forward of its round (as many copies as
+    the inputs and outputs leave out of the cache). Timed hot, in a loop over
     the same tensors, GPT-tiny's microbatch Linears ran 7-23% faster than the same ops
     inside the model's step (``torch.profiler``), and evicting the whole cache before
     each call slowed small ops several times over (it evicts the interpreter's and the
@@ -475,12 +482,17 @@ def measure_call(call: OpCall, *, device: torch.device | str = "cpu", warmup: in
     def grads_of(out: Any) -> list[torch.Tensor]:
         return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
 
+    # The backward keeps every graph of a round alive: as many copies as their inputs and
+    # outputs together leave out of the cache (an op that writes far more than it reads
+    # would hold many copies' worth of saved tensors otherwise).
+    out_bytes = sum(t.numel() * t.element_size() for t in grads_of(run(0, *fresh(0))))
+    round_size = max(1, min(copies, math.ceil(2 * cache_bytes(device) / max(1, _nbytes(call) + out_bytes))))
     bwd_times: list[float] = []
-    while len(bwd_times) < warmup + repeats:
-        outs = [grads_of(run(j, *fresh(j))) for j in range(copies)]
+    while len(bwd_times) < warmup + repeats:  # whole rounds: at least ``repeats`` timed samples
+        outs = [grads_of(run(j, *fresh(j))) for j in range(round_size)]
         if not outs[0] or not sets[0][3]:
             break
-        for j in range(copies):
+        for j in range(round_size):
             ones = [torch.ones_like(t) for t in outs[j]]
             seconds, _ = timer.time(lambda o=outs[j], g=ones, w=sets[j][3]: torch.autograd.grad(o, w, g, allow_unused=True))
             bwd_times.append(seconds)
@@ -591,8 +603,8 @@ def profile_model(
         torch.set_num_threads(threads)
     prec = precision_of(precision)
     tf32_before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    if device.type == "cuda":  # TF32 on exactly when the precision says so
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = prec.tf32
+    if device.type == "cuda" and prec.tf32:  # TF32 on for a TF32 profile; else the user's settings
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     try:
         name = local_device(threads if device.type == "cpu" else None)
         path = Path(out) if out is not None else default_profile_path(name)

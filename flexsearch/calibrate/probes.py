@@ -30,6 +30,8 @@ PROBES = {"deep8": 8, "deep32": 32}
 """Probe model name -> its depth."""
 OVERLAP_SAMPLES = 15
 """Timed samples of each of the overlap probe's three measurements (interleaved)."""
+CONCURRENCY_SAMPLES = 5
+"""Measurements of the op mix alone and on every rank at once (interleaved)."""
 
 
 class Chain(torch.nn.Module):
@@ -193,10 +195,18 @@ def probe_job(rank: int, world: int, what: str, n: int) -> dict:
                 rows.append((size, median_time(fn, 7 if size > 1 << 22 else 15, 2)))
             out[op] = rows
         return out
-    if what == "ops":  # the op mix on every rank at once
-        dist.barrier()
-        f, b = op_mix_times(torch.get_num_threads())
-        return {"forward": f, "backward": b}
+    if what == "ops":  # the op mix alone on rank 0 (the others wait at a barrier, idle) and on every rank at once
+        alone: list[tuple[float, float]] = []
+        together: list[tuple[float, float]] = []
+        for _ in range(CONCURRENCY_SAMPLES):  # interleaved, so that a drift of the machine hits both alike
+            dist.barrier()
+            if rank == 0:
+                alone.append(op_mix_times(torch.get_num_threads()))
+            dist.barrier()
+            together.append(op_mix_times(torch.get_num_threads()))
+        f, b = (statistics.median(x[i] for x in together) for i in (0, 1))
+        return {"forward": f, "backward": b,
+                "alone": tuple(statistics.median(x[i] for x in alone) for i in (0, 1)) if alone else None}
     if what == "updates":  # every rank at once, as in training
         dist.barrier()
         return measure_updates(torch.get_num_threads())

@@ -9,7 +9,8 @@ stage is measured, :func:`assemble` turns the numbers into the terms of
 overhead the residual of the simulator (with the terms fitted before it) on the probes:
 
 1. ``collectives``: each collective's ``t = a + b M`` (:func:`.fit.fit_collective`);
-2. ``concurrency``: the op mix on every rank at once over the same alone (factors >= 1);
+2. ``concurrency``: the op mix on every rank at once over the same alone (factors >= 1;
+   both in the same processes, interleaved);
 3. ``updates``: each optimizer's per-tensor and per-byte cost;
 4. ``working``: the update's temporaries in largest-tensor multiples;
 5. ``overlap``: whether communication blocks compute (less than half hidden);
@@ -183,10 +184,9 @@ def measure_stage(stage: str, s: Settings, profile_path: Path) -> Any:
     wait_quiet(s.max_wait_s)
     if stage == "collectives":
         return run_ranks(probes.probe_job, s.ranks, "collectives", 0, threads=s.threads)
-    if stage == "concurrency":
-        alone = probes.op_mix_times(s.threads)
-        wait_quiet(s.max_wait_s)
-        return {"alone": alone, "together": run_ranks(probes.probe_job, s.ranks, "ops", 0, threads=s.threads)}
+    if stage == "concurrency":  # alone and together in the same processes, interleaved
+        together = run_ranks(probes.probe_job, s.ranks, "ops", 0, threads=s.threads)
+        return {"alone": together[0]["alone"], "together": together}
     if stage == "updates":
         return run_ranks(probes.probe_job, s.ranks, "updates", 0, threads=s.threads)
     if stage == "working":
@@ -292,7 +292,8 @@ def assemble(raw: dict[str, Any], s: Settings, where: str, profile_path: Path) -
                              "per_byte_s": num(b, f"{op}, same fit: b")} for op, (a, b) in fits.items()},
         "concurrency": {k: num(max(1.0, v), f"summed {k} time of an op mix (Linear 512x2048, Conv2d 16->32, "
                                             f"LSTM 128, LayerNorm 1024, GELU; profiled one by one) on {s.ranks} ranks "
-                                            "at once (the slowest) over the same alone")
+                                            "at once (the slowest) over the same alone on rank 0, the others idle "
+                                            f"(medians of {probes.CONCURRENCY_SAMPLES} interleaved samples)")
                         for k, v in zip(("forward", "backward"), slow, strict=True)},
         "runtime_bytes": {m: zero for m in MODES if m != "zero1"},  # ZeRO-1 runs DDP's runtime
         "fsdp_collective_s": zero,

@@ -198,6 +198,27 @@ def hang_job(rank: int, world: int) -> None:
         time.sleep(600)
 
 
+def abort_job(rank: int, world: int, at_exit: bool) -> int:
+    """Dies by SIGABRT: at the interpreter's exit, after its result is written (as gloo's
+    threads sometimes do), or at once, before it returns."""
+    import atexit
+    import os
+
+    if not at_exit:
+        os.abort()
+    atexit.register(os.abort)
+    return rank
+
+
+def test_a_rank_that_dies_at_exit_after_its_result_is_written_still_counts() -> None:
+    """A rank whose process aborts after its whole result is written finished its work
+    (gloo's "terminate called without an active exception" at exit failed one CI run);
+    one that aborts before writing it fails the job."""
+    assert run_ranks(abort_job, 2, True) == [0, 1]
+    with pytest.raises(RanksFailed, match="exited with codes"):
+        run_ranks(abort_job, 2, False)
+
+
 def test_a_hung_job_reports_where_its_ranks_stood() -> None:
     """A job past its timeout is killed, and the error names what the running ranks
     were doing (so a hang in CI says where it hung)."""

@@ -45,7 +45,8 @@ def _entry(fn: Callable, rank: int, world: int, store_path: str, out: str, threa
             result = fn(rank, world, *args)
         finally:
             dist.destroy_process_group()
-        torch.save(result, os.path.join(out, f"{rank}.pt"))
+        torch.save(result, os.path.join(out, f"{rank}.tmp"))
+        os.replace(os.path.join(out, f"{rank}.tmp"), os.path.join(out, f"{rank}.pt"))  # whole, or not there
     except BaseException:  # noqa: BLE001 - reported to the parent
         with open(os.path.join(out, f"{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
@@ -87,7 +88,9 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 300, thre
         if alive:
             stacks = "".join(f"\nrank {r} stood at:\n{_read(os.path.join(d, f'{r}.stack'))}" for r in alive)
             raise RanksFailed(f"ranks {alive} still running after {timeout_s:.0f} s (killed){stacks}")
-        bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
+        # A rank that wrote its whole result and then died at exit (gloo's threads torn down:
+        # "terminate called without an active exception", SIGABRT) finished its work.
+        bad = [r for r, p in enumerate(procs) if p.exitcode != 0 and not os.path.exists(os.path.join(d, f"{r}.pt"))]
         if bad:
             raise RanksFailed(f"ranks {bad} exited with codes {[procs[r].exitcode for r in bad]}")
         return [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(world)]

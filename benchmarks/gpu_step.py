@@ -113,30 +113,30 @@ def predict(cases, presets=PRESETS, profile: Path | None = None) -> dict:
     from flexsearch.sim.accounting import roofline_update_s
     from flexsearch.sim.context import CostContext
 
-    out: dict = {"presets": {}}
-    for preset in presets:
-        rows = {}
-        for name, batch, precision in cases:
-            model, inputs = build(name, batch_size=batch)
+    db = ProfileDB.load(profile) if profile is not None else None
+    if db is not None:  # measured by the GPU machine's torch: answer for this one's
+        db.data.entries = {k.rsplit("|torch-", 1)[0] + f"|torch-{torch.__version__}": e
+                           for k, e in db.data.entries.items()}
+    out: dict = {"presets": {preset: {} for preset in presets}}
+    for name, batch, precision in cases:
+        model, inputs = build(name, batch_size=batch)
+        graph = flexsearch.trace(model, inputs, precision=precision)
+        for preset in presets:
             t0 = time.perf_counter()
             plan = flexsearch.plan(model, inputs, devices=1, cluster=preset, precision=precision,
                                    decentralized=False, max_iters=50)
-            profiled = math.nan
-            if profile is not None:
-                db = ProfileDB.load(profile)
-                db.data.entries = {  # measured by the GPU machine's torch: answer for this one's
-                    k.rsplit("|torch-", 1)[0] + f"|torch-{torch.__version__}": e for k, e in db.data.entries.items()}
-                db = db.aliased(Cluster.resolve(preset, 1).device.name)
-                graph = flexsearch.trace(model, inputs, precision=precision)
-                profiled = flexsearch.simulate(graph, plan, measured=db, timeline=False).iteration_time_s
-            graph = flexsearch.trace(model, inputs, precision=precision)
+            plan_s = time.perf_counter() - t0
             cl = Cluster.resolve(preset, 1)
+            profiled = math.nan
+            if db is not None:
+                profiled = flexsearch.simulate(graph, plan, measured=db.aliased(cl.device.name),
+                                               timeline=False).iteration_time_s
             ctx = CostContext(cl, precision=precision_of(plan.precision))
             parts: dict[str, float] = {"optimizer": roofline_update_s(ctx, plan.optimizer, graph.param_bytes)}
             for node in graph.nodes:  # each op's forward and backward at the plan's precision
                 c = op_cost(node, cl.device, WHOLE, dtype=ctx.compute_dtype(node), efficiency=ctx.efficiency)
                 parts[category(node.kind)] = parts.get(category(node.kind), 0.0) + c.forward_s + c.backward_s
-            rows[case_key(name, batch, precision)] = {
+            out["presets"][preset][case_key(name, batch, precision)] = {
                 "parts_s": parts,
                 "profiled_s": profiled,
                 "iteration_s": plan.predicted.iteration_time_s,
@@ -144,9 +144,8 @@ def predict(cases, presets=PRESETS, profile: Path | None = None) -> dict:
                 "kind": plan.kind,
                 "precision": plan.precision,
                 "model_flops": plan.model_flops,
-                "plan_s": time.perf_counter() - t0,
+                "plan_s": plan_s,
             }
-        out["presets"][preset] = rows
     return out
 
 

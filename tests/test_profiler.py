@@ -9,13 +9,13 @@ from torch import nn
 from flexsearch import ProfileError
 from flexsearch.cost.compute import Partition, op_cost
 from flexsearch.cost.hardware import Cluster
+from flexsearch.cost.op_timing import operand_copies
 from flexsearch.cost.profiler import (
     PROFILE_VERSION,
     ProfileDB,
     host_info,
     local_device,
     measure_call,
-    operand_copies,
     partitioned_call,
     partitions_of,
     profile_key,
@@ -104,7 +104,7 @@ def test_each_timed_call_reads_operands_out_of_the_cache(monkeypatch):
     seen.clear()
     measure_call(call, repeats=3, warmup=1, cold=False)
     assert len({p for kind, p in seen if kind == "f"}) == 1
-    monkeypatch.setattr("flexsearch.cost.profiler.cache_bytes", lambda device: 8)  # a cache smaller than the op
+    monkeypatch.setattr("flexsearch.cost.op_timing.cache_bytes", lambda device: 8)  # a cache smaller than the op
     assert operand_copies(call, torch.device("cpu")) == 1  # an op already larger than the cache: one copy
 
 

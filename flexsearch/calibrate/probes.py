@@ -110,7 +110,7 @@ def op_mix_times(threads: int) -> tuple[float, float]:
     """Summed median forward and backward seconds of a fixed mix of ops (a Linear, a
     convolution, an LSTM, a LayerNorm, a GELU; none of the benchmarks' models), each
     measured alone as the profiler does."""
-    from flexsearch.cost.profiler import measure_call
+    from flexsearch.cost.op_timing import measure_call
     from flexsearch.graph.tracer import trace_calls
 
     torch.set_num_threads(threads)

@@ -21,14 +21,20 @@ parameters, a gossip snapshot and receive buffers, PipeDream's extra weight vers
 parameter server's accumulation buffer), ``L`` the largest parameter tensor it holds::
 
     uncalibrated:  P + G + O + A + max(Y, W) + B
-    calibrated:    P + O + B + max(A + max(Y, W), G + w L) + R_mode + D
+    calibrated:    P + O + B + max(A + max(Y, W), G + w L, H + max(Y, W)) + R_mode + D
 
 Calibrated (:mod:`flexsearch.cost.calibration`), the peak follows the measured runtime:
 gradients are allocated as the backward frees the activations (``zero_grad`` frees
 them), so they share the peak with the activations rather than adding to it, together
 with the update's temporaries, ``w`` (``optimizer_working_tensors``) times the largest
 tensor; ``R_mode`` is the runtime's own allocation for the execution mode and ``D`` DDP's
-gradient buckets (a flat copy of the gradients, ``P``).
+gradient buckets (a flat copy of the gradients, ``P``). ``H`` is what a pipeline stage
+holds once its first backward has run: the gradients made so far and the activations of
+the microbatches still in flight (:func:`flexsearch.sim.pipeline.held_with_gradients`;
+0 without microbatches). torch's allocator, traced by ``torch.profiler`` over a 1F1B
+step of GPT-tiny on two stages, peaked at 37.8 MB on the first stage where ``max(A +
+max(Y, W), G + w L)`` gave 30.9 MB: after the first backward the stage holds its
+gradients and the next microbatch's activations at once.
 
 **Update** of one device holding ``P`` bytes in ``n`` tensors: uncalibrated,
 memory-bound passes moving ``UPDATE_TRAFFIC[optimizer] x P`` bytes at the device's
@@ -99,6 +105,9 @@ class DeviceMemory:
     """``W``: one backward's gradient buffers above the activations still kept
     (:func:`flexsearch.sim.taskgraph.backward_working`); the peak takes the larger of
     it and ``Y``."""
+    held_with_grads: float = 0.0
+    """``H``: a pipeline stage's gradients and kept activations at once, after its first
+    backward (module docstring)."""
 
     @classmethod
     def replicated(cls, params: float, activations: float, optimizer: str, *, largest: float = 0.0,
@@ -114,8 +123,9 @@ def peak_bytes(m: DeviceMemory, calibration: DeviceCalibration | None, mode: Mod
     if calibration is None:
         return m.params + m.grads + m.optimizer + m.activations + m.rebuilt + backward + m.buffers
     working = m.grads + calibration.optimizer_working_tensors.value * m.largest
+    held = m.held_with_grads + m.rebuilt + backward if m.held_with_grads else 0.0
     return (m.params + m.optimizer + m.buffers + calibration.runtime(mode)
-            + max(m.activations + m.rebuilt + backward, working) + m.grad_buckets)
+            + max(m.activations + m.rebuilt + backward, working, held) + m.grad_buckets)
 
 
 def largest_tensor(shard_bytes: float, tensors: int) -> float:

@@ -57,7 +57,7 @@ Dependencies are typed keys (:class:`Step`, :class:`Synced`, :class:`TiedSynced`
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -405,7 +405,12 @@ def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: Pipeli
     rebuilt = [0.0] * devices
     loss = [0.0] * devices  # one microbatch's loss at a time
     grads = [0.0] * devices  # one microbatch's backward at a time
+    held = [0.0] * devices
     for (r, i), lane_actions in by_lane.items():
+        h = held_with_gradients(lane_actions, {s: costs[s].stash_bytes for s in range(len(costs))},
+                                {s: costs[s].param_bytes for s in range(len(costs))})
+        for d in layout.ranks[r][i]:
+            held[d] += h
         for s, q in in_flight(lane_actions).items():
             c_s = costs[s]
             for d in layout.ranks[r][i]:
@@ -419,7 +424,30 @@ def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: Pipeli
                     versions[d] += c_s.param_bytes * (q - 1)
     return [replace(DeviceMemory.replicated(params[d], acts[d], optimizer, largest=largest[d], buffers=versions[d],
                                             loss_grad=loss[d]),
-                    rebuilt=rebuilt[d], grad_working=grads[d]) for d in range(devices)]
+                    rebuilt=rebuilt[d], grad_working=grads[d], held_with_grads=held[d]) for d in range(devices)]
+
+
+def held_with_gradients(actions: Sequence[Action], stash: Mapping[int, float], grads: Mapping[int, float]) -> float:
+    """The most one lane holds in gradients and kept activations at once, once its first
+    backward has run (``H`` of :mod:`flexsearch.sim.accounting`; 0 before): walking its
+    actions in order, at each backward the gradients of every stage that has begun its
+    backward and the stashes (``stash[s]`` bytes per microbatch) of the microbatches in
+    flight but the one being run backward (whose activations the backward frees as it
+    makes the gradients: ``W``), and after each later forward the same with the new
+    microbatch's stash."""
+    live: dict[int, int] = {}
+    started: set[int] = set()
+    peak = 0.0
+    for a in actions:
+        if a.kind == "F":
+            live[a.stage] = live.get(a.stage, 0) + 1
+            if not started:
+                continue
+        else:
+            live[a.stage] = live.get(a.stage, 0) - 1
+            started.add(a.stage)
+        peak = max(peak, sum(grads[s] for s in started) + sum(stash[s] * q for s, q in live.items()))
+    return peak
 
 
 def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLayout, *,

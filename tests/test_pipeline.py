@@ -27,7 +27,12 @@ from flexsearch.search.pipeline import (
 )
 from flexsearch.search.planner import plan_graph
 from flexsearch.sim.context import CostContext
-from flexsearch.sim.pipeline import PipelineLayout, StageCost, held_with_gradients, simulate_pipeline
+from flexsearch.sim.pipeline import (
+    PipelineLayout,
+    StageCost,
+    held_with_gradients,
+    simulate_pipeline,
+)
 from flexsearch.strategy.schedules import rank_actions
 
 CTX = CostContext(Cluster.preset("dgx-h100", 16))

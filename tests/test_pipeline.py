@@ -79,7 +79,7 @@ def test_gradients_are_held_with_the_microbatches_still_in_flight(schedule, p, m
     stash, grads = {s: 10.0 * (s + 1) for s in range(p * chunks)}, {s: 1000.0 * (s + 1) for s in range(p * chunks)}
     for actions in per_rank:
         want, live, started = 0.0, {}, set()
-        for k, a in enumerate(actions):  # brute force: what is alive right after each action
+        for a in actions:  # brute force: what is alive right after each action
             live[a.stage] = live.get(a.stage, 0) + (1 if a.kind == "F" else -1)
             started |= {a.stage} if a.kind == "B" else set()
             if started:

@@ -255,7 +255,7 @@ def measure_job(rank: int, world: int, build: Callable, build_args: tuple, plan:
         with stderr_off():
             prof.stop()
     allocated = allocator_peak(prof) + first_params
-    del first, warm, prof
+    del first, warm, prof, _
     gc.collect()
     module, step, x = emitted()
     param_bytes = sum(_local_bytes(p) for p in module.parameters())

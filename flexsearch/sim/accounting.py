@@ -31,7 +31,7 @@ tensor; ``R_mode`` is the runtime's own allocation for the execution mode and ``
 gradient buckets (a flat copy of the gradients, ``P``). ``H`` is what a pipeline stage
 holds once its first backward has run: the gradients made so far and the activations of
 the microbatches still in flight (:func:`flexsearch.sim.pipeline.held_with_gradients`;
-0 without microbatches). torch's allocator, traced by ``torch.profiler`` over a 1F1B
+0 outside pipelines). torch's allocator, traced by ``torch.profiler`` over a 1F1B
 step of GPT-tiny on two stages, peaked at 37.8 MB on the first stage where ``max(A +
 max(Y, W), G + w L)`` gave 30.9 MB: after the first backward the stage holds its
 gradients and the next microbatch's activations at once.

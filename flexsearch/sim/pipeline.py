@@ -28,7 +28,9 @@ The simulation has three parts, each a function over the same inputs:
   peak number of microbatches in flight on it under the schedule, ``R`` the working
   bytes: activation recomputation keeps only each microbatch's stage input, ``A``, and
   rebuilds one microbatch's activations, ``R``, during its backward; ``W`` one
-  microbatch's backward gradients above its kept activations), summed into
+  microbatch's backward gradients above its kept activations; ``H`` the most it holds in
+  gradients and stashed microbatches at once after its first backward,
+  :func:`held_with_gradients`), summed into
   :func:`flexsearch.sim.accounting.peak_bytes`; PipeDream adds one weight version per
   extra minibatch in flight, ``P (q - 1)``, as a buffer.
 

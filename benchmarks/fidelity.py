@@ -218,9 +218,6 @@ class Row:
     """CPUs' worth of other processes' work during the timed steps (0: a quiet machine)."""
     per_rank_s: list[float] = field(default_factory=list)
     per_rank_bytes: list[float] = field(default_factory=list)
-    """Peak memory per rank: torch's allocator's (:mod:`flexsearch.measure`)."""
-    per_rank_resident: list[float] = field(default_factory=list)
-    """Peak resident set per rank (not compared: :mod:`flexsearch.measure` says why)."""
 
     @property
     def time_error(self) -> float:
@@ -276,7 +273,6 @@ def run_case(family: str, kind: str, *, ranks: int, threads: int, steps: int, wa
         return row
     row.foreign = m.foreign
     row.per_rank_s, row.per_rank_bytes = list(m.step_s), list(m.peak_bytes)
-    row.per_rank_resident = list(m.resident_bytes)
     row.measured_s = m.time_s
     row.measured_bytes = m.peak_bytes[m.worst_rank]
     row.predicted_bytes = sim.memory_bytes[m.worst_rank]

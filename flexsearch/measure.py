@@ -9,35 +9,37 @@ Adam.step()`` on the same global batch (MSE against a fixed random target); the
 iteration time is the median of ``steps`` steps after warm-up, per rank, the slowest
 rank's.
 
-**Memory** is torch's allocator's peak, what a GPU's ``max_memory_allocated`` reports.
+**Memory.** The rank's resident set: the kernel's peak RSS (``VmHWM``), reset through
+``/proc/self/clear_refs`` once the module and its optimizer are built, over the
+warm-up steps (which allocate everything a step keeps: gradients, Adam state, DDP's
+rebuilt buckets, pipeline buffers, and the step's activations and temporaries). glibc
+is pinned meanwhile (``mallopt``: mmap threshold 64 KB, no dynamic adjustment), so that
+every tensor is its own mapping and a freed one leaves the resident set; it is unpinned
+before the timed steps (pinned, every large allocation page-faults: about 25 % slower).
+Measured peak per rank = ``VmHWM - RSS before the steps - growth of RssFile + the rank's
+parameter bytes`` (resident before). ``RssFile`` counts file-backed pages: the code of
+the libraries that the first backward, loss or optimizer step faults in (conv and LSTM
+kernels, the checkpointing path: 4 to 10 MB here), code, not memory a device would hold
+(file pages faulted in after the peak are subtracted too: a slight under-count).
+
+A process's first use of a kernel leaves memory behind that no later step allocates
+again: oneDNN's compiled kernels, primitive caches and scratchpads, autocast's and the
+dispatcher's tables (in one process, a step of the tiny AlexNet after such a first use
+peaked at 7.6 MB against 9.0 MB for the first steps; bf16-mixed 6.5 against 11.7 MB;
+GPT in bf16-mixed 50.4 against 61.6 MB). That is the library's, once per process, as a
+GPU's context is, not the step's: so a throwaway copy of the emitted module runs two
+steps first (the same shapes, so the same kernels) and is freed before the RSS is
+taken.
+
 torch's CPU allocator keeps no statistics of its own (``torch.cuda.memory_stats`` has no
-CPU counterpart), but ``torch.profiler`` with ``profile_memory`` records every
-allocation and free it makes, with the running total (:func:`allocator_peak`). A
-throwaway copy of the emitted module is built and runs its warm-up steps (at least 2)
-under the profiler; measured peak per rank = the total's peak over those steps - the
-total when they began + the rank's parameter bytes.
-
-The rank's resident set is measured too (``resident_bytes``), over the warm-up steps of
-the module that is then timed: the kernel's peak RSS (``VmHWM``), reset through
-``/proc/self/clear_refs`` once the module and its optimizer are built, with glibc pinned
-meanwhile (``mallopt``: mmap threshold 64 KB, no dynamic adjustment) so that every
-tensor is its own mapping and a freed one leaves the resident set (it is unpinned before
-the timed steps: pinned, every large allocation page-faults, about 25 % slower).
-Resident peak = ``VmHWM - RSS before the steps - growth of RssFile + the rank's
-parameter bytes``. ``RssFile`` counts file-backed pages: the code of the libraries that
-the first backward, loss or optimizer step faults in (conv and LSTM kernels, the
-checkpointing path: 4 to 10 MB here), code, not memory a device would hold.
-
-Why the allocator, not the resident set: pages of a tensor never written are not
+CPU counterpart); ``torch.profiler`` with ``profile_memory`` records its allocations
+with a running total (``tests/test_memory_tracker.py`` checks pipelines with it), but
+counted from before the module is built, that total keeps what building it leaves
+allocated (the RNN's DDP module: 44 MB beyond its copy and buckets), and counted from
+the steps' start it misses what the build allocated for the steps (DDP's buckets). The
+resident set's blind spot is the other way: pages of a tensor never written are not
 resident (oneDNN's LSTM workspace, 8.3 MB per layer of the RNN case, is mostly never
-touched: one process's step of the RNN peaked at 46.4 MB resident and 59.7 MB
-allocated; GPT-tiny 51.8 and 55.9 MB), while a device holds every byte allocated. And a
-process's first use of a kernel leaves memory behind that no later step allocates
-again, outside torch's allocator: oneDNN's compiled kernels, primitive caches and
-scratchpads (the tiny AlexNet's first steps peaked at 9.0 MB resident, its later ones at
-7.6 MB; bf16-mixed 11.7 and 6.5 MB). That is the library's, once per process, as a GPU's
-context is: the timed module's resident set is taken after the throwaway copy has run
-(the same shapes, so the same kernels) and been freed.
+touched: one process's RNN step peaked at 46.4 MB resident and 59.7 MB allocated).
 
 **Noise.** Other processes on a small machine distort every time. Before each run
 :func:`quietest` waits (``max_wait_s``) until the CPUs are nearly idle; during the timed
@@ -51,17 +53,14 @@ from __future__ import annotations
 import gc
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile, record_function
 
 from flexsearch.plan import Plan
 
@@ -92,45 +91,6 @@ def status_bytes(field_name: str) -> int:
         if line.startswith(field_name + ":"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"/proc/self/status has no {field_name}")
-
-
-STEPS = "flexsearch::measured_steps"
-"""The ``record_function`` range of the steps whose allocator peak is measured."""
-
-
-@contextmanager
-def stderr_off():
-    """File descriptor 2 to ``/dev/null`` meanwhile (C++ libraries print there)."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    null = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 2)
-    os.close(null)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-def allocator_peak(prof: profile) -> float:
-    """Bytes torch's allocator held at its peak during the :data:`STEPS` range of a
-    ``profile_memory`` profile, above what it held when the range began (the running
-    total of the allocations the profiler recorded: it counts from the profiler's
-    start)."""
-    from torch._C._profiler import _EventType
-
-    nodes, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        n = stack.pop()
-        nodes.append(n)
-        stack.extend(n.children)
-    begin = min(n.start_time_ns for n in nodes if n.name == STEPS)
-    allocs = sorted((n.start_time_ns, n.extra_fields.total_allocated) for n in nodes
-                    if n.tag == _EventType.Allocation and str(n.extra_fields.device) == "cpu")
-    before = [total for t, total in allocs if t < begin]
-    base = before[-1] if before else 0
-    return float(max((total for t, total in allocs if t >= begin), default=base) - base)
 
 
 def reset_peak() -> None:
@@ -242,20 +202,10 @@ def measure_job(rank: int, world: int, build: Callable, build_args: tuple, plan:
         return module, step, x
 
     pin_malloc(1 << 16)
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with stderr_off():  # Kineto announces each start and stop there
-        prof.start()
-    try:  # a throwaway copy: the allocator's peak, and the process's first use of each kernel (module docstring)
-        first, warm, _ = emitted()
-        first_params = sum(_local_bytes(p) for p in first.parameters())
-        with record_function(STEPS):
-            for _ in range(max(2, warmup)):
-                warm()
-    finally:
-        with stderr_off():
-            prof.stop()
-    allocated = allocator_peak(prof) + first_params
-    del first, warm, prof, _
+    warm = emitted()[1]  # the process's first use of each kernel, on a throwaway copy (module docstring)
+    for _ in range(2):
+        warm()
+    del warm
     gc.collect()
     module, step, x = emitted()
     param_bytes = sum(_local_bytes(p) for p in module.parameters())
@@ -277,8 +227,7 @@ def measure_job(rank: int, world: int, build: Callable, build_args: tuple, plan:
         t0 = time.perf_counter()
         loss = step()
         times.append(time.perf_counter() - t0)
-    out = {"times": times, "rss_base": base, "rss_peak": peak, "param_bytes": param_bytes, "loss": float(loss),
-           "allocated": allocated}
+    out = {"times": times, "rss_base": base, "rss_peak": peak, "param_bytes": param_bytes, "loss": float(loss)}
     if forward and plan.kind in ("data", "soap"):
         xs = tuple(batch_shard(t, rank, world) for t in x) if plan.kind == "data" else x
 
@@ -301,13 +250,11 @@ class Measurement:
     step_s: tuple[float, ...]
     """Median step time per rank."""
     peak_bytes: tuple[float, ...]
-    """Peak memory per rank: torch's allocator's (module docstring)."""
+    """Peak memory per rank."""
     foreign: float
     """CPUs' worth of other processes' work during the timed steps (0: a quiet machine)."""
     forward_s: float | None = None
     """The slowest rank's median no-grad forward (``forward=True``, data and SOAP plans)."""
-    resident_bytes: tuple[float, ...] = ()
-    """Peak resident set per rank (module docstring)."""
 
     @property
     def time_s(self) -> float:
@@ -337,6 +284,5 @@ def measure_plan(build: Callable, build_args: tuple, plan: Plan, *, ranks: int, 
     res, foreign = quietest(run, retries, max_wait_s)
     fwd = max(r["forward_s"] for r in res) if "forward_s" in res[0] else None
     return Measurement(step_s=tuple(statistics.median(r["times"]) for r in res),
-                       peak_bytes=tuple(float(r["allocated"]) for r in res),
-                       resident_bytes=tuple(float(r["rss_peak"] - r["rss_base"] + r["param_bytes"]) for r in res),
+                       peak_bytes=tuple(float(r["rss_peak"] - r["rss_base"] + r["param_bytes"]) for r in res),
                        foreign=foreign, forward_s=fwd)

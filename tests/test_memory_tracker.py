@@ -28,7 +28,10 @@ tied weight the emitter moves to another op's layout is not a leaf).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import sys
 
 import pytest
 import torch
@@ -163,24 +166,79 @@ def test_decentralized_memory_matches_torchs_trackers(precision):
             (rank, acts(m), m.buffers, tracked["activations"])
 
 
+STEPS = "flexsearch::measured_steps"
+
+
+@contextlib.contextmanager
+def stderr_off():
+    """File descriptor 2 to ``/dev/null`` meanwhile (Kineto announces every profiler start
+    and stop there)."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    os.close(null)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def allocator_peak(prof) -> float:
+    """The most torch's allocator held during the :data:`STEPS` range of a
+    ``profile_memory`` profile above what it held when the range began (the running total
+    of the allocations the profiler recorded)."""
+    from torch._C._profiler import _EventType
+
+    nodes, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        n = stack.pop()
+        nodes.append(n)
+        stack.extend(n.children)
+    begin = min(n.start_time_ns for n in nodes if n.name == STEPS)
+    allocs = sorted((n.start_time_ns, n.extra_fields.total_allocated) for n in nodes if n.tag == _EventType.Allocation)
+    before = [total for t, total in allocs if t < begin]
+    base = before[-1] if before else 0
+    return float(max((total for t, total in allocs if t >= begin), default=base) - base)
+
+
+def test_allocator_peak_counts_the_steps_above_what_was_held_when_they_began():
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with stderr_off():
+        prof.start()
+    try:
+        held = torch.ones(1 << 19)  # 2 MB before the steps, held through them
+        with record_function(STEPS):
+            big = torch.ones(1 << 21)  # 8 MB, then freed
+            del big
+            small = torch.ones(1 << 18)  # 1 MB
+    finally:
+        with stderr_off():
+            prof.stop()
+    assert allocator_peak(prof) == 8 * 2**20
+    assert held.numel() + small.numel() > 0
+
+
 def allocated_job(rank: int, world: int, spec: str, plans: list) -> list[float]:
-    """On every rank, per plan: torch's allocator's peak over two steps (above what it held
-    when they began) plus the rank's parameter bytes, read from ``torch.profiler``'s memory
-    events as :func:`flexsearch.measure.measure_job` reads them."""
+    """On every rank, per plan: torch's allocator's peak over two steps above what it held
+    when they began, plus the rank's parameter bytes (a pipeline stage allocates what its
+    steps need in them: its receive buffers on the first)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from flexsearch.emit import make_optimizer, parallelize
-    from flexsearch.measure import STEPS, allocator_peak, stderr_off
 
     out = []
     for plan in plans:
+        model, x, y = with_target(spec)
+        module = parallelize(model, plan)
+        del model
+        opt = make_optimizer(module, torch.optim.Adam, lr=1e-3)
         prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         with stderr_off():
             prof.start()
         try:
-            model, x, y = with_target(spec)
-            module = parallelize(model, plan)
-            opt = make_optimizer(module, torch.optim.Adam, lr=1e-3)
             with record_function(STEPS):
                 for _ in range(2):
                     opt.zero_grad(set_to_none=True)

@@ -32,7 +32,11 @@ The simulation has three parts, each a function over the same inputs:
   gradients and stashed microbatches at once after its first backward,
   :func:`held_with_gradients`), summed into
   :func:`flexsearch.sim.accounting.peak_bytes`; PipeDream adds one weight version per
-  extra minibatch in flight, ``P (q - 1)``, as a buffer.
+  extra minibatch in flight, ``P (q - 1)``, as a buffer. A synchronous schedule's stage
+  (``torch.distributed.pipelining``'s ``PipelineStage``) allocates a receive buffer per
+  microbatch on its first step and keeps them: ``m`` times the activation it receives
+  (the stage's input, which the stash then does not count again) and ``m`` times the
+  gradient of its output, a buffer too.
 
 The iteration time of a **synchronous schedule** (``gpipe``, ``1f1b``,
 ``interleaved``: every replica runs the whole schedule on its share of the batch) is
@@ -97,6 +101,9 @@ class StageCost:
     grad_working_bytes: float = 0.0
     """``W``: one microbatch's backward gradients above its kept activations
     (:func:`flexsearch.sim.taskgraph.backward_working`)."""
+    input_kept: float = 0.0
+    """Of ``stash_bytes``, the input the stage received (kept per microbatch when
+    activation checkpointing drops its first node)."""
 
 
 @dataclass(frozen=True)
@@ -415,6 +422,11 @@ def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: Pipeli
             held[d] += h
         for s, q in in_flight(lane_actions).items():
             c_s = costs[s]
+            if not layout.asynchronous and len(layout.ranks) > 1:  # torch.distributed.pipelining's receive buffers
+                m = sum(1 for a in lane_actions if a.kind == "F" and a.stage == s)
+                recv = (costs[s - 1].send_bytes if s > 0 else 0.0) + (c_s.send_bytes if s + 1 < len(costs) else 0.0)
+                for d in layout.ranks[r][i]:
+                    versions[d] += m * recv - q * c_s.input_kept
             for d in layout.ranks[r][i]:
                 params[d] += c_s.param_bytes
                 acts[d] += c_s.stash_bytes * q

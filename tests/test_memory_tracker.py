@@ -24,8 +24,10 @@ counted with the activations: -0.2% (fp32) and -0.1% (bf16-mixed).
 Pipelines, which ``MemTracker`` refuses (it raises ``NotImplementedError`` for a module
 called more than once per iteration, which a stage is, once per microbatch), are checked
 by their peak per device against torch's allocator instead, read from ``torch.profiler``'s
-memory events (GPipe, 1F1B and interleaved 1F1B on 2 ranks, both precisions): -1.7% to
--8.2% but three known misses (:data:`PIPELINE_MISSES`). Not checked: SOAP plans
+memory events (GPipe, 1F1B and interleaved 1F1B on 2 ranks, both precisions), less the
+stages' receive buffers (one per microbatch each way, which the model leaves out:
+:mod:`flexsearch.sim.pipeline`): -8.0% to +2.1% but three known misses
+(:data:`PIPELINE_MISSES`). Not checked: SOAP plans
 (``MemTracker`` registers a post-accumulate-grad hook on every module parameter, and a
 tied weight the emitter moves to another op's layout is not a leaf).
 """
@@ -173,9 +175,9 @@ def test_decentralized_memory_matches_torchs_trackers(precision):
 
 STEPS = "flexsearch::measured_steps"
 PIPELINE_MISSES = {("bf16-mixed", "gpipe", 1): 0.20, ("bf16-mixed", "interleaved", 1): 0.20,
-                   ("fp32", "interleaved", 1): 0.20}
+                   ("fp32", "interleaved", 1): 0.25}
 """Known misses of the pipeline memory model (the rank holding the loss), bounded looser:
-measured -15.0% (bf16-mixed GPipe), -10.1% (bf16-mixed interleaved), -16.2% (fp32
+measured -15.4% (bf16-mixed GPipe), -10.9% (bf16-mixed interleaved), -19.3% (fp32
 interleaved). torch.distributed.pipelining computes each microbatch's loss in its forward
 action and keeps it to the backward: under bf16-mixed the loss's fp32 copy of the output
 (``out.float()``, saved by the MSE) stays once per microbatch in flight, which the model
@@ -236,12 +238,12 @@ def test_allocator_peak_is_the_most_held_in_the_steps_counted_from_the_profilers
     assert held.numel() + small.numel() > 0
 
 
-def allocated_job(rank: int, world: int, spec: str, plans: list) -> list[float]:
+def allocated_job(rank: int, world: int, spec: str, plans: list) -> list[tuple[float, float]]:
     """On every rank, per plan: the rank's parameter bytes plus torch's allocator's peak in
     its second to fourth steps (:func:`allocator_peak`), counted from the end of the
     module's build (so the optimizer state and the stage's receive buffers, made in the
     first step, count; the first step's one-off work, the stage's shape inference, does
-    not)."""
+    not); and the bytes of those receive buffers."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from flexsearch.emit import make_optimizer, parallelize
@@ -264,7 +266,14 @@ def allocated_job(rank: int, world: int, spec: str, plans: list) -> list[float]:
         finally:
             with stderr_off():
                 prof.stop()
-        out.append(allocator_peak(prof) + sum(p.numel() * p.element_size() for p in module.parameters()))
+        recv = {}  # PipelineStage's receive buffers, one per microbatch each way (not modelled: flexsearch.sim.pipeline)
+        for stage in module._pipe_stages:
+            for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
+                for info in infos:
+                    if isinstance(getattr(info, "buffer", None), torch.Tensor):
+                        recv[info.buffer.untyped_storage().data_ptr()] = info.buffer.untyped_storage().nbytes()
+        out.append((allocator_peak(prof) + sum(p.numel() * p.element_size() for p in module.parameters()),
+                    float(sum(recv.values()))))
         del module, opt, prof  # the next plan's build and steps in a process holding none of this one
         gc.collect()
     return out
@@ -274,10 +283,12 @@ def allocated_job(rank: int, world: int, spec: str, plans: list) -> list[float]:
 def test_pipeline_peak_memory_matches_torchs_allocator(precision):
     """Pipelines (which ``MemTracker`` refuses: a stage runs once per microbatch) on 2 gloo
     ranks: the calibrated peak per device, less the runtime's own term, against torch's
-    allocator's peak (``torch.profiler``'s memory events) within :data:`ACTIVATION_RTOL`.
+    allocator's peak (``torch.profiler``'s memory events) less the stages' receive buffers
+    (not modelled) within :data:`ACTIVATION_RTOL`.
     Gradients stay while later microbatches are in flight (``H``,
-    :func:`flexsearch.sim.pipeline.held_with_gradients`): without that term the first
-    1F1B stage was predicted 18% under."""
+    :func:`flexsearch.sim.pipeline.held_with_gradients`): without that term the fidelity
+    benchmark's GPT was predicted at 30.9 MB on its first 1F1B stage, which allocated
+    37.8 MB."""
     from flexsearch.cost.calibration import load_calibration_file
     from flexsearch.sim.accounting import peak_bytes
 
@@ -296,9 +307,10 @@ def test_pipeline_peak_memory_matches_torchs_allocator(precision):
     misses = []
     for i, plan in enumerate(plans):
         for rank in range(2):
-            want, have = predicted[i][rank], got[rank][i]
+            want, (peak, recv) = predicted[i][rank], got[rank][i]
+            have = peak - recv
             print(f"{plan.schedule} m{plan.microbatches} rank {rank}: model {want / 1e6:.2f} MB, "
-                  f"allocator {have / 1e6:.2f} MB ({want / have - 1:+.1%})")
+                  f"allocator {peak / 1e6:.2f} MB less receive buffers {recv / 1e6:.2f} MB ({want / have - 1:+.1%})")
             bound = PIPELINE_MISSES.get((precision, plan.schedule, rank), ACTIVATION_RTOL)
             if want != pytest.approx(have, rel=bound):
                 misses.append((plan.schedule, rank, want, have))

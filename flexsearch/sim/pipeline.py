@@ -32,11 +32,12 @@ The simulation has three parts, each a function over the same inputs:
   gradients and stashed microbatches at once after its first backward,
   :func:`held_with_gradients`), summed into
   :func:`flexsearch.sim.accounting.peak_bytes`; PipeDream adds one weight version per
-  extra minibatch in flight, ``P (q - 1)``, as a buffer. A synchronous schedule's stage
-  (``torch.distributed.pipelining``'s ``PipelineStage``) allocates a receive buffer per
-  microbatch on its first step and keeps them: ``m`` times the activation it receives
-  (the stage's input, which the stash then does not count again) and ``m`` times the
-  gradient of its output, a buffer too.
+  extra minibatch in flight, ``P (q - 1)``, as a buffer. Not counted: torch 2.13's
+  ``PipelineStage`` (what the emitter runs) allocates a receive buffer per microbatch, for
+  the activation a stage receives and for its output's gradient, and keeps them, ``m``
+  of each: memory linear in the replica's batch. Counted, they made every layout of GPT-3
+  175B on 1024 H100s and of Megatron's 1T row overflow 80 GB; the emitter, not the model,
+  should change (one buffer per microbatch in flight).
 
 The iteration time of a **synchronous schedule** (``gpipe``, ``1f1b``,
 ``interleaved``: every replica runs the whole schedule on its share of the batch) is
@@ -101,9 +102,6 @@ class StageCost:
     grad_working_bytes: float = 0.0
     """``W``: one microbatch's backward gradients above its kept activations
     (:func:`flexsearch.sim.taskgraph.backward_working`)."""
-    input_kept: float = 0.0
-    """Of ``stash_bytes``, the input the stage received (kept per microbatch when
-    activation checkpointing drops its first node)."""
 
 
 @dataclass(frozen=True)
@@ -410,7 +408,7 @@ def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: Pipeli
     params = [0.0] * devices
     acts = [0.0] * devices
     largest = [0.0] * devices
-    versions = [0.0] * devices
+    buffers = [0.0] * devices  # PipeDream's weight versions
     rebuilt = [0.0] * devices
     loss = [0.0] * devices  # one microbatch's loss at a time
     grads = [0.0] * devices  # one microbatch's backward at a time
@@ -422,11 +420,6 @@ def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: Pipeli
             held[d] += h
         for s, q in in_flight(lane_actions).items():
             c_s = costs[s]
-            if not layout.asynchronous and len(layout.ranks) > 1:  # torch.distributed.pipelining's receive buffers
-                m = sum(1 for a in lane_actions if a.kind == "F" and a.stage == s)
-                recv = (costs[s - 1].send_bytes if s > 0 else 0.0) + (c_s.send_bytes if s + 1 < len(costs) else 0.0)
-                for d in layout.ranks[r][i]:
-                    versions[d] += m * recv - q * c_s.input_kept
             for d in layout.ranks[r][i]:
                 params[d] += c_s.param_bytes
                 acts[d] += c_s.stash_bytes * q
@@ -435,8 +428,8 @@ def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: Pipeli
                 grads[d] = max(grads[d], c_s.grad_working_bytes)
                 largest[d] = max(largest[d], stage_largest(c_s.largest_param_bytes, c_s.param_bytes))
                 if layout.asynchronous:
-                    versions[d] += c_s.param_bytes * (q - 1)
-    return [replace(DeviceMemory.replicated(params[d], acts[d], optimizer, largest=largest[d], buffers=versions[d],
+                    buffers[d] += c_s.param_bytes * (q - 1)
+    return [replace(DeviceMemory.replicated(params[d], acts[d], optimizer, largest=largest[d], buffers=buffers[d],
                                             loss_grad=loss[d]),
                     rebuilt=rebuilt[d], grad_working=grads[d], held_with_grads=held[d]) for d in range(devices)]
 

@@ -190,7 +190,6 @@ def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float],
         largest_param_bytes=max((costs[i].largest_param_bytes for i in seg), default=0.0),
         loss_bytes=sum(costs[i].loss_bytes for i in seg),
         grad_working_bytes=backward_working(per_node, [costs[i].grad_bytes for i in seg], cuts[a] if a else 0.0),
-        input_kept=inputs,
     )
 
 

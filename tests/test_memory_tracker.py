@@ -199,6 +199,21 @@ def stderr_off():
         os.close(saved)
 
 
+@contextlib.contextmanager
+def memory_profile():
+    """A running ``torch.profiler`` profile of the CPU allocator's allocations and frees."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with stderr_off():
+        prof.start()
+    try:
+        yield prof
+    finally:
+        with stderr_off():
+            prof.stop()
+
+
 def allocator_peak(prof) -> float:
     """The most torch's allocator held during a :data:`STEPS` range of a ``profile_memory``
     profile above what it held when the profile began (the least such peak over the
@@ -220,20 +235,14 @@ def allocator_peak(prof) -> float:
 
 
 def test_allocator_peak_is_the_most_held_in_the_steps_counted_from_the_profilers_start():
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import record_function
 
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with stderr_off():
-        prof.start()
-    try:
+    with memory_profile() as prof:
         held = torch.ones(1 << 19)  # 2 MB before the steps, held through them
         with record_function(STEPS):
             big = torch.ones(1 << 21)  # 8 MB, then freed
             del big
             small = torch.ones(1 << 18)  # 1 MB
-    finally:
-        with stderr_off():
-            prof.stop()
     assert allocator_peak(prof) == (2 + 8) * 2**20
     assert held.numel() + small.numel() > 0
 
@@ -244,7 +253,7 @@ def allocated_job(rank: int, world: int, spec: str, plans: list) -> list[tuple[f
     module's build (so the optimizer state and the stage's receive buffers, made in the
     first step, count; the first step's one-off work, the stage's shape inference, does
     not); and the bytes of those receive buffers."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import record_function
 
     from flexsearch.emit import make_optimizer, parallelize
 
@@ -254,18 +263,12 @@ def allocated_job(rank: int, world: int, spec: str, plans: list) -> list[tuple[f
         module = parallelize(model, plan)
         del model
         opt = make_optimizer(module, torch.optim.Adam, lr=1e-3)
-        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        with stderr_off():
-            prof.start()
-        try:
+        with memory_profile() as prof:
             for k in range(4):
                 with record_function(STEPS if k else "first step"):
                     opt.zero_grad(set_to_none=True)
                     module.train_step(x, y, mse)
                     opt.step()
-        finally:
-            with stderr_off():
-                prof.stop()
         recv = {}  # PipelineStage's receive buffers, one per microbatch each way (not modelled: flexsearch.sim.pipeline)
         for stage in module._pipe_stages:
             for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):

@@ -413,9 +413,10 @@ def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: Pipeli
     loss = [0.0] * devices  # one microbatch's loss at a time
     grads = [0.0] * devices  # one microbatch's backward at a time
     held = [0.0] * devices
+    stash = {s: c.stash_bytes for s, c in enumerate(costs)}
+    stage_grads = {s: c.param_bytes for s, c in enumerate(costs)}
     for (r, i), lane_actions in by_lane.items():
-        h = held_with_gradients(lane_actions, {s: costs[s].stash_bytes for s in range(len(costs))},
-                                {s: costs[s].param_bytes for s in range(len(costs))})
+        h = held_with_gradients(lane_actions, stash, stage_grads)
         for d in layout.ranks[r][i]:
             held[d] += h
         for s, q in in_flight(lane_actions).items():
@@ -442,18 +443,19 @@ def held_with_gradients(actions: Sequence[Action], stash: Mapping[int, float], g
     flight but the one being run backward (whose activations the backward frees as it
     makes the gradients: ``W``), and after each later forward the same with the new
     microbatch's stash."""
-    live: dict[int, int] = {}
     started: set[int] = set()
-    peak = 0.0
+    kept = made = peak = 0.0  # stashed bytes in flight; gradients made so far
     for a in actions:
         if a.kind == "F":
-            live[a.stage] = live.get(a.stage, 0) + 1
+            kept += stash[a.stage]
             if not started:
                 continue
         else:
-            live[a.stage] = live.get(a.stage, 0) - 1
-            started.add(a.stage)
-        peak = max(peak, sum(grads[s] for s in started) + sum(stash[s] * q for s, q in live.items()))
+            kept -= stash[a.stage]
+            if a.stage not in started:
+                started.add(a.stage)
+                made += grads[a.stage]
+        peak = max(peak, made + kept)
     return peak
 
 

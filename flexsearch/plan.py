@@ -26,8 +26,9 @@ from flexsearch.strategy.config import Config, legal, parse_config
 from flexsearch.strategy.fsdp import fsdp_units
 from flexsearch.strategy.kinds import DataParallel, Decentralized, Pipelined, Soap, Strategy
 
-PLAN_VERSION = 5
-"""5: the sharding of a data-parallel plan (``shard``: ``none``, ``zero1``, ``zero2``,
+PLAN_VERSION = 6
+"""6: ``shard: zero1`` on pipeline and hybrid plans (optimizer state sharded over a
+stage's replicas); 5: the sharding of a data-parallel plan (``shard``: ``none``, ``zero1``, ``zero2``,
 ``zero3``, ``hsdp``, with ``shard_group``; was ``shard_params``, true reads as ``zero3``); 4: the training precision and model FLOPs, recompute modes (``none``, ``selective``,
 ``full``), gradient accumulation for data-parallel plans; 3: the FSDP units of a sharded data-parallel plan; 2: search curve, notes,
 decentralized topology fields (files of versions 1 to 3 still load)."""
@@ -119,7 +120,9 @@ class Plan(_Frozen):
     """How a data-parallel plan shards its training state over the devices
     (:data:`flexsearch.strategy.kinds.SHARDINGS`): replicated (DDP), ZeRO-1 (DDP and
     ``ZeroRedundancyOptimizer``), ZeRO-2/ZeRO-3 (FSDP2 ``fully_shard`` without/with
-    ``reshard_after_forward``), or HSDP (FSDP2 on a ``(replicate, shard)`` mesh)."""
+    ``reshard_after_forward``), or HSDP (FSDP2 on a ``(replicate, shard)`` mesh). A
+    pipeline or hybrid plan: ``none`` or ``zero1``, its optimizer state sharded over
+    each stage's replicas (:data:`flexsearch.strategy.kinds.PIPELINE_SHARDINGS`)."""
     shard_group: int | None = None
     """``hsdp`` plans: devices per shard group (consecutive devices)."""
     fsdp_units: tuple[str, ...] = ()
@@ -252,7 +255,7 @@ class Plan(_Frozen):
             bounds = tuple(zip([0, *ends[:-1]], ends, strict=True))
             try:
                 return Pipelined(bounds, self.tensor_degree, self.stages[0].replicas, self.schedule,
-                                 self.microbatches, self.chunks or 1, self.recompute)
+                                 self.microbatches, self.chunks or 1, self.recompute, self.shard)
             except ValueError as e:
                 raise PlanFileError(f"the plan's pipeline cannot be simulated: {e}; plan again") from None
         configs = self.node_configs()

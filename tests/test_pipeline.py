@@ -266,7 +266,8 @@ MIRROR_CASES = [("dgx-h100", 16, 2, 2, "1f1b"), ("dgx-h100", 32, 2, 8, "interlea
 def test_one_replica_simulates_all(cl, n, p, t, schedule):
     """Without a timeline a synchronous pipeline whose replicas cross links of their own is
     simulated on replica 0 (:func:`flexsearch.sim.pipeline.mirror`): the same time,
-    memory and compute per device as every replica simulated."""
+    memory and compute per device as every replica simulated, ZeRO-1 over the replicas
+    included."""
     from flexsearch.cost.calibration import load_calibration
     from flexsearch.sim.pipeline import mirror
     from flexsearch.sim.predict import predict
@@ -279,9 +280,11 @@ def test_one_replica_simulates_all(cl, n, p, t, schedule):
     k = len(g.nodes)
     bounds = tuple((k * i // (p * v), k * (i + 1) // (p * v)) for i in range(p * v))
     for m in (1, 2):  # 8 samples over 4 replicas at most
-        for rc in ("none", "full"):
+        for rc, shard in (("none", "none"), ("full", "none"), ("none", "zero1"), ("full", "zero1")):
+            if shard == "zero1" and n // (p * t) < 2:
+                continue
             strategy = Pipelined(bounds, tensor=t, replicas=n // (p * t), schedule=schedule, microbatches=m,
-                                 chunks=v, recompute=rc)
+                                 chunks=v, recompute=rc, shard=shard)
             fast = predict(g, strategy, ctx, timeline=False)
             full = predict(g, strategy, ctx)
             assert fast.iteration_time_s == full.iteration_time_s

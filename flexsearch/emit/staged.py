@@ -20,7 +20,11 @@ This rank (pipeline rank ``r``, replica ``j``, tensor index ``i``) builds:
   schedule the plan names (``ScheduleGPipe``, ``Schedule1F1B``,
   ``ScheduleInterleaved1F1B``) with the plan's microbatch count;
 - after each step: gradients all-reduced (averaged) over the ``d`` replicas of the
-  stage, and tied weights held by two stages summed between them.
+  stage, and tied weights held by two stages summed between them;
+- under ``shard: zero1``, :meth:`PipelineModule.make_optimizer` shards the optimizer
+  over the ``d`` replicas: ``ZeroRedundancyOptimizer`` on the replica group (each
+  replica keeps the state of and updates its share of the weights, then broadcasts
+  them), run on the weights' local tensors (:class:`LocalZero`).
 
 :meth:`PipelineModule.train_step` takes the global batch on every rank; replica ``j``
 runs slice ``j`` of it through the pipeline (split into microbatches by the schedule).
@@ -45,6 +49,7 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.func import functional_call
 from torch.utils._pytree import tree_unflatten
@@ -277,6 +282,14 @@ class PipelineModule(nn.Module):
         dist.all_reduce(mean, group=self._rt.group)
         return mean / (d * self.t)
 
+    def make_optimizer(self, cls: type[torch.optim.Optimizer], **kwargs: Any) -> torch.optim.Optimizer:
+        """The optimizer the plan trains with: ``cls`` over this rank's weights, sharded
+        over the stage's replicas under ``zero1`` (:class:`LocalZero`)."""
+        weights = [q for q in self._weights() if q.requires_grad]
+        if self._plan.shard != "zero1":
+            return cls(weights, **kwargs)
+        return LocalZero(weights, cls, self._dp_group, **kwargs)
+
     def _weights(self) -> list[torch.Tensor]:
         """This rank's parameters, each once (a tied weight is held under several names)."""
         return list({id(q): q for _, q in self.named_original_parameters()}.values())
@@ -300,6 +313,36 @@ class PipelineModule(nn.Module):
             dist.all_reduce(whole, group=grp)
             q.grad = distribute_tensor(whole, g.device_mesh, g.placements, src_data_rank=None) \
                 if isinstance(g, DTensor) else whole
+
+
+class LocalZero(ZeroRedundancyOptimizer):
+    """``ZeroRedundancyOptimizer`` over ``group`` for weights that may be DTensors (a
+    tensor-parallel stage's, whose in-place broadcast DTensor does not implement): it
+    optimizes each weight's local tensor (the same storage, so its updates and the
+    owners' broadcasts land in the weight), given the local tensor of the weight's
+    gradient at each :meth:`step`. Each member of ``group`` holds the same local shapes
+    (the same tensor-parallel index of a stage's replicas), so the partition agrees."""
+
+    def __init__(self, weights: list[torch.Tensor], cls: type[torch.optim.Optimizer], group, **kwargs: Any):
+        self._full = weights
+        self._local = [(q.to_local() if isinstance(q, DTensor) else q).detach().requires_grad_(True)
+                       for q in weights]
+        super().__init__(self._local, optimizer_class=cls, process_group=group, **kwargs)
+
+    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
+        for q, a in zip(self._full, self._local, strict=True):
+            g = q.grad
+            a.grad = None if g is None else g.to_local() if isinstance(g, DTensor) else g
+        return super().step(closure, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for q in self._full:
+            if q.grad is not None:
+                if set_to_none:
+                    q.grad = None
+                else:
+                    q.grad.zero_()
 
 
 def _examples(stages: list[nn.Module], inputs: list) -> list[tuple[tuple, tuple]]:

@@ -14,7 +14,11 @@ chunks within ``1 / v`` of its memory) places the cuts; the best candidates by t
 partitioner's estimate ``(m v + p - 1) / v * bottleneck`` are simulated
 (:mod:`flexsearch.sim.pipeline`), more while none of them fits (the simulation's memory
 is the exact one), then the best one's layout cut at block boundaries
-(:func:`block_bounds`), and the fastest that fits wins.
+(:func:`block_bounds`) and with the other optimizer sharding, and the fastest that fits
+wins. Per layout the partitioner takes the first memory-saving setting that fits, in
+:data:`SAVINGS` order: ZeRO-1 over the stage's replicas (``zero1``: the optimizer state
+``k P / d``, for an all-gather of the parameters after the update, which itself
+shrinks ``d``-fold) before each step of activation checkpointing.
 
 **PipeDream's plan** (a baseline, simulated, not emitted): the hierarchical partitioner
 with a replication factor per stage over the cluster's levels (devices in a node,
@@ -56,6 +60,10 @@ from flexsearch.strategy.schedules import in_flight, rank_actions
 SYNC_SCHEDULES = ("1f1b", "gpipe", "interleaved")
 RECOMPUTE_ORDER = ("none", "selective", "full")
 """Checkpointing modes tried per layout, cheapest in time first (:mod:`flexsearch.strategy.recompute`)."""
+SAVINGS = tuple((mode, shard) for mode in RECOMPUTE_ORDER for shard in ("none", "zero1"))
+"""(checkpointing, optimizer sharding) per pipeline layout, tried in this order until
+one fits: sharding the optimizer state costs one all-gather of the stage's parameters
+(and saves ``d - 1`` of ``d`` updates), checkpointing a forward pass per microbatch."""
 SIMULATE_TOP = 6
 """Candidates simulated per search: the partitioner's estimate ranks layouts well but
 misses transfers queueing on shared links and the schedule's exact bubbles; six covers
@@ -99,6 +107,8 @@ class PipelineResult:
     """(first node, end node, devices) per stage, in node-order positions."""
     configs: dict[str, Config]
     simulation: Simulation
+    shard: str = "none"
+    """``zero1``: the optimizer state sharded over each stage's replicas."""
 
     @property
     def strategy(self) -> Pipelined:
@@ -106,7 +116,7 @@ class PipelineResult:
         if self.schedule == "pipedream":
             raise ValueError("PipeDream's asynchronous pipeline is a baseline, not a strategy the emitter runs")
         return Pipelined(tuple((a, b) for a, b, _ in self.stages), self.tensor, self.replicas, self.schedule,
-                         self.microbatches, self.chunks, self.recompute)
+                         self.microbatches, self.chunks, self.recompute, self.shard)
 
 
 def replicated_configs(local: dict[str, Config], replicas: int) -> dict[str, Config]:
@@ -211,7 +221,7 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
     except ValueError:
         return []
     layers = len(graph.nodes)
-    state = param_copies(optimizer)
+    copies = param_copies(optimizer)
     cap = cluster.device.memory_capacity.value
     cost_memo: dict[tuple[int, int], tuple[list[NodeCost], dict[str, Config]] | None] = {}
     cut_memo: dict[int, tuple[float, ...]] = {}
@@ -256,41 +266,55 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
                     q = peak_in_flight(schedule, p, m, v)
                     if q is None:
                         continue
-                    for recompute in modes:  # the first that fits: recomputing only costs time
+                    for recompute, shard in SAVINGS:  # the first that fits (module docstring)
+                        if recompute not in modes or (shard == "zero1" and d < 2):
+                            continue
+                        # ZeRO-1: the optimizer state's copies over the replicas
+                        state = 2 + (copies - 2) / d if shard == "zero1" else copies
                         # a rank holds v chunks: each within its share of the memory
                         memory = Memory(cap / v, state, in_flight=lambda r, q=q: q)
                         part = partition(chains[recompute], [Level(p * v, bw, lat)], memory=memory, replicate=False)
                         if part is None or len(part.stages) != p * v:
                             continue
                         est = (m * v + p - 1) / v * part.bottleneck_s
-                        estimates.append((est, t, p, d, m, schedule, v, recompute, part))
+                        estimates.append((est, t, p, d, m, schedule, v, recompute, part, shard))
                         break
-    estimates.sort(key=lambda e: (e[0], RECOMPUTE_ORDER.index(e[7])))
-    def simulated(bounds, t: int, p: int, d: int, m: int, schedule: str, v: int, recompute: str) -> PipelineResult:
+    estimates.sort(key=lambda e: (e[0], SAVINGS.index((e[7], e[9]))))
+    def simulated(bounds, t: int, p: int, d: int, m: int, schedule: str, v: int, recompute: str,
+                  shard: str) -> PipelineResult:
         costs, local = costs_for(d * m, t)
         sim = simulate_stages(graph, ctx, bounds=bounds, tensor=t, replicas=d, schedule=schedule,
                               microbatches=m, chunks=v, recompute=recompute, optimizer=optimizer,
-                              timeline=False, costs=costs)
+                              timeline=False, costs=costs, shard=shard)
         stages = tuple((a, b, tuple(range((k % p) * d * t, (k % p + 1) * d * t)))
                        for k, (a, b) in enumerate(bounds))
         return PipelineResult("hybrid" if t > 1 else "pipeline", schedule, m, v, recompute, t, d,
-                              stages, replicated_configs(local, d), sim)
+                              stages, replicated_configs(local, d), sim, shard)
+
+    def again(r: PipelineResult, bounds, shard: str) -> PipelineResult:
+        return simulated(bounds, r.tensor, len(r.stages) // r.chunks, r.replicas, r.microbatches, r.schedule,
+                         r.chunks, r.recompute, shard)
 
     results = []
-    for rank, (_, t, p, d, m, schedule, v, recompute, part) in enumerate(estimates):
+    for rank, (_, t, p, d, m, schedule, v, recompute, part, shard) in enumerate(estimates):
         if results and (past(deadline) or rank >= max(simulate_top, SIMULATE_MAX)
                         or (rank >= simulate_top and any(r.simulation.feasible for r in results))):
             break
-        results.append(simulated([(s.start, s.end) for s in part.stages], t, p, d, m, schedule, v, recompute))
+        results.append(simulated([(s.start, s.end) for s in part.stages], t, p, d, m, schedule, v, recompute, shard))
     best = min((r for r in results if r.simulation.feasible), key=lambda r: r.simulation.iteration_time_s,
                default=None)
     aligned = None if best is None else block_bounds(graph, len(best.stages))
     if aligned is not None and aligned != tuple((a, b) for a, b, _ in best.stages) and not past(deadline):
         # the best layout cut at block boundaries, as Megatron and torchtitan cut (the
         # partitioner balances its estimate and may cut inside a block)
-        p = len(best.stages) // best.chunks
-        results.append(simulated(aligned, best.tensor, p, best.replicas, best.microbatches, best.schedule,
-                                 best.chunks, best.recompute))
+        results.append(again(best, aligned, best.shard))
+    best = min((r for r in results if r.simulation.feasible), key=lambda r: r.simulation.iteration_time_s,
+               default=None)
+    if best is not None and best.replicas > 1 and not past(deadline):
+        # the other optimizer sharding: ZeRO-1 may be the faster (its update is d times
+        # smaller) even where the state fits replicated
+        results.append(again(best, tuple((a, b) for a, b, _ in best.stages),
+                             "none" if best.shard == "zero1" else "zero1"))
     results.sort(key=lambda r: (not r.simulation.feasible, r.simulation.iteration_time_s))
     return results
 

@@ -67,7 +67,8 @@ def strategy_fields(graph: OpGraph, strategy: Strategy) -> dict[str, Any]:
     stages = tuple(Stage(nodes=tuple(names[a:b]), devices=strategy.devices(k), replicas=strategy.replicas)
                    for k, (a, b) in enumerate(strategy.bounds))
     return {"kind": strategy.kind, "stages": stages, "schedule": strategy.schedule,
-            "microbatches": strategy.microbatches, "chunks": strategy.chunks, "recompute": strategy.recompute}
+            "microbatches": strategy.microbatches, "chunks": strategy.chunks, "recompute": strategy.recompute,
+            "shard": strategy.shard}
 
 
 def plan_from(graph: OpGraph, cluster: Cluster, strategy: Strategy, simulation: Simulation, *,

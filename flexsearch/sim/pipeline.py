@@ -22,7 +22,12 @@ The simulation has three parts, each a function over the same inputs:
   its weight gradients are all-reduced over its replicas (one all-reduce per
   tensor-parallel rank), weights shared by two stages (tied embeddings) are
   all-reduced between them, then each device runs one optimizer update
-  (:func:`flexsearch.sim.accounting.update_s`);
+  (:func:`flexsearch.sim.accounting.update_s`). With its optimizer state sharded
+  (``shard="zero1"``, as ``ZeroRedundancyOptimizer`` over a stage's ``d`` replicas runs
+  it) each device updates ``1 / d`` of its parameters (and holds ``1 / d`` of the
+  optimizer state), then the replicas all-gather the updated parameters, one
+  all-gather per tensor-parallel rank (calibrated: with ``ZeroRedundancyOptimizer``'s
+  cost per parameter tensor and per step, the op-level ZeRO-1's terms);
 - **memory** (:func:`pipeline_memory`), per device: for each stage it hosts, ``P``
   its parameter bytes, ``A q + R`` activations (``A`` stashed per microbatch, ``q`` the
   peak number of microbatches in flight on it under the schedule, ``R`` the working
@@ -58,7 +63,7 @@ replicas all-reduce their gradients and update (each replica waits for it). The 
 per minibatch is measured in steady state, over the window's second half.
 
 Dependencies are typed keys (:class:`Step`, :class:`Synced`, :class:`TiedSynced`,
-:class:`Updated`).
+:class:`Updated`, :class:`Gathered`).
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from flexsearch.sim.accounting import (
+    OPTIMIZER_STATE,
     DeviceMemory,
     check_optimizer,
     peak_bytes,
@@ -118,6 +124,13 @@ class PipelineLayout:
     units: int | None = None
     tied: tuple[tuple[int, int, float], ...] = ()
     """(stage a, stage b, gradient bytes per device) of weights both stages hold."""
+    shard: str = "none"
+    """``zero1``: optimizer state sharded over each rank's replicas (module docstring)."""
+
+    def shards(self, device_rank: int) -> int:
+        """Over how many devices pipeline rank ``device_rank``'s optimizer state is
+        sharded: its replicas under ``zero1``, else 1."""
+        return len(self.ranks[device_rank]) if self.shard == "zero1" else 1
 
     @property
     def stages(self) -> int:
@@ -166,6 +179,15 @@ class TiedSynced:
 
     a: int
     b: int
+
+
+@dataclass(frozen=True, slots=True)
+class Gathered:
+    """ZeRO-1: the updated parameters of pipeline rank ``rank``'s tensor-parallel index
+    ``index``, all-gathered over its replicas."""
+
+    rank: int
+    index: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -394,11 +416,38 @@ def sync_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLay
         for d in members:
             after.setdefault(d, []).append(key)
     copies = len(layout.ranks[0]) if mirrored is not None else 1
+    rank_of = {d: r for r, reps in enumerate(layout.ranks) for rep in reps for d in rep}
     for d, deps in sorted(after.items()):
         if held[d] and (mirrored is None or mirrored[d] == d):
-            ordered.extend(_updates(ctx, layout, optimizer, (d,), held[d], tensors[d], tuple(deps), Updated(d),
-                                    copies))
+            k = layout.shards(rank_of[d])
+            ordered.extend(_updates(ctx, layout, optimizer, (d,), held[d] / k, tensors[d] / k, tuple(deps),
+                                    Updated(d), copies))
+    if layout.shard == "zero1":
+        ordered.extend(_zero1_gathers(ctx, layout, held, tensors, mirrored))
     return ordered
+
+
+def _zero1_gathers(ctx: CostContext, layout: PipelineLayout, held: Sequence[float], tensors: Sequence[int],
+                   mirrored: dict[int, int] | None) -> list[Task]:
+    """ZeRO-1's all-gather of the updated parameters over each rank's replicas, one per
+    tensor-parallel index, after the updates of its members (module docstring)."""
+    cal = ctx.calibration
+    out: list[Task] = []
+    for r, reps in enumerate(layout.ranks):
+        for q in range(len(reps[0])):
+            group = tuple(sorted(rep[q] for rep in reps))
+            nbytes = held[group[0]]
+            if len(group) < 2 or nbytes <= 0:
+                continue
+            deps = tuple(dict.fromkeys(Updated(mirrored[d] if mirrored is not None else d) for d in group))
+            cost = ctx.collective("all_gather", group, nbytes)
+            dur = cost.time_s
+            if cal is not None and cal.zero1_per_tensor_s is not None:  # the optimizer's bookkeeping per tensor
+                dur += cal.zero1_per_tensor_s.value * tensors[group[0]] + cal.step("zero1")
+            res = tuple(sorted({ctx.links[link.id] for link, _ in cost.loads} | set(ctx.device_resources(group))))
+            out.append(Task("coll", "zero1 params", dur, res, deps, (Gathered(r, q),), nbytes,
+                            f"ZeRO-1 parameters of pipeline rank {r} all_gather/{cost.algorithm}"))
+    return out
 
 
 def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLayout, optimizer: str,
@@ -430,8 +479,14 @@ def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: Pipeli
                 largest[d] = max(largest[d], stage_largest(c_s.largest_param_bytes, c_s.param_bytes))
                 if layout.asynchronous:
                     buffers[d] += c_s.param_bytes * (q - 1)
+    shards = [1] * devices  # ZeRO-1: the optimizer state over the rank's replicas
+    for r, reps in enumerate(layout.ranks):
+        for rep in reps:
+            for d in rep:
+                shards[d] = layout.shards(r)
     return [replace(DeviceMemory.replicated(params[d], acts[d], optimizer, largest=largest[d], buffers=buffers[d],
                                             loss_grad=loss[d]),
+                    optimizer=OPTIMIZER_STATE[optimizer] * params[d] / shards[d],
                     rebuilt=rebuilt[d], grad_working=grads[d], held_with_grads=held[d]) for d in range(devices)]
 
 
@@ -463,6 +518,9 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
                       optimizer: str = "adam", timeline: bool = True) -> Simulation:
     """Simulate one iteration of a pipeline plan (module docstring)."""
     check_optimizer(optimizer)
+    if layout.shard not in ("none", "zero1") or (layout.shard == "zero1" and layout.asynchronous):
+        raise ValueError(f"a synchronous pipeline shards its optimizer state with zero1 or not at all "
+                         f"(got {layout.shard!r} under {layout.schedule!r})")
     if len(costs) != layout.stages:
         raise ValueError(f"{len(costs)} stage costs for {layout.stages} stages")
     devices = ctx.cluster.devices

@@ -19,7 +19,8 @@ plan kinds are costed by one cost model under one explicit context
   DDP's bucketing is closest to the first for large models and to the second for small
   ones;
 - :class:`~flexsearch.strategy.kinds.Pipelined`: stage costs summed from the op-level
-  model (:mod:`flexsearch.sim.stages`), scheduled by :mod:`flexsearch.sim.pipeline`;
+  model (:mod:`flexsearch.sim.stages`), scheduled by :mod:`flexsearch.sim.pipeline`
+  (with ZeRO-1 over a stage's replicas when the strategy shards its optimizer state);
 - :class:`~flexsearch.strategy.kinds.Decentralized`: one replica's stage cost and the
   topology's gossip (:mod:`flexsearch.sim.decentralized`).
 """
@@ -48,7 +49,8 @@ def predict(graph: OpGraph, strategy: Strategy, ctx: CostContext, *, optimizer: 
         return simulate_stages(graph, ctx, bounds=strategy.bounds, tensor=strategy.tensor,
                                replicas=strategy.replicas, schedule=strategy.schedule,
                                microbatches=strategy.microbatches, chunks=strategy.chunks,
-                               recompute=strategy.recompute, optimizer=optimizer, timeline=timeline)
+                               recompute=strategy.recompute, optimizer=optimizer, timeline=timeline,
+                               shard=strategy.shard)
     if isinstance(strategy, Decentralized):
         return simulate_gossip(ctx, replica_cost(graph, ctx), strategy.topology, optimizer=optimizer,
                                timeline=timeline)

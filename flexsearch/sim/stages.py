@@ -216,10 +216,11 @@ def tied_weights(graph: OpGraph, costs: Sequence[NodeCost], bounds: Sequence[tup
 def simulate_stages(graph: OpGraph, ctx: CostContext, *, bounds: Sequence[tuple[int, int]], tensor: int,
                     replicas: int, schedule: str, microbatches: int, chunks: int = 1,
                     recompute: str = "none", optimizer: str = "adam", timeline: bool = True,
-                    costs: Sequence[NodeCost] | None = None) -> Simulation:
+                    costs: Sequence[NodeCost] | None = None, shard: str = "none") -> Simulation:
     """Simulate a uniform pipeline on ``ctx``'s cluster: stage ``k`` = nodes
     ``bounds[k]`` (positions), on ``replicas`` x ``tensor`` devices of pipeline rank
-    ``k mod (len(bounds) / chunks)``. ``costs``: the node costs of the microbatch graph
+    ``k mod (len(bounds) / chunks)``; ``shard``: ``zero1`` shards the optimizer state
+    over the replicas (:mod:`flexsearch.sim.pipeline`). ``costs``: the node costs of the microbatch graph
     (default: :func:`stage_node_costs`). Raises ValueError for a layout that does not
     fit the cluster or a model without that tensor-parallel degree."""
     cluster = ctx.cluster
@@ -243,7 +244,7 @@ def simulate_stages(graph: OpGraph, ctx: CostContext, *, bounds: Sequence[tuple[
     stage_costs = [stage_cost(costs, a, b, cuts, extra[k], cp) for k, (a, b) in enumerate(bounds)]
     ranks = tuple(tuple(tuple(range(r * g + i * tensor, r * g + (i + 1) * tensor)) for i in range(replicas))
                   for r in range(p))
-    layout = PipelineLayout(schedule, microbatches, ranks, chunks=chunks, tied=tied)
+    layout = PipelineLayout(schedule, microbatches, ranks, chunks=chunks, tied=tied, shard=shard)
     return simulate_pipeline(ctx, stage_costs, layout, optimizer=optimizer, timeline=timeline)
 
 

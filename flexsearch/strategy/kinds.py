@@ -40,6 +40,11 @@ stages, Rajbhandari et al. 2020), each as the emitter runs it:
   the groups (FSDP2 on a 2-D ``(replicate, shard)`` mesh): the gradient shards are
   all-reduced across the groups."""
 FSDP_SHARDINGS = ("zero2", "zero3", "hsdp")
+PIPELINE_SHARDINGS = ("none", "zero1")
+"""How a pipeline or hybrid plan shards its training state over a stage's data-parallel
+replicas: ``zero1``, the optimizer state (what Megatron-LM's distributed optimizer and
+DeepSpeed's pipeline engine, which takes ZeRO stage 1 only, shard). Gradient and
+parameter sharding under a pipeline (FSDP x PP) is not modelled."""
 """The shardings FSDP2 runs (parameters sharded at rest, over FSDP units)."""
 
 
@@ -111,11 +116,20 @@ class Pipelined:
     chunks: int = 1
     recompute: str = "none"
     """Activation checkpointing (:mod:`flexsearch.strategy.recompute`)."""
+    shard: str = "none"
+    """:data:`PIPELINE_SHARDINGS`: ``zero1`` shards each stage's optimizer state over its
+    ``replicas`` (each replica updates its share of the stage's parameters, then the
+    replicas all-gather them: ``ZeroRedundancyOptimizer`` over the replica group)."""
 
     def __post_init__(self) -> None:
         check_mode(self.recompute)
         if self.chunks < 1 or len(self.bounds) % self.chunks:
             raise ValueError(f"{len(self.bounds)} stages do not split into {self.chunks} chunks per rank")
+        if self.shard not in PIPELINE_SHARDINGS:
+            raise ValueError(f"a pipeline shards its optimizer state with one of {', '.join(PIPELINE_SHARDINGS)}, "
+                             f"not {self.shard!r}")
+        if self.shard != "none" and self.replicas < 2:
+            raise ValueError("zero1 shards the optimizer state over a stage's replicas: it needs replicas > 1")
 
     @property
     def kind(self) -> str:

@@ -167,12 +167,12 @@ def megatron_layout(graph, row: Row, ctx: CostContext):
 
 def describe(plan) -> str:
     """A plan's layout in Megatron's terms."""
+    shard = f" {plan.shard}" if plan.shard != "none" else ""
     if plan.stages:
         p = len(plan.stages) // (plan.chunks or 1)
         return (f"{plan.kind} p={p} t={plan.tensor_degree} d={plan.stages[0].replicas} "
-                f"m={plan.microbatches} {plan.schedule} rc={plan.recompute}")
+                f"m={plan.microbatches} {plan.schedule} rc={plan.recompute}{shard}")
     extra = f" m={plan.microbatches}" if (plan.microbatches or 1) > 1 else ""
-    shard = f" {plan.shard}" if plan.shard != "none" else ""
     return f"{plan.kind}{shard}{extra} rc={plan.recompute}"
 
 
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     head = (f"{'row':<8} {'N':>5} {'layout t/p/d':>12} {'mbs':>3} {'measured s':>10} {'predicted s':>11} "
             f"{'ratio':>6} {'mem GB':>7}")
     if search:
-        head += f"  {'planner layout':<42} {'pred s':>8} {'speedup':>7} {'search s':>8}"
+        head += f"  {'planner layout':<48} {'pred s':>8} {'speedup':>7} {'search s':>8}"
     print("Megatron-LM (SC21) Table 1 on dgx-a100, bf16-mixed; measured s/iter from the paper's FLOP/s")
     print(head)
     ratios, fits, better, searched = [], 0, 0, 0
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                 speedup = sim.iteration_time_s / plan.predicted.iteration_time_s
                 searched += 1
                 better += speedup >= 1 - 1e-9
-                line += (f"  {describe(plan):<42} {plan.predicted.iteration_time_s:>8.2f} {speedup:>6.2f}x "
+                line += (f"  {describe(plan):<48} {plan.predicted.iteration_time_s:>8.2f} {speedup:>6.2f}x "
                          f"{took:>8.1f}")
             except FlexsearchError as e:
                 line += f"  no plan: {str(e)[:80]}"

@@ -270,7 +270,7 @@ def allocated_job(rank: int, world: int, spec: str, plans: list) -> list[tuple[f
                     module.train_step(x, y, mse)
                     opt.step()
         recv = {}  # PipelineStage's receive buffers, one per microbatch each way (not modelled: flexsearch.sim.pipeline)
-        for stage in module._pipe_stages:
+        for stage in getattr(module, "_pipe_stages", ()):
             for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
                 for info in infos:
                     if isinstance(getattr(info, "buffer", None), torch.Tensor):

@@ -314,3 +314,40 @@ def test_replicas_sharing_links_are_all_simulated(cl, own):
     ctx = CostContext(cluster)
     assert (set(ctx.transfer(0, per, 1.0)[1]) == set(ctx.transfer(1, per + 1, 1.0)[1])) != own
     assert (mirror(ctx, layout) is not None) == own
+
+
+@pytest.mark.parametrize("cl", ["dgx-h100", "cpu"])
+def test_peak_memory_without_scheduling_is_the_simulations(cl):
+    """:func:`flexsearch.sim.stages.stages_peak_memory` (the search's memory check before
+    it simulates a layout: closed forms for GPipe and 1F1B uncalibrated, the lanes'
+    actions otherwise) gives exactly the simulation's largest peak, for every schedule,
+    checkpointing mode and optimizer sharding on random layouts."""
+    import random
+
+    from flexsearch.cost.calibration import load_calibration
+    from flexsearch.sim.stages import simulate_stages, stages_peak_memory
+
+    g = _gpt_tiny()
+    cluster = Cluster.preset(cl, 8)
+    ctx = CostContext(cluster, calibration=load_calibration(cluster.device.name) if cl == "cpu" else None)
+    rnd = random.Random(0)
+    k = len(g.nodes)
+    checked = 0
+    for schedule in ("gpipe", "1f1b", "interleaved"):
+        for p, d in ((2, 4), (4, 2), (2, 2), (8, 1)):
+            t = 8 // (p * d)
+            v = 2 if schedule == "interleaved" else 1
+            cuts = sorted(rnd.sample(range(1, k), p * v - 1))
+            bounds = tuple(zip([0, *cuts], [*cuts, k], strict=True))
+            for m in (1, 2):
+                for rc in ("none", "full") if t > 1 else ("none", "selective", "full"):
+                    for shard in ("none", "zero1") if d > 1 else ("none",):
+                        kw = dict(bounds=bounds, tensor=t, replicas=d, schedule=schedule, microbatches=m, chunks=v,
+                                  recompute=rc, shard=shard)
+                        try:
+                            sim = simulate_stages(g, ctx, timeline=False, **kw)
+                        except ValueError:  # no tensor-parallel layout of that degree, a batch that does not split
+                            continue
+                        assert stages_peak_memory(g, ctx, **kw) == sim.peak_memory_bytes, kw
+                        checked += 1
+    assert checked >= 40

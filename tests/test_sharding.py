@@ -240,6 +240,7 @@ def test_the_pipeline_search_shards_the_optimizer_state_when_memory_needs_it(gpt
     got = plan_graph(gpt_small, tight, kinds=("pipeline", "hybrid"), max_iters=0)
     assert got.predicted.peak_memory_bytes <= plain * 0.97
     assert got.shard == "zero1" or got.recompute != "none"
+    assert (got.shard == "zero1") == any(n.startswith("sharding zero1: the optimizer state sharded") for n in got.notes)
 
 
 def zero1_job(rank: int, world: int, spec: str, plans: list) -> list:

@@ -10,15 +10,20 @@ data parallel over ``d`` replicas and, for transformers, Megatron tensor paralle
 ``t`` devices inside a node; kind ``pipeline`` for ``t = 1``, ``hybrid`` otherwise. For
 each ``(t, p, m, schedule)`` the partitioner (:mod:`.partition`, straight pipeline of
 ``p`` stages, memory-aware: under the interleaved schedule each of a rank's ``v``
-chunks within ``1 / v`` of its memory) places the cuts; the best candidates by the
-partitioner's estimate ``(m v + p - 1) / v * bottleneck`` are simulated
-(:mod:`flexsearch.sim.pipeline`), more while none of them fits (the simulation's memory
-is the exact one), then the best one's layout cut at block boundaries
-(:func:`block_bounds`) and with the other optimizer sharding, and the fastest that fits
-wins. Per layout the partitioner takes the first memory-saving setting that fits, in
-:data:`SAVINGS` order: ZeRO-1 over the stage's replicas (``zero1``: the optimizer state
-``k P / d``, for an all-gather of the parameters after the update, which itself
-shrinks ``d``-fold) before each step of activation checkpointing.
+chunks within ``1 / v`` of its memory) places the cuts. Per layout it takes the
+lightest activation checkpointing (:data:`RECOMPUTE_ORDER`) that fits with the
+optimizer state replicated and, where sharding that state over the stage's replicas
+lets a lighter one fit, that too (``zero1``: the state ``k P / d``, for an all-gather of
+the parameters after the update, which itself shrinks ``d``-fold). The best candidates
+by the partitioner's estimate ``(m v + p - 1) / v * bottleneck`` are simulated
+(:mod:`flexsearch.sim.pipeline`), more while none of them fits, each first checked by
+the simulation's own memory model, which needs no scheduling (the partitioner's memory
+rule leaves out what a stage rebuilds under checkpointing, the backward's buffers and
+the loss: on GPT 1T over 3,072 A100s it passes layouts that need 900 GB); one that
+does not fit is passed over, and the same layout with the next checkpointing mode the
+partitioner fits joins the queue; then the :data:`ALIGN_TOP` fastest layouts cut at block
+boundaries (:func:`block_bounds`) and the fastest with the other optimizer sharding;
+the fastest that fits wins.
 
 **PipeDream's plan** (a baseline, simulated, not emitted): the hierarchical partitioner
 with a replication factor per stage over the cluster's levels (devices in a node,
@@ -28,6 +33,7 @@ nodes), minibatches of ``B / N`` samples, asynchronous 1F1B with weight stashing
 from __future__ import annotations
 
 import functools
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,6 +56,7 @@ from flexsearch.sim.stages import (
     simulate_stages,
     stage_cost,
     stage_node_costs,
+    stages_peak_memory,
 )
 from flexsearch.strategy.config import Config
 from flexsearch.strategy.kinds import Pipelined
@@ -61,19 +68,26 @@ SYNC_SCHEDULES = ("1f1b", "gpipe", "interleaved")
 RECOMPUTE_ORDER = ("none", "selective", "full")
 """Checkpointing modes tried per layout, cheapest in time first (:mod:`flexsearch.strategy.recompute`)."""
 SAVINGS = tuple((mode, shard) for mode in RECOMPUTE_ORDER for shard in ("none", "zero1"))
-"""(checkpointing, optimizer sharding) per pipeline layout, tried in this order until
-one fits: sharding the optimizer state costs one all-gather of the stage's parameters
-(and saves ``d - 1`` of ``d`` updates), checkpointing a forward pass per microbatch."""
+"""(checkpointing, optimizer sharding), cheapest in time first (the candidates' order at
+equal estimates): sharding the optimizer state costs one all-gather of the stage's
+parameters (and saves ``d - 1`` of ``d`` updates), checkpointing a forward pass per
+microbatch."""
 SIMULATE_TOP = 6
 """Candidates simulated per search: the partitioner's estimate ranks layouts well but
 misses transfers queueing on shared links and the schedule's exact bubbles; six covers
 the usual close calls (two schedules x recomputation or not, a neighbouring
 microbatch count) at a few simulations' cost."""
 SIMULATE_MAX = 4 * SIMULATE_TOP
-"""Candidates simulated at most while none of the first fits in memory (the
-partitioner's memory rule leaves out what the simulation adds: the rebuilt activations,
-the backward's gradient buffers, the loss): on GPT 1T over 3,072 A100s the first fitting
-one is the seventh; past this many, the search reports that no pipeline fits."""
+"""Candidates simulated at most while none of the first fits in memory. Each is first
+checked by the simulation's memory model (the partitioner's rule leaves out what the
+simulation adds: the rebuilt activations, the backward's gradient buffers, the loss),
+so those over memory are passed over unsimulated; one that fits by memory may still be
+found infeasible only through a term the check shares, so this is a guard, not a budget
+the search expects to spend."""
+ALIGN_TOP = 2
+"""The fastest feasible layouts also simulated cut at block boundaries
+(:func:`block_bounds`): on GPT 1T over 3,072 A100s the fastest is already aligned, and
+the second, aligned, is Megatron's own layout and the fastest."""
 MICROBATCH_OPTIONS = 5
 """Microbatch counts tried per stage count (:func:`microbatch_options`): a geometric
 sequence of five spans a 16x range of microbatch sizes, past the point where smaller
@@ -237,6 +251,34 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
         return cost_memo[(k, t)]
 
     cps = {mode: Checkpointing.of(graph, mode) for mode in RECOMPUTE_ORDER}
+    chain_memo: dict[tuple[int, int, str], Chain] = {}
+
+    def modes_of(t: int) -> tuple[str, ...]:
+        return RECOMPUTE_ORDER if t == 1 else ("none", "full")  # tensor-parallel stages: whole
+
+    def chain_for(k: int, t: int, mode: str) -> Chain:
+        if (k, t, mode) not in chain_memo:
+            chain_memo[k, t, mode] = stage_chain(cost_memo[(k, t)][0], cut_memo[k],
+                                                 cps[mode] if t == 1 or mode == "none" else None,
+                                                 whole=t > 1 and mode == "full")
+        return chain_memo[k, t, mode]
+
+    def estimate(t: int, p: int, d: int, m: int, schedule: str, v: int, q: int, shard: str,
+                 modes: Sequence[str]) -> tuple | None:
+        """The first of ``modes`` whose layout the partitioner fits: (estimate, layout...,
+        partition, shard)."""
+        bw, lat = _link_between(cluster, d * t)
+        # ZeRO-1: the optimizer state's copies over the replicas
+        state = 2 + (copies - 2) / d if shard == "zero1" else copies
+        # a rank holds v chunks: each within its share of the memory
+        memory = Memory(cap / v, state, in_flight=lambda r: q)
+        for recompute in modes:
+            part = partition(chain_for(d * m, t, recompute), [Level(p * v, bw, lat)], memory=memory,
+                             replicate=False)
+            if part is not None and len(part.stages) == p * v:
+                return (m * v + p - 1) / v * part.bottleneck_s, t, p, d, m, schedule, v, recompute, part, shard, q
+        return None
+
     estimates = []
     for t in tensor_degrees(cluster):
         if estimates and past(deadline):
@@ -248,17 +290,10 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
             d = n // (t * p)
             if batch % d:
                 continue
-            bw, lat = _link_between(cluster, d * t)
             for m in microbatch_options(batch // d, p, smallest=SMALLEST_EXPORTED if graph.via == "export" else 1):
-                hit = costs_for(d * m, t)
-                if hit is None:
+                if costs_for(d * m, t) is None:
                     continue
-                costs = hit[0]
-                cuts = cut_memo[d * m]
-                modes = RECOMPUTE_ORDER if t == 1 else ("none", "full")  # tensor-parallel stages: whole
-                chains = {mode: stage_chain(costs, cuts, cps[mode] if t == 1 or mode == "none" else None,
-                                            whole=t > 1 and mode == "full")
-                          for mode in modes}
+                modes = modes_of(t)
                 for schedule in schedules:
                     v = 2 if schedule == "interleaved" else 1
                     if v * p > layers:
@@ -266,26 +301,24 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
                     q = peak_in_flight(schedule, p, m, v)
                     if q is None:
                         continue
-                    for recompute, shard in SAVINGS:  # the first that fits (module docstring)
-                        if recompute not in modes or (shard == "zero1" and d < 2):
-                            continue
-                        # ZeRO-1: the optimizer state's copies over the replicas
-                        state = 2 + (copies - 2) / d if shard == "zero1" else copies
-                        # a rank holds v chunks: each within its share of the memory
-                        memory = Memory(cap / v, state, in_flight=lambda r, q=q: q)
-                        part = partition(chains[recompute], [Level(p * v, bw, lat)], memory=memory, replicate=False)
-                        if part is None or len(part.stages) != p * v:
-                            continue
-                        est = (m * v + p - 1) / v * part.bottleneck_s
-                        estimates.append((est, t, p, d, m, schedule, v, recompute, part, shard))
-                        break
-    estimates.sort(key=lambda e: (e[0], SAVINGS.index((e[7], e[9]))))
+                    plain = estimate(t, p, d, m, schedule, v, q, "none", modes)
+                    if plain is not None:
+                        estimates.append(plain)
+                    lighter = modes[:modes.index(plain[7])] if plain is not None else modes
+                    if d > 1 and lighter:  # ZeRO-1 where it lets the layout checkpoint less
+                        sharded = estimate(t, p, d, m, schedule, v, q, "zero1", lighter)
+                        if sharded is not None:
+                            estimates.append(sharded)
+    # a heap by estimate (ties: cheaper savings, then the order found); a layout found over
+    # memory comes back with the next checkpointing mode that the partitioner fits
+    queue = [(e[0], SAVINGS.index((e[7], e[9])), i, e) for i, e in enumerate(estimates)]
+    heapq.heapify(queue)
     def simulated(bounds, t: int, p: int, d: int, m: int, schedule: str, v: int, recompute: str,
                   shard: str) -> PipelineResult:
         costs, local = costs_for(d * m, t)
         sim = simulate_stages(graph, ctx, bounds=bounds, tensor=t, replicas=d, schedule=schedule,
                               microbatches=m, chunks=v, recompute=recompute, optimizer=optimizer,
-                              timeline=False, costs=costs, shard=shard)
+                              timeline=False, costs=costs, shard=shard, cuts=cut_memo[d * m])
         stages = tuple((a, b, tuple(range((k % p) * d * t, (k % p + 1) * d * t)))
                        for k, (a, b) in enumerate(bounds))
         return PipelineResult("hybrid" if t > 1 else "pipeline", schedule, m, v, recompute, t, d,
@@ -295,26 +328,58 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
         return simulated(bounds, r.tensor, len(r.stages) // r.chunks, r.replicas, r.microbatches, r.schedule,
                          r.chunks, r.recompute, shard)
 
+    def fits(bounds, t: int, p: int, d: int, m: int, schedule: str, v: int, recompute: str, shard: str) -> bool:
+        """Does the layout fit by the simulation's own memory model (no scheduling)?"""
+        costs, _ = costs_for(d * m, t)
+        return stages_peak_memory(graph, ctx, optimizer=optimizer, bounds=bounds, tensor=t, replicas=d,
+                                  schedule=schedule, microbatches=m, chunks=v, recompute=recompute, costs=costs,
+                                  shard=shard, cuts=cut_memo[d * m]) <= cap
+
     results = []
-    for rank, (_, t, p, d, m, schedule, v, recompute, part, shard) in enumerate(estimates):
-        if results and (past(deadline) or rank >= max(simulate_top, SIMULATE_MAX)
-                        or (rank >= simulate_top and any(r.simulation.feasible for r in results))):
+    skipped = None  # the first candidate left out as over memory (simulated when nothing fits)
+    order = len(queue)
+    while queue:
+        if (results or skipped) and past(deadline) or len(results) >= max(simulate_top, SIMULATE_MAX) \
+                or (len(results) >= simulate_top and any(r.simulation.feasible for r in results)):
             break
-        results.append(simulated([(s.start, s.end) for s in part.stages], t, p, d, m, schedule, v, recompute, shard))
-    best = min((r for r in results if r.simulation.feasible), key=lambda r: r.simulation.iteration_time_s,
-               default=None)
-    aligned = None if best is None else block_bounds(graph, len(best.stages))
-    if aligned is not None and aligned != tuple((a, b) for a, b, _ in best.stages) and not past(deadline):
-        # the best layout cut at block boundaries, as Megatron and torchtitan cut (the
-        # partitioner balances its estimate and may cut inside a block)
-        results.append(again(best, aligned, best.shard))
+        _, t, p, d, m, schedule, v, recompute, part, shard, q = heapq.heappop(queue)[3]
+        bounds = [(s.start, s.end) for s in part.stages]
+        if not fits(bounds, t, p, d, m, schedule, v, recompute, shard):
+            skipped = skipped or (bounds, t, p, d, m, schedule, v, recompute, shard)
+            modes = modes_of(t)
+            heavier = estimate(t, p, d, m, schedule, v, q, shard, modes[modes.index(recompute) + 1:])
+            if heavier is not None:
+                heapq.heappush(queue, (heavier[0], SAVINGS.index((heavier[7], shard)), order, heavier))
+                order += 1
+            continue
+        results.append(simulated(bounds, t, p, d, m, schedule, v, recompute, shard))
+    if not results and skipped is not None:  # none fits: the first, for what it needs
+        results.append(simulated(*skipped))
+    def shape(r: PipelineResult) -> tuple:
+        return r.tensor, len(r.stages), r.replicas, r.microbatches, r.schedule, r.chunks, r.recompute, r.shard
+
+    def fits_as(r: PipelineResult, bounds, shard: str) -> bool:
+        return fits(bounds, r.tensor, len(r.stages) // r.chunks, r.replicas, r.microbatches, r.schedule, r.chunks,
+                    r.recompute, shard)
+
+    tops: dict[tuple, PipelineResult] = {}  # the fastest feasible layouts, each once
+    for r in sorted((r for r in results if r.simulation.feasible), key=lambda r: r.simulation.iteration_time_s):
+        tops.setdefault(shape(r), r)
+    for r in list(tops.values())[:ALIGN_TOP]:
+        # cut at block boundaries, as Megatron and torchtitan cut (the partitioner
+        # balances its estimate and may cut inside a block)
+        aligned = block_bounds(graph, len(r.stages))
+        if aligned is not None and aligned != tuple((a, b) for a, b, _ in r.stages) and not past(deadline) \
+                and fits_as(r, aligned, r.shard):
+            results.append(again(r, aligned, r.shard))
     best = min((r for r in results if r.simulation.feasible), key=lambda r: r.simulation.iteration_time_s,
                default=None)
     if best is not None and best.replicas > 1 and not past(deadline):
         # the other optimizer sharding: ZeRO-1 may be the faster (its update is d times
         # smaller) even where the state fits replicated
-        results.append(again(best, tuple((a, b) for a, b, _ in best.stages),
-                             "none" if best.shard == "zero1" else "zero1"))
+        bounds, other = tuple((a, b) for a, b, _ in best.stages), "none" if best.shard == "zero1" else "zero1"
+        if fits_as(best, bounds, other):
+            results.append(again(best, bounds, other))
     results.sort(key=lambda r: (not r.simulation.feasible, r.simulation.iteration_time_s))
     return results
 

@@ -505,6 +505,8 @@ def plan_synchronous(
                 baselines["soap"] = oplevel[2].iteration_time_s
             plan = plan_from(graph, cluster, pipe.strategy, pipe.simulation, baselines=baselines,
                              configs=pipe.configs, **common)
+            if pipe.shard == "zero1":
+                notes.append(_zero1_note(pipe, pipes))
             if notes:
                 plan = plan.model_copy(update={"notes": (*plan.notes, *notes)})
             return plan.with_search_time(time.perf_counter() - t0)
@@ -564,6 +566,23 @@ def ilp_seed(space: Space, ctx: CostContext, optimizer: str, limit_s: float, see
         dec, res = AssignmentBuilder(space, ctx, optimizer).solve(time_limit_s=limit_s, seed=seed,
                                                                   deterministic=deterministic)
     return dec, res.status
+
+
+def _zero1_note(pipe: PipelineResult, pipes: list[PipelineResult]) -> str:
+    """Why a pipeline plan shards its optimizer state: its layout replicated, as simulated
+    (slower, or over memory), or not simulated (over memory by the simulation's model)."""
+    twin = next((r for r in pipes if r.shard == "none" and (r.stages, r.schedule, r.microbatches, r.recompute)
+                 == (pipe.stages, pipe.schedule, pipe.microbatches, pipe.recompute)), None)
+    if twin is None:
+        why = ("the same layout with it replicated not simulated (over memory by the simulation's model, "
+               "or past the budget)")
+    elif not twin.simulation.feasible:
+        why = (f"the same layout with it replicated needs {twin.simulation.peak_memory_bytes / 2**30:.1f} GiB per "
+               "device")
+    else:
+        why = f"the same layout with it replicated: {twin.simulation.iteration_time_s * 1e3:.3f} ms"
+    return (f"sharding zero1: the optimizer state sharded over each stage's {pipe.replicas} replicas "
+            f"(build the optimizer with flexsearch.make_optimizer); {why}")
 
 
 def _no_plan_reason(kinds: Sequence[str], base: dict[str, BaselineRun], pipes: list[PipelineResult],

@@ -450,9 +450,24 @@ def _zero1_gathers(ctx: CostContext, layout: PipelineLayout, held: Sequence[floa
     return out
 
 
+Occupancy = tuple[Mapping[int, int], float]
+"""What memory needs of a lane's actions: per stage the peak microbatches in flight
+(:func:`~flexsearch.strategy.schedules.in_flight`), and ``H``
+(:func:`held_with_gradients`)."""
+
+
+def occupancy(by_lane: Mapping[tuple[int, int], Sequence[Action]],
+              costs: Sequence[StageCost]) -> dict[tuple[int, int], Occupancy]:
+    """Each lane's :data:`Occupancy`, walking its actions."""
+    stash = {s: c.stash_bytes for s, c in enumerate(costs)}
+    stage_grads = {s: c.param_bytes for s, c in enumerate(costs)}
+    return {lane: (in_flight(acts), held_with_gradients(acts, stash, stage_grads)) for lane, acts in by_lane.items()}
+
+
 def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLayout, optimizer: str,
-                    by_lane: dict[tuple[int, int], tuple[Action, ...]]) -> list[DeviceMemory]:
-    """The memory terms per device (module docstring), for :func:`peak_bytes`."""
+                    by_lane: Mapping[tuple[int, int], Occupancy]) -> list[DeviceMemory]:
+    """The memory terms per device (module docstring), for :func:`peak_bytes`, from each
+    lane's :data:`Occupancy`."""
     devices = ctx.cluster.devices
     params = [0.0] * devices
     acts = [0.0] * devices
@@ -462,13 +477,10 @@ def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: Pipeli
     loss = [0.0] * devices  # one microbatch's loss at a time
     grads = [0.0] * devices  # one microbatch's backward at a time
     held = [0.0] * devices
-    stash = {s: c.stash_bytes for s, c in enumerate(costs)}
-    stage_grads = {s: c.param_bytes for s, c in enumerate(costs)}
-    for (r, i), lane_actions in by_lane.items():
-        h = held_with_gradients(lane_actions, stash, stage_grads)
+    for (r, i), (flight, h) in by_lane.items():
         for d in layout.ranks[r][i]:
             held[d] += h
-        for s, q in in_flight(lane_actions).items():
+        for s, q in flight.items():
             c_s = costs[s]
             for d in layout.ranks[r][i]:
                 params[d] += c_s.param_bytes
@@ -514,6 +526,29 @@ def held_with_gradients(actions: Sequence[Action], stash: Mapping[int, float], g
     return peak
 
 
+def peak_memory(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLayout,
+                optimizer: str = "adam") -> float:
+    """The largest per-device peak :func:`simulate_pipeline` predicts, without scheduling
+    the iteration: memory depends on each lane's actions, not on their times. A
+    synchronous schedule's replicas of a rank hold the same (the same stages and
+    actions), so replica 0's lanes are walked."""
+    check_optimizer(optimizer)
+    p, m = len(layout.ranks), layout.microbatches
+    if ctx.calibration is None and layout.schedule in ("gpipe", "1f1b"):
+        # closed forms (:func:`~flexsearch.strategy.schedules.rank_actions`): rank r runs
+        # stage r with m (GPipe) or min(m, p - r) (1F1B) microbatches in flight; H counts
+        # only in the calibrated peak
+        occupied = {(r, 0): ({r: m if layout.schedule == "gpipe" else min(m, p - r)}, 0.0) for r in range(p)}
+    else:
+        by_lane = lanes(layout)
+        if not layout.asynchronous:
+            by_lane = {lane: acts for lane, acts in by_lane.items() if lane[1] == 0}
+        occupied = occupancy(by_lane, costs)
+    terms = pipeline_memory(ctx, costs, layout, optimizer, occupied)
+    devices = {d for (r, i) in occupied for d in layout.ranks[r][i]}
+    return max(peak_bytes(terms[d], ctx.calibration, "pipeline") for d in devices)
+
+
 def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLayout, *,
                       optimizer: str = "adam", timeline: bool = True) -> Simulation:
     """Simulate one iteration of a pipeline plan (module docstring)."""
@@ -539,7 +574,7 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
         time_s = per_unit * (layout.units or 1)
     else:
         time_s = max(run.free, default=0.0)
-    terms = pipeline_memory(ctx, costs, layout, optimizer, acting)
+    terms = pipeline_memory(ctx, costs, layout, optimizer, occupancy(acting, costs))
     compute = busy_compute(ordered, devices)
     if mirrored is not None:  # every replica's figures are replica 0's
         terms = [terms[mirrored.get(d, d)] for d in range(devices)]

@@ -34,7 +34,7 @@ from flexsearch.cost.hardware import Cluster
 from flexsearch.graph.microbatch import microbatch_graph
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.sim.context import CostContext
-from flexsearch.sim.pipeline import PipelineLayout, StageCost, simulate_pipeline
+from flexsearch.sim.pipeline import PipelineLayout, StageCost, peak_memory, simulate_pipeline
 from flexsearch.sim.result import Simulation
 from flexsearch.sim.simulator import Simulator
 from flexsearch.sim.taskgraph import (
@@ -216,24 +216,47 @@ def tied_weights(graph: OpGraph, costs: Sequence[NodeCost], bounds: Sequence[tup
 def simulate_stages(graph: OpGraph, ctx: CostContext, *, bounds: Sequence[tuple[int, int]], tensor: int,
                     replicas: int, schedule: str, microbatches: int, chunks: int = 1,
                     recompute: str = "none", optimizer: str = "adam", timeline: bool = True,
-                    costs: Sequence[NodeCost] | None = None, shard: str = "none") -> Simulation:
+                    costs: Sequence[NodeCost] | None = None, shard: str = "none",
+                    cuts: Sequence[float] | None = None) -> Simulation:
     """Simulate a uniform pipeline on ``ctx``'s cluster: stage ``k`` = nodes
     ``bounds[k]`` (positions), on ``replicas`` x ``tensor`` devices of pipeline rank
     ``k mod (len(bounds) / chunks)``; ``shard``: ``zero1`` shards the optimizer state
-    over the replicas (:mod:`flexsearch.sim.pipeline`). ``costs``: the node costs of the microbatch graph
-    (default: :func:`stage_node_costs`). Raises ValueError for a layout that does not
-    fit the cluster or a model without that tensor-parallel degree."""
+    over the replicas (:mod:`flexsearch.sim.pipeline`). ``costs``, ``cuts``: the node
+    costs of the microbatch graph (default: :func:`stage_node_costs`) and its cut bytes
+    (:func:`cut_bytes`). Raises ValueError for a layout
+    that does not fit the cluster or a model without that tensor-parallel degree."""
+    stage_costs, layout = stage_layout(graph, ctx, bounds=bounds, tensor=tensor, replicas=replicas,
+                                       schedule=schedule, microbatches=microbatches, chunks=chunks,
+                                       recompute=recompute, costs=costs, shard=shard, cuts=cuts)
+    return simulate_pipeline(ctx, stage_costs, layout, optimizer=optimizer, timeline=timeline)
+
+
+def stages_peak_memory(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam", **layout_kw) -> float:
+    """The largest per-device peak memory :func:`simulate_stages` would predict for the
+    same layout (``layout_kw``: its layout arguments), without scheduling the iteration
+    (:func:`flexsearch.sim.pipeline.peak_memory`)."""
+    stage_costs, layout = stage_layout(graph, ctx, **layout_kw)
+    return peak_memory(ctx, stage_costs, layout, optimizer)
+
+
+def stage_layout(graph: OpGraph, ctx: CostContext, *, bounds: Sequence[tuple[int, int]], tensor: int,
+                 replicas: int, schedule: str, microbatches: int, chunks: int = 1, recompute: str = "none",
+                 costs: Sequence[NodeCost] | None = None, shard: str = "none",
+                 cuts: Sequence[float] | None = None) -> tuple[list[StageCost], PipelineLayout]:
+    """The stage costs and the device layout of :func:`simulate_stages`'s pipeline
+    (``costs`` and ``cuts``: the microbatch graph's node costs and cut bytes, when the
+    caller has them)."""
     cluster = ctx.cluster
     p = len(bounds) // chunks
     g = replicas * tensor
     if p * chunks != len(bounds) or p * g != cluster.devices:
         raise ValueError(f"{len(bounds)} stages x {g} devices do not make {cluster.devices} devices")
-    mg = microbatch_graph(graph, replicas * microbatches)
-    if costs is None:
-        costs = stage_node_costs(mg, ctx, tensor)
+    if costs is None or cuts is None:
+        mg = microbatch_graph(graph, replicas * microbatches)
+        costs = stage_node_costs(mg, ctx, tensor) if costs is None else costs
         if costs is None:
             raise ValueError(f"no tensor-parallel configuration of degree {tensor} for this model")
-    cuts = cut_bytes(mg)
+        cuts = cut_bytes(mg)
     extra, tied = tied_weights(graph, costs, bounds)
     if tensor > 1 and recompute != "none":  # a tensor-parallel stage is checkpointed whole
         if recompute != "full":
@@ -244,8 +267,7 @@ def simulate_stages(graph: OpGraph, ctx: CostContext, *, bounds: Sequence[tuple[
     stage_costs = [stage_cost(costs, a, b, cuts, extra[k], cp) for k, (a, b) in enumerate(bounds)]
     ranks = tuple(tuple(tuple(range(r * g + i * tensor, r * g + (i + 1) * tensor)) for i in range(replicas))
                   for r in range(p))
-    layout = PipelineLayout(schedule, microbatches, ranks, chunks=chunks, tied=tied, shard=shard)
-    return simulate_pipeline(ctx, stage_costs, layout, optimizer=optimizer, timeline=timeline)
+    return stage_costs, PipelineLayout(schedule, microbatches, ranks, chunks=chunks, tied=tied, shard=shard)
 
 
 def stage_node_costs(mg: OpGraph, ctx: CostContext, tensor: int) -> list[NodeCost] | None:

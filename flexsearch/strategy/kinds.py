@@ -44,7 +44,16 @@ PIPELINE_SHARDINGS = ("none", "zero1")
 """How a pipeline or hybrid plan shards its training state over a stage's data-parallel
 replicas: ``zero1``, the optimizer state (what Megatron-LM's distributed optimizer and
 DeepSpeed's pipeline engine, which takes ZeRO stage 1 only, shard). Gradient and
-parameter sharding under a pipeline (FSDP x PP) is not modelled."""
+parameter sharding under a pipeline (FSDP2 stages, torchtitan's FSDP x PP) is not
+modelled: torch 2.13's pipeline runtime runs every microbatch's backward of an FSDP
+stage without gradient sync and without resharding
+(``torch/distributed/pipelining/stage.py``, ``backward_maybe_with_nosync``), and
+reduce-scatters once after the last (``perform_reduce_grad``), so the stage holds its
+gathered parameters and its whole gradients (accumulated in fp32 under mixed precision:
+``_fsdp_param.py``, ``to_accumulated_grad_if_needed``) through the step: a peak of
+``(g + 1 + (1 + k) / d) P`` against ZeRO-1's ``(2 + k / d) P`` (``g`` the gathered
+dtype's share of fp32, ``k`` the optimizer's state): under bf16-mixed a saving of
+``(1/2 - 1/d) P``, in fp32 a loss."""
 """The shardings FSDP2 runs (parameters sharded at rest, over FSDP units)."""
 
 

@@ -189,8 +189,17 @@ def test_delta_rebuilds_fewer_fragments():
     assert changed < len(g.nodes) // 4
     dec2 = {**dec, "lm_head": Config(2, "x", 2)}
     before = sim.rebuilt
-    sim.simulate(space.expand(dec2))
+    moved = sim.simulate(space.expand(dec2))
     assert sim.rebuilt - before == 2  # lm_head and the output
+    # back to the configuration before the move (a rejected MCMC step), and forward again:
+    # the fragments of both are kept (FRAGMENTS_KEPT), nothing is rebuilt, and the results
+    # are a fresh simulator's
+    before = sim.rebuilt
+    back = sim.simulate(space.expand(dec))
+    again = sim.simulate(space.expand(dec2))
+    assert sim.rebuilt == before
+    assert summary(back) == summary(Simulator(g, cluster("dgx-h100", 4)).simulate(space.expand(dec)))
+    assert summary(again) == summary(moved)
 
 
 def test_simulate_configs_is_a_full_simulation():

@@ -23,10 +23,11 @@ shard, the activations its fragments keep (plus, calibrated, the loss's gradient
 output) and, sharded, FSDP's gathered units. A plan whose peak on some device exceeds
 its memory is **infeasible**.
 
-**Delta simulation.** A :class:`Simulator` keeps each node's fragment keyed by the
-node's configuration and its producers'; after a change only the fragments of changed
-nodes and of their consumers are rebuilt (region intersections, costs, collectives),
-and the cheap assembly and scheduling pass reruns.
+**Delta simulation.** A :class:`Simulator` keeps each node's fragments keyed by the
+node's configuration and its producers' (the :data:`FRAGMENTS_KEPT` most recently
+used); after a change only the fragments of changed nodes and of their consumers that
+it does not hold are built (region intersections, costs, collectives), and the cheap
+assembly and scheduling pass reruns.
 
 **One replica for all.** Without a timeline, configurations that repeat every ``w``
 devices (:meth:`Simulator.replica`: every op on all ``n`` devices, ``w`` the least
@@ -76,6 +77,12 @@ from flexsearch.strategy.kinds import FSDP_SHARDINGS
 from flexsearch.strategy.recompute import Checkpointing
 
 
+FRAGMENTS_KEPT = 4
+"""Fragments kept per node, the most recently used (delta simulation): a search returns
+to configurations it has left (an MCMC step it rejects, a unit's earlier choice), and
+their fragments come back from the cache instead of being rebuilt."""
+
+
 class Simulator:
     """Simulates configurations of one graph under one cost context, keeping fragments
     between calls (delta simulation). ``simulate(configs)`` takes a configuration for
@@ -88,7 +95,8 @@ class Simulator:
         self.optimizer = check_optimizer(optimizer)
         self.ctx = context if isinstance(context, CostContext) else CostContext(context, **ctx_kw)
         self.cluster = self.ctx.cluster
-        self._caches: dict[tuple[bool, int], dict[str, tuple[tuple, Fragment]]] = {}  # (ddp, replica width)
+        # (ddp, replica width) -> node -> its fragments by signature, the latest last
+        self._caches: dict[tuple[bool, int], dict[str, dict[tuple, Fragment]]] = {}
         self.rebuilt = 0  # fragments built so far (delta simulation statistics)
         self._links = tuple(link.id for link in self.cluster.links)
         self._checkpointing: dict[str, Checkpointing] = {}
@@ -100,12 +108,19 @@ class Simulator:
         node = self.graph.node(name)
         sig = (configs[name], tuple(configs[i] for i in node.inputs))
         cache = self._caches.setdefault((ddp, replica.width if replica is not None else 0), {})
-        hit = cache.get(name)
-        if hit is not None and hit[0] == sig:
-            return hit[1]
+        kept = cache.get(name)
+        if kept is None:
+            kept = cache[name] = {}
+        frag = kept.get(sig)
+        if frag is not None:
+            if next(reversed(kept)) != sig:  # the latest last
+                kept[sig] = kept.pop(sig)
+            return frag
         producers = [(self.graph.node(i), configs[i]) for i in node.inputs]
         frag = build_fragment(node, configs[name], producers, self.ctx.as_ddp() if ddp else self.ctx, replica)
-        cache[name] = (sig, frag)
+        if len(kept) >= FRAGMENTS_KEPT:
+            del kept[next(iter(kept))]  # the least recently used
+        kept[sig] = frag
         self.rebuilt += 1
         return frag
 

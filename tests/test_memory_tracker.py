@@ -25,8 +25,9 @@ Pipelines, which ``MemTracker`` refuses (it raises ``NotImplementedError`` for a
 called more than once per iteration, which a stage is, once per microbatch), are checked
 by their peak per device against torch's allocator instead, read from ``torch.profiler``'s
 memory events (GPipe, 1F1B and interleaved 1F1B on 2 ranks, both precisions), less the
-stages' receive buffers (one per microbatch each way, which the model leaves out:
-:mod:`flexsearch.sim.pipeline`): -8.0% to +2.1% but three known misses
+stages' receive buffers (which the model leaves out: :mod:`flexsearch.sim.pipeline`; the
+emitter keeps one per microbatch it may still need, checked here per stage,
+:func:`flexsearch.emit.staged.receive_buffers`): -8.0% to +2.1% but four known misses
 (:data:`PIPELINE_MISSES`); a 1F1B pipeline of 2 replicas on 4 ranks the same way, its
 optimizer state replicated and sharded over the replicas (ZeRO-1): -11.0% to +0.2%, and
 the saving within 25% of the allocator's. Not checked: SOAP plans
@@ -258,7 +259,9 @@ def allocated_job(rank: int, world: int, spec: str, plans: list) -> list[tuple[f
     its second to fourth steps (:func:`allocator_peak`), counted from the end of the
     module's build (so the optimizer state and the stage's receive buffers, made in the
     first step, count; the first step's one-off work, the stage's shape inference, does
-    not); and the bytes of those receive buffers."""
+    not); the bytes of those receive buffers; and per stage (index, first, last, the sets
+    of activation and of gradient receive buffers it holds: one set per microbatch it can
+    receive into at once)."""
     from torch.profiler import record_function
 
     from flexsearch.emit import make_optimizer, parallelize
@@ -275,14 +278,24 @@ def allocated_job(rank: int, world: int, spec: str, plans: list) -> list[tuple[f
                     opt.zero_grad(set_to_none=True)
                     module.train_step(x, y, mse)
                     opt.step()
-        recv = {}  # PipelineStage's receive buffers, one per microbatch each way (not modelled: flexsearch.sim.pipeline)
+        recv = {}  # the stages' receive buffers (not modelled: flexsearch.sim.pipeline)
+        counts = []  # per stage of this rank: (activation, gradient) buffers
         for stage in getattr(module, "_pipe_stages", ()):
-            for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
-                for info in infos:
-                    if isinstance(getattr(info, "buffer", None), torch.Tensor):
-                        recv[info.buffer.untyped_storage().data_ptr()] = info.buffer.untyped_storage().nbytes()
+            mine = []
+            for table in (stage.args_recv_info, stage.grad_recv_info):
+                sets = set()  # one set of buffers per microbatch received into
+                for infos in table.values():
+                    ptrs = []
+                    for info in infos:
+                        if isinstance(getattr(info, "buffer", None), torch.Tensor):
+                            ptrs.append(info.buffer.untyped_storage().data_ptr())
+                            recv[ptrs[-1]] = info.buffer.untyped_storage().nbytes()
+                    if ptrs:
+                        sets.add(tuple(ptrs))
+                mine.append(len(sets))
+            counts.append((stage.stage_index, stage.is_first, stage.is_last, *mine))
         out.append((allocator_peak(prof) + sum(p.numel() * p.element_size() for p in module.parameters()),
-                    float(sum(recv.values()))))
+                    float(sum(recv.values())), counts))
         del module, opt, prof  # the next plan's build and steps in a process holding none of this one
         gc.collect()
     return out
@@ -299,6 +312,7 @@ def test_pipeline_peak_memory_matches_torchs_allocator(precision):
     benchmark's GPT was predicted at 30.9 MB on its first 1F1B stage, which allocated
     37.8 MB."""
     from flexsearch.cost.calibration import load_calibration_file
+    from flexsearch.emit.staged import receive_buffers
     from flexsearch.sim.accounting import peak_bytes
 
     model, x = load(FAMILIES["gpt"])
@@ -316,8 +330,11 @@ def test_pipeline_peak_memory_matches_torchs_allocator(precision):
     misses = []
     for i, plan in enumerate(plans):
         for rank in range(2):
-            want, (peak, recv) = predicted[i][rank], got[rank][i]
+            want, (peak, recv, counts) = predicted[i][rank], got[rank][i]
             have = peak - recv
+            for stage, first, last, acts, grads in counts:  # the emitter's bounded receive buffers
+                a, b = receive_buffers(plan.schedule, stage, len(plan.stages), plan.microbatches)
+                assert (acts, grads) == (0 if first else a, 0 if last else b), (plan.schedule, stage, acts, grads)
             print(f"{plan.schedule} m{plan.microbatches} rank {rank}: model {want / 1e6:.2f} MB, "
                   f"allocator {peak / 1e6:.2f} MB less receive buffers {recv / 1e6:.2f} MB ({want / have - 1:+.1%})")
             bound = PIPELINE_MISSES.get((precision, plan.schedule, rank), ACTIVATION_RTOL)

@@ -37,12 +37,16 @@ The simulation has three parts, each a function over the same inputs:
   gradients and stashed microbatches at once after its first backward,
   :func:`held_with_gradients`), summed into
   :func:`flexsearch.sim.accounting.peak_bytes`; PipeDream adds one weight version per
-  extra minibatch in flight, ``P (q - 1)``, as a buffer. Not counted: torch 2.13's
-  ``PipelineStage`` (what the emitter runs) allocates a receive buffer per microbatch, for
-  the activation a stage receives and for its output's gradient, and keeps them, ``m``
-  of each: memory linear in the replica's batch. Counted, they made every layout of GPT-3
-  175B on 1024 H100s and of Megatron's 1T row overflow 80 GB; the emitter, not the model,
-  should change (one buffer per microbatch in flight).
+  extra minibatch in flight, ``P (q - 1)``, as a buffer. Not counted: the stages' receive
+  buffers, for the activation a stage receives and for its output's gradient. torch 2.13's
+  ``PipelineStage`` makes one per microbatch each way and keeps them, memory linear in the
+  replica's batch (counted so, they made every layout of GPT-3 175B on 1024 H100s and of
+  Megatron's 1T row overflow 80 GB); the emitter keeps only those a microbatch in flight
+  may still need (:class:`flexsearch.emit.staged.ReusedBuffersStage`: under 1F1B the
+  stage's warm-up count of activations and one gradient; under GPipe every microbatch's
+  activation and one gradient; interleaved, torch's one per microbatch), a received
+  activation being what a checkpointed stage keeps of the microbatch (``A``). On the
+  zoo's tiny GPT they are 0.02-0.59 MB of a 2-4 MB peak (``tests/test_memory_tracker.py``).
 
 The iteration time of a **synchronous schedule** (``gpipe``, ``1f1b``,
 ``interleaved``: every replica runs the whole schedule on its share of the batch) is

@@ -313,6 +313,7 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
     # memory comes back with the next checkpointing mode that the partitioner fits
     queue = [(e[0], SAVINGS.index((e[7], e[9])), i, e) for i, e in enumerate(estimates)]
     heapq.heapify(queue)
+
     def simulated(bounds, t: int, p: int, d: int, m: int, schedule: str, v: int, recompute: str,
                   shard: str) -> PipelineResult:
         costs, local = costs_for(d * m, t)
@@ -355,6 +356,7 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
         results.append(simulated(bounds, t, p, d, m, schedule, v, recompute, shard))
     if not results and skipped is not None:  # none fits: the first, for what it needs
         results.append(simulated(*skipped))
+
     def shape(r: PipelineResult) -> tuple:
         return r.tensor, len(r.stages), r.replicas, r.microbatches, r.schedule, r.chunks, r.recompute, r.shard
 

@@ -11,6 +11,13 @@
    two are measured back to back in the same process, ``--rounds`` times interleaved;
    the figures are the medians over the rounds. Target ([v2 4/6]): delta / full >= 10.
 
+   And MCMC iterations per second on the same graph and cluster, from the baselines'
+   seeds, ``--mcmc-iters`` iterations (seeded) with one fragment kept per node against
+   :data:`flexsearch.sim.simulator.FRAGMENTS_KEPT` (a rejected step returns to the
+   configuration before it): ``mcmc_rebuilt_one=``, ``mcmc_rebuilt_kept=`` (fragments
+   built per iteration) and ``mcmc_kept_speedup=`` (iterations per second, kept over
+   one; the two chains are checked to end on the same plan).
+
 2. Time to converge of the search on GPT-2 XL over 8 and 64 x ``dgx-h100``: the
    planner's stages run directly (as ``plan_graph`` runs them: baselines, the ILP seed
    with its time limit ``min(10 s, budget / 4)``, then MCMC seeded with both for the rest
@@ -36,7 +43,8 @@
     python benchmarks/search_speed.py                # full: budgets 60 s and 150 s, every plan_time case
     python benchmarks/search_speed.py --quick        # budgets 2 s and 3 s, one round (a smoke run)
 
-Last line: ``full_sims_per_s=... delta_sims_per_s=... delta_over_full=... converge_xl8_s=...
+Last line: ``full_sims_per_s=... delta_sims_per_s=... delta_over_full=... mcmc_rebuilt_one=...
+mcmc_rebuilt_kept=... mcmc_kept_speedup=... converge_xl8_s=...
 converge_xl64_s=...`` (plus tracing, seeding and speedup-over-data figures) and the
 plan times of part 3.
 """
@@ -110,6 +118,31 @@ def sim_rates(
             n += 1
         delta.append(n / (time.perf_counter() - t0))
     return full, delta
+
+
+def mcmc_rates(graph, cluster: Cluster, iters: int, seed: int = 0) -> dict[str, float]:
+    """MCMC with one fragment kept per node, then with ``FRAGMENTS_KEPT`` (module
+    docstring): fragments built per iteration and iterations per second of each."""
+    import flexsearch.sim.simulator as simulator
+
+    space = Space(graph, cluster.devices)
+    kept = simulator.FRAGMENTS_KEPT
+    out, best = {}, {}
+    try:
+        for name, keep in (("one", 1), ("kept", kept)):
+            simulator.FRAGMENTS_KEPT = keep
+            sim = Simulator(graph, CostContext(cluster))
+            seeds = [b.decisions for b in run_baselines(space, sim, cluster.devices_per_node).values()]
+            before, t0 = sim.rebuilt, time.perf_counter()
+            r = mcmc(space, sim, seeds, max_iters=iters, seed=seed, early_stop=False)
+            out[name] = (r.iterations / (time.perf_counter() - t0), (sim.rebuilt - before) / r.iterations)
+            best[name] = (r.decisions, r.simulation.iteration_time_s if r.simulation else None)
+    finally:
+        simulator.FRAGMENTS_KEPT = kept
+    if best["one"] != best["kept"]:
+        raise AssertionError("keeping fragments changed the MCMC's result")
+    return {"mcmc_rebuilt_one": out["one"][1], "mcmc_rebuilt_kept": out["kept"][1],
+            "mcmc_kept_speedup": out["kept"][0] / out["one"][0]}
 
 
 # ------------------------------------------------------------------ 2. convergence
@@ -198,6 +231,7 @@ def main() -> None:
         "--per-device-batch", type=int, default=4, help="GPT-2 XL samples per device; 0: zoo batch"
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mcmc-iters", type=int, help="MCMC iterations per chain of part 1 (default 400, quick 60)")
     args = ap.parse_args()
     q = args.quick
     rounds = args.rounds or (1 if q else 5)
@@ -220,6 +254,10 @@ def main() -> None:
         f"delta_sims_per_s={d:.1f}",
         f"delta_over_full={d / f:.2f}",
     ]
+    kept = mcmc_rates(graph, cluster, args.mcmc_iters or (60 if q else 400), args.seed)
+    print(f"  MCMC fragments built per iteration: {kept['mcmc_rebuilt_one']:.1f} with one kept per node, "
+          f"{kept['mcmc_rebuilt_kept']:.1f} with more; iterations/s {kept['mcmc_kept_speedup']:.2f}x")
+    figures += [f"{k}={v:.2f}" for k, v in kept.items()]
 
     for n, target in ((8, 30),) if q else ((8, 30), (64, 120)):  # quick: a smoke run, 8 devices only
         batch = args.per_device_batch * n or get("gpt2_xl").batch

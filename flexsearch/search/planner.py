@@ -70,6 +70,7 @@ from flexsearch.search.pipeline import (
     search_pipelines,
     tensor_degrees,
 )
+from flexsearch.search.reasons import no_plan_reason, zero1_note
 from flexsearch.search.results import graph_inputs, plan_from, predicted
 from flexsearch.search.variants import fitting_variant, shardings, splits
 from flexsearch.search.workers import pool as worker_pool
@@ -485,7 +486,7 @@ def plan_synchronous(
         if oplevel is None and pipe is None:
             if set(kinds) >= {"data", "soap", "pipeline", "hybrid"}:
                 raise _infeasible(base, cluster)
-            raise PlanKindError(_no_plan_reason(kinds, base, pipes, cluster))
+            raise PlanKindError(no_plan_reason(kinds, base, pipes, cluster))
         baselines = {k: b.simulation.iteration_time_s for k, b in base.items() if b.simulation.feasible}
         infeasible = [k for k, b in base.items() if not b.simulation.feasible]
         if dream is not None:
@@ -506,7 +507,7 @@ def plan_synchronous(
             plan = plan_from(graph, cluster, pipe.strategy, pipe.simulation, baselines=baselines,
                              configs=pipe.configs, **common)
             if pipe.shard == "zero1":
-                notes.append(_zero1_note(pipe, pipes))
+                notes.append(zero1_note(pipe, pipes))
             if notes:
                 plan = plan.model_copy(update={"notes": (*plan.notes, *notes)})
             return plan.with_search_time(time.perf_counter() - t0)
@@ -566,47 +567,6 @@ def ilp_seed(space: Space, ctx: CostContext, optimizer: str, limit_s: float, see
         dec, res = AssignmentBuilder(space, ctx, optimizer).solve(time_limit_s=limit_s, seed=seed,
                                                                   deterministic=deterministic)
     return dec, res.status
-
-
-def _zero1_note(pipe: PipelineResult, pipes: list[PipelineResult]) -> str:
-    """Why a pipeline plan shards its optimizer state: its layout replicated, as simulated
-    (slower, or over memory), or not simulated (over memory by the simulation's model)."""
-    twin = next((r for r in pipes if r.shard == "none" and (r.stages, r.schedule, r.microbatches, r.recompute)
-                 == (pipe.stages, pipe.schedule, pipe.microbatches, pipe.recompute)), None)
-    if twin is None:
-        why = ("the same layout with it replicated not simulated (over memory by the simulation's model, "
-               "or past the budget)")
-    elif not twin.simulation.feasible:
-        why = (f"the same layout with it replicated needs {twin.simulation.peak_memory_bytes / 2**30:.1f} GiB per "
-               "device")
-    else:
-        why = f"the same layout with it replicated: {twin.simulation.iteration_time_s * 1e3:.3f} ms"
-    return (f"sharding zero1: the optimizer state sharded over each stage's {pipe.replicas} replicas "
-            f"(build the optimizer with flexsearch.make_optimizer); {why}")
-
-
-def _no_plan_reason(kinds: Sequence[str], base: dict[str, BaselineRun], pipes: list[PipelineResult],
-                    cluster: Cluster) -> str:
-    """One line: why no plan of ``kinds`` exists here."""
-    what = "/".join(kinds)
-    if {"pipeline", "hybrid"} & set(kinds):
-        if pipes:
-            lean = min(pipes, key=lambda r: r.simulation.peak_memory_bytes).simulation
-            return (f"no {what} plan fits in {lean.capacity_bytes / 2**30:.1f} GiB per device on {cluster.devices} "
-                    f"devices (the leanest layout needs {lean.peak_memory_bytes / 2**30:.1f} GiB); "
-                    "use more devices or a smaller batch")
-        if "hybrid" in kinds and "pipeline" not in kinds:
-            return (f"no hybrid plan: tensor parallelism inside a stage needs a transformer (attention or "
-                    f"Linear blocks) and a tensor degree within a node that divides {cluster.devices} devices")
-        return (f"no {what} plan: no layout of at least 2 stages x replicas x tensor degree makes "
-                f"{cluster.devices} devices with the batch splitting over replicas and microbatches; "
-                "change --devices or the batch")
-    if "soap" in kinds:
-        return ("no soap plan other than data parallelism fits: every op's other configurations do not fit in "
-                "memory or do not exist on this device count; use --kind data")
-    lean = base["data"].simulation if "data" in base else None
-    need = f" (it needs {lean.peak_memory_bytes / 2**30:.1f} GiB per device)" if lean is not None else ""
-    return f"no {what} plan fits in memory on {cluster.devices} x {cluster.device.name}{need}; use more devices"
 
 
 __all__ = ["DEFAULT_KINDS", "DEFAULT_MAX_ITERS", "plan_graph", "graph_inputs", "predicted"]

@@ -85,7 +85,7 @@ from flexsearch.sim.accounting import (
     stage_largest,
     update_s,
 )
-from flexsearch.sim.context import CostContext
+from flexsearch.sim.context import CostContext, collective_task
 from flexsearch.sim.result import Simulation
 from flexsearch.sim.tasks import Task, busy_compute, run_tasks
 from flexsearch.strategy.schedules import Action, in_flight, rank_actions, warmup_then_alternate
@@ -444,13 +444,12 @@ def _zero1_gathers(ctx: CostContext, layout: PipelineLayout, held: Sequence[floa
             if len(group) < 2 or nbytes <= 0:
                 continue
             deps = tuple(dict.fromkeys(Updated(mirrored[d] if mirrored is not None else d) for d in group))
-            cost = ctx.collective("all_gather", group, nbytes)
-            dur = cost.time_s
+            t = collective_task(ctx, "all_gather", group, nbytes, "zero1 params", deps, (Gathered(r, q),),
+                                f"ZeRO-1 parameters of pipeline rank {r}")
             if cal is not None and cal.zero1_per_tensor_s is not None:  # the optimizer's bookkeeping per tensor
-                dur += cal.zero1_per_tensor_s.value * tensors[group[0]] + cal.step("zero1")
-            res = tuple(sorted({ctx.links[link.id] for link, _ in cost.loads} | set(ctx.device_resources(group))))
-            out.append(Task("coll", "zero1 params", dur, res, deps, (Gathered(r, q),), nbytes,
-                            f"ZeRO-1 parameters of pipeline rank {r} all_gather/{cost.algorithm}"))
+                t = replace(t, duration=t.duration + cal.zero1_per_tensor_s.value * tensors[group[0]]
+                            + cal.step("zero1"))
+            out.append(t)
     return out
 
 
@@ -481,9 +480,11 @@ def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: Pipeli
     loss = [0.0] * devices  # one microbatch's loss at a time
     grads = [0.0] * devices  # one microbatch's backward at a time
     held = [0.0] * devices
+    shards = [1] * devices  # ZeRO-1: the optimizer state over the rank's replicas
     for (r, i), (flight, h) in by_lane.items():
         for d in layout.ranks[r][i]:
             held[d] += h
+            shards[d] = layout.shards(r)
         for s, q in flight.items():
             c_s = costs[s]
             for d in layout.ranks[r][i]:
@@ -495,11 +496,6 @@ def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: Pipeli
                 largest[d] = max(largest[d], stage_largest(c_s.largest_param_bytes, c_s.param_bytes))
                 if layout.asynchronous:
                     buffers[d] += c_s.param_bytes * (q - 1)
-    shards = [1] * devices  # ZeRO-1: the optimizer state over the rank's replicas
-    for r, reps in enumerate(layout.ranks):
-        for rep in reps:
-            for d in rep:
-                shards[d] = layout.shards(r)
     return [replace(DeviceMemory.replicated(params[d], acts[d], optimizer, largest=largest[d], buffers=buffers[d],
                                             loss_grad=loss[d]),
                     optimizer=OPTIMIZER_STATE[optimizer] * params[d] / shards[d],

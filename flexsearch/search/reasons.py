@@ -1,0 +1,55 @@
+"""The planner's one-line explanations: why a pipeline plan shards its optimizer state
+(a note in the plan), and why no plan of the asked kinds exists (the message of
+:class:`~flexsearch.errors.PlanKindError`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from flexsearch.cost.hardware import Cluster
+from flexsearch.search.pipeline import PipelineResult
+
+if TYPE_CHECKING:
+    from flexsearch.search.planner import BaselineRun
+
+
+def zero1_note(pipe: PipelineResult, pipes: list[PipelineResult]) -> str:
+    """Why a pipeline plan shards its optimizer state: its layout replicated, as simulated
+    (slower, or over memory), or not simulated (over memory by the simulation's model)."""
+    twin = next((r for r in pipes if r.shard == "none" and (r.stages, r.schedule, r.microbatches, r.recompute)
+                 == (pipe.stages, pipe.schedule, pipe.microbatches, pipe.recompute)), None)
+    if twin is None:
+        why = ("the same layout with it replicated not simulated (over memory by the simulation's model, "
+               "or past the budget)")
+    elif not twin.simulation.feasible:
+        why = (f"the same layout with it replicated needs {twin.simulation.peak_memory_bytes / 2**30:.1f} GiB per "
+               "device")
+    else:
+        why = f"the same layout with it replicated: {twin.simulation.iteration_time_s * 1e3:.3f} ms"
+    return (f"sharding zero1: the optimizer state sharded over each stage's {pipe.replicas} replicas "
+            f"(build the optimizer with flexsearch.make_optimizer); {why}")
+
+
+def no_plan_reason(kinds: Sequence[str], base: dict[str, BaselineRun], pipes: list[PipelineResult],
+                   cluster: Cluster) -> str:
+    """One line: why no plan of ``kinds`` exists here."""
+    what = "/".join(kinds)
+    if {"pipeline", "hybrid"} & set(kinds):
+        if pipes:
+            lean = min(pipes, key=lambda r: r.simulation.peak_memory_bytes).simulation
+            return (f"no {what} plan fits in {lean.capacity_bytes / 2**30:.1f} GiB per device on {cluster.devices} "
+                    f"devices (the leanest layout needs {lean.peak_memory_bytes / 2**30:.1f} GiB); "
+                    "use more devices or a smaller batch")
+        if "hybrid" in kinds and "pipeline" not in kinds:
+            return (f"no hybrid plan: tensor parallelism inside a stage needs a transformer (attention or "
+                    f"Linear blocks) and a tensor degree within a node that divides {cluster.devices} devices")
+        return (f"no {what} plan: no layout of at least 2 stages x replicas x tensor degree makes "
+                f"{cluster.devices} devices with the batch splitting over replicas and microbatches; "
+                "change --devices or the batch")
+    if "soap" in kinds:
+        return ("no soap plan other than data parallelism fits: every op's other configurations do not fit in "
+                "memory or do not exist on this device count; use --kind data")
+    lean = base["data"].simulation if "data" in base else None
+    need = f" (it needs {lean.peak_memory_bytes / 2**30:.1f} GiB per device)" if lean is not None else ""
+    return f"no {what} plan fits in memory on {cluster.devices} x {cluster.device.name}{need}; use more devices"

@@ -269,3 +269,75 @@ def test_the_readme_hugging_face_model_file_traces_with_its_own_loss():
     g = trace(model, inputs)
     assert g.via == "export" and g.input_names == ("", "labels")
     assert any("cross_entropy" in n.target for n in g.nodes)
+
+
+# ------------------------------------------ Megatron's layout and the collectives it runs
+
+
+def test_megatron_layout_follows_the_data_flow(graphs):
+    """Separate q, k, v projections (Llama, with grouped k/v heads) are all
+    column-parallel, the output projection row-parallel; gate and up column, down row."""
+    from flexsearch.strategy.recipes import megatron
+
+    g = _graph(graphs, "llama")[2]
+    space = Space(g, 4)
+    dec = megatron(space, 2)
+    attn = next(b for b in g.blocks if b.module_type.endswith("LlamaAttention")).instances[0]
+    mlp = next(b for b in g.blocks if b.module_type.endswith("LlamaMLP")).instances[0]
+    kinds = [dec[nm].kind for nm in (*attn, *mlp) if g.node(nm).kind == "linear"]
+    assert kinds == ["p", "p", "p", "r", "p", "p", "r"]
+
+
+def comm_job(rank: int, world: int, name: str, plan) -> list[tuple[int, ...]]:
+    """The shapes of the tensors the emitted module's backward all-reduces."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class AllReduces(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented  # DTensor first: its collectives come back here
+            if func is torch.ops._c10d_functional.all_reduce.default:
+                self.shapes.append(tuple(args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    module = flexsearch.parallelize(build(name)[0], plan)
+    out = _main(module(*build(name)[1]))
+    with AllReduces() as seen:
+        out.float().pow(2).mean().backward()
+    return seen.shapes
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_simulated_input_gradient_all_reduces_are_the_emitted_modules(graphs, name):
+    """Megatron's layout on 2 ranks: the activation-gradient all-reduces the emitted
+    module's backward runs are the simulation's input-gradient reductions, one per
+    producer for all its readers (Llama: 5 where one per reader and per rotary input
+    would be 21); token ids, masks and rotary tables get no gradient (GPT-2: 4, not 7).
+    Parameter-gradient all-reduces (1-D: RMSNorm's weight, whose gradient Llama's
+    decomposed norm computes from the partial sums) are left out."""
+    from flexsearch.precision import precision
+    from flexsearch.search.results import plan_from
+    from flexsearch.sim.context import CostContext
+    from flexsearch.sim.predict import predict
+    from flexsearch.sim.simulator import Simulator
+    from flexsearch.sim.taskgraph import merged_reductions
+    from flexsearch.strategy.kinds import Soap
+    from flexsearch.strategy.recipes import megatron
+
+    g = _graph(graphs, name)[2]
+    cluster = Cluster.resolve("cpu", 2)
+    space = Space(g, 2)
+    dec = megatron(space, 2)
+    configs = space.expand(dec)
+    ctx = CostContext(cluster, precision=precision(g.precision))
+    frags = [Simulator(g, ctx).fragment(n.name, configs) for n in g.nodes]
+    simulated = sum(len(r) for r in merged_reductions(frags))
+    strategy = Soap(configs, dec)
+    plan = plan_from(g, cluster, strategy, predict(g, strategy, ctx), baselines={}, lower_bound_s=0.0)
+    shapes = run_ranks(comm_job, 2, name, plan)[0]
+    assert len([s for s in shapes if len(s) > 1]) == simulated == {"llama": 5, "gpt2": 4}[name]

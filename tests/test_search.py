@@ -307,6 +307,10 @@ def test_megatron_on_gpt_tiny(t):
     assert dec["h_0_ln_1"] == Config(s, "x", t)
     linears = [u.name for u in space.units if g.node(u.name).kind == "linear"]
     assert {dec[nm].kind for nm in linears} == {"p", "r"}
+    # column or row by the Linears on the data flow before each (separate q, k and v
+    # projections: tests/test_hf.py)
+    assert baselines.linear_depths(g) == {"h_0_attn_c_attn": 0, "h_0_attn_c_proj": 1, "h_0_mlp_c_fc": 2,
+                                          "h_0_mlp_c_proj": 3}
     assert all(c.n == 4 for c in dec.values())
     # the expansion carries the block decisions to both blocks
     out = space.expand(dec)

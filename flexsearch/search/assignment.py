@@ -27,7 +27,7 @@ from collections import defaultdict
 from flexsearch.search.ilp import AssignmentProblem, AssignmentResult, solve_assignment
 from flexsearch.sim.accounting import param_copies
 from flexsearch.sim.context import CostContext
-from flexsearch.sim.taskgraph import Fragment, edge_tasks, node_tasks
+from flexsearch.sim.taskgraph import Fragment, edge_tasks, node_tasks, without_gradient
 from flexsearch.sim.tasks import Task
 from flexsearch.strategy.config import Config, follow, is_source
 from flexsearch.strategy.space import Space
@@ -72,6 +72,7 @@ class AssignmentBuilder:
             if n.name in self.owner:
                 self.owned[self.owner[n.name]].append(n.name)
         self._edge_memo: dict[tuple, float] = {}
+        self._no_grad = without_gradient(g.nodes)
 
     def configs(self, u: int, a: Config) -> dict[str, Config]:
         """Configurations of every node unit ``u`` owns when it takes ``a``."""
@@ -88,12 +89,14 @@ class AssignmentBuilder:
     def _edge(self, x: str, k: int, cx: Config, y: str, cy: Config) -> float:
         g = self.space.graph
         xn, yn = g.node(x), g.node(y)
+        gradient = y not in self._no_grad
         key = (xn.signature, xn.outputs[0].shape, xn.kind, k, cx, yn.signature,
-               yn.outputs[0].shape, yn.kind, cy)
+               yn.outputs[0].shape, yn.kind, cy, gradient)
         hit = self._edge_memo.get(key)
         if hit is None:
-            fwd, bwd, _ = edge_tasks(xn, cx, k, yn, cy, self.ctx, Fragment())
-            hit = self._edge_memo[key] = _alone(fwd) + _alone(bwd)
+            frag = Fragment()
+            fwd, bwd, _ = edge_tasks(xn, cx, k, yn, cy, self.ctx, frag, gradient=gradient)
+            hit = self._edge_memo[key] = _alone(fwd) + _alone(bwd + frag.reductions)  # each edge's, unmerged
         return hit
 
     def problem(self) -> AssignmentProblem:

@@ -69,6 +69,8 @@ from flexsearch.sim.taskgraph import (
     kept_bytes,
     loss_held_bytes,
     loss_operands,
+    merged_reductions,
+    without_gradient,
 )
 from flexsearch.sim.tasks import Scheduled, Task, run_tasks
 from flexsearch.strategy.config import Config, is_source
@@ -100,6 +102,7 @@ class Simulator:
         self.rebuilt = 0  # fragments built so far (delta simulation statistics)
         self._links = tuple(link.id for link in self.cluster.links)
         self._checkpointing: dict[str, Checkpointing] = {}
+        self._no_grad = without_gradient(graph.nodes)
 
     def fragment(self, name: str, configs: Mapping[str, Config], *, ddp: bool = False,
                  replica: Replica | None = None) -> Fragment:
@@ -117,7 +120,8 @@ class Simulator:
                 kept[sig] = kept.pop(sig)
             return frag
         producers = [(self.graph.node(i), configs[i]) for i in node.inputs]
-        frag = build_fragment(node, configs[name], producers, self.ctx.as_ddp() if ddp else self.ctx, replica)
+        frag = build_fragment(node, configs[name], producers, self.ctx.as_ddp() if ddp else self.ctx, replica,
+                              self._no_grad)
         if len(kept) >= FRAGMENTS_KEPT:
             del kept[next(iter(kept))]  # the least recently used
         kept[sig] = frag
@@ -192,8 +196,10 @@ class Simulator:
         for f in frags:
             ordered.extend(f.forward)
         buckets = self._buckets(frags) if ddp else {}
+        reductions = merged_reductions(frags)
         for i in reversed(range(len(frags))):
             ordered.extend(frags[i].backward)
+            ordered.extend(reductions[i])
             if i in buckets:
                 ordered.append(buckets[i])
         return self._schedule(frags, ordered, timeline, ddp, list(buckets.values()), configs=configs,
@@ -312,15 +318,18 @@ class Simulator:
             ordered.extend(waiting(f.forward, "ag", u))
         gathered.clear()
         reduced: list[Task] = []
+        partial = merged_reductions(frags)
         for i in reversed(range(len(frags))):
             u = unit_of.get(i)
             if u is None:
                 ordered.extend(frags[i].backward)
+                ordered.extend(partial[i])  # none on data-parallel configurations
                 continue
             if reshard and u not in gathered:
                 gathered.add(u)
                 ordered.extend(gathers(u, "agb"))
             ordered.extend(waiting(frags[i].backward, "agb" if reshard else "ag", u))
+            ordered.extend(partial[i])
             if i == units[u][0]:
                 scattered = []
                 for k, members in enumerate(groups):

@@ -43,6 +43,7 @@ from flexsearch.sim.taskgraph import (
     grad_bytes,
     loss_held_bytes,
     loss_operands,
+    merged_reductions,
 )
 from flexsearch.strategy.config import Config
 from flexsearch.strategy.recipes import stage_configs
@@ -87,20 +88,32 @@ def _span(tasks) -> float:
 
 def node_costs(graph: OpGraph, configs: Mapping[str, Config], ctx: CostContext) -> dict[str, NodeCost]:
     """Each node's :class:`NodeCost` under ``configs`` on ``ctx``'s cluster (device 0's
-    share). Identical layers (same signature, configuration and producers) are costed
-    once."""
+    share). Identical layers (same signature, configuration, producers and the earlier
+    readers of those) are costed once. A node's backward includes the all-reduces of
+    its inputs' partial-sum gradients unless an earlier reader of the same input runs
+    the same one (:func:`~flexsearch.sim.taskgraph.merged_reductions`: one for all the
+    readers that hold identical partial sums)."""
     sim = Simulator(graph, ctx)
     memo: dict[tuple, NodeCost] = {}
     out: dict[str, NodeCost] = {}
     returned = set(loss_operands(graph))
+    index = {n.name: i for i, n in enumerate(graph.nodes)}
+    readers: dict[str, list[str]] = {}
     for node in graph.nodes:
+        for i in dict.fromkeys(node.inputs):
+            readers.setdefault(i, []).append(node.name)
+    for node in graph.nodes:
+        before = tuple(tuple((graph.node(r).signature or r, configs[r]) for r in readers[i]
+                             if index[r] < index[node.name]) for i in node.inputs)
         key = (node.signature or node.name, node.kind, node.outputs, configs[node.name], node.name in returned,
-               tuple((graph.node(i).signature or i, graph.node(i).outputs, configs[i]) for i in node.inputs))
+               tuple((graph.node(i).signature or i, graph.node(i).outputs, configs[i]) for i in node.inputs), before)
         hit = memo.get(key)
         if hit is None:
             frag = sim.fragment(node.name, configs)
             fw = frag.forward
-            bw = [t for t in frag.backward if not any(k[0] == "s" for k in t.defines)]
+            earlier = [sim.fragment(r, configs) for i in node.inputs for r in readers[i] if index[r] < index[node.name]]
+            mine = merged_reductions([*earlier, frag])[-1]  # those an earlier reader does not run for it
+            bw = [t for t in frag.backward if not any(k[0] == "s" for k in t.defines)] + mine
             split = activation_split(configs[node.name])
             share, grad = node.output_bytes / split, grad_bytes(node) / split
             hit = memo[key] = NodeCost(_span(fw), _span(bw), frag.params.get(0, 0.0), frag.activations.get(0, 0.0),

@@ -15,7 +15,10 @@ Per node ``n`` with configuration ``c`` (:class:`~flexsearch.strategy.config.Con
   the holders). Backward mirrors it: a tile held once gets its gradient pieces sent
   back by every remote reader (the holder sums them); a tile replicated on several
   devices gets an all-gather (readers took disjoint pieces) or an all-reduce (they
-  overlap) among holders and readers;
+  overlap) among holders and readers. The all-reduces of partial sums that several
+  readers of one tensor hold alike are one (:func:`merged_reductions`, as DTensor's
+  autograd runs them), and an integer or boolean input (token ids, masks) has no
+  gradient;
 - a reduce split leaves partial sums: an **all-reduce** of the output over each group
   of ``t`` partitions follows the forward;
 - **gradient synchronisation**: an all-reduce of the node's (owned) parameter
@@ -115,6 +118,10 @@ class Fragment:
     sync: list[tuple[int, Key]] = field(default_factory=list)  # (device, task key) before update
     cast: dict[int, float] = field(default_factory=dict)  # device -> autocast's low-precision weight copies
     grads: dict[int, float] = field(default_factory=dict)  # device -> its output share's gradient buffer
+    reductions: list[Task] = field(default_factory=list)  # input gradients' partial-sum all-reduces
+    """The all-reduces that make an input's gradient whole from this node's partial sums,
+    kept apart from ``backward``: the consumers of one producer add their partial sums
+    first and reduce once (:func:`merged_reductions`)."""
 
 
 _COPYING_VIEWS = frozenset({"Tensor.repeat", "Tensor.contiguous", "torch.repeat_interleave",
@@ -344,7 +351,7 @@ def move_cost(ctx: CostContext, src: Sequence[int], members: Sequence[int], nbyt
 
 def _mesh_move(
     node: OpNode, c: Config, k: int, p: OpNode, pc: Config, ctx: CostContext, frag: Fragment,
-    replica: Replica | None = None,
+    replica: Replica | None = None, gradient: bool = True,
 ) -> tuple[list[Task], list[Task], dict[int, list[Key]]]:
     """Edge ``p -> node`` between ops on different device blocks as the SOAP emitter runs
     it (calibrated simulations): the producer's output gathered on its block (an
@@ -370,25 +377,26 @@ def _mesh_move(
     for d in mine:
         frag.activations[d] = frag.activations.get(d, 0.0) + nbytes
     backward = kept(replica, move(tuple(("b", n, d) for d in dst), tuple(("G", p.name, h) for h in src),
-                                   f"grad {n}->{p.name}"), members)
+                                   f"grad {n}->{p.name}"), members) if gradient else []
     return forward, backward, needs
 
 
 def edge_tasks(
     node: OpNode, c: Config, k: int, p: OpNode, pc: Config, ctx: CostContext, frag: Fragment,
-    replica: Replica | None = None,
+    replica: Replica | None = None, gradient: bool = True,
 ) -> tuple[list[Task], list[Task], dict[int, list[Key]]]:
     """The tasks of edge ``p -> node`` (input ``k``): forward transfers, backward
-    gradient tasks, and per device of ``node`` the keys its forward waits for. Local
-    gradient contributions and received bytes are recorded on ``frag``. ``replica``:
-    the first replica's tasks only (module docstring)."""
+    gradient tasks (none when ``p``'s output carries no ``gradient``), and per device of
+    ``node`` the keys its forward waits for. Local gradient contributions, partial-sum
+    reductions and received bytes are recorded on ``frag``. ``replica``: the first
+    replica's tasks only (module docstring)."""
     forward: list[Task] = []
     backward: list[Task] = []
     needs: dict[int, list[Key]] = {}
     if is_source(p):
         return forward, backward, needs
     if soap_runtime(ctx) and (pc.first, pc.s, pc.t) != (c.first, c.s, c.t):
-        return _mesh_move(node, c, k, p, pc, ctx, frag, replica)
+        return _mesh_move(node, c, k, p, pc, ctx, frag, replica, gradient)
     geo = geometry(ctx, node, c, k, p, pc)
     n = node.name
     esize = dtype_size(p.outputs[0].dtype)
@@ -406,6 +414,8 @@ def edge_tasks(
             forward += sent
             needs.setdefault(d, []).append(key)
             frag.activations[d] = frag.activations.get(d, 0.0) + nbytes
+    if not gradient:  # p's output carries none (without_gradient)
+        return forward, backward, needs
     for d, h in geo.grad_local:
         if d < width:
             frag.grad_local.append((d, ("G", p.name, h)))
@@ -413,10 +423,44 @@ def edge_tasks(
         backward += kept(replica, transfer_task(ctx, d, h, vol * esize, n, (("b", n, d),),
                                                  (("G", p.name, h),), f"grad {n}->{p.name}"), (d, h))
     for op, group, vol, rdev, holders in geo.grad_collectives:
-        backward += kept(replica, collective_task(
+        tasks = kept(replica, collective_task(
             ctx, op, list(group), vol * esize, n, tuple(("b", n, d) for d in rdev),
             tuple(("G", p.name, h) for h in holders), f"grad {n}->{p.name}"), group)
+        if op == "all_reduce":  # partial sums (the consumer read the input whole): merged across consumers
+            frag.reductions += tasks
+        else:
+            backward += tasks
     return forward, backward, needs
+
+
+def differentiable(dtype: str) -> bool:
+    """Whether autograd carries a gradient for a tensor of ``dtype`` (floating point)."""
+    return dtype.startswith(("float", "bfloat", "complex"))
+
+
+def merged_reductions(frags: Sequence[Fragment]) -> list[list[Task]]:
+    """Per fragment (graph order), the input-gradient all-reduces to run after its
+    backward. Consumers that read one producer's output whole on the same group (q, k
+    and v projections of one normalised input, Llama's gate and up projections) each
+    hold a partial sum of its gradient; DTensor's autograd adds them as ``Partial``
+    tensors and all-reduces once, when the producer's backward needs the gradient whole
+    (seen with ``CommDebugMode`` on the emitted module: one ``all_reduce`` for three
+    projections). So identical reductions (the same gradient keys, devices and bytes)
+    are one task, waiting for every consumer's backward, run after the backward of the
+    first consumer in graph order (the last to run its backward)."""
+    out: list[list[Task]] = [[] for _ in frags]
+    seen: dict[tuple, tuple[int, int]] = {}  # reduction -> (fragment, position in its list)
+    for i in reversed(range(len(frags))):  # the later consumers first: their backward runs first
+        for t in frags[i].reductions:
+            key = (t.defines, t.resources, t.nbytes)
+            hit = seen.pop(key, None)
+            if hit is not None:
+                j, pos = hit
+                t = replace(t, deps=out[j][pos].deps + t.deps)
+                out[j][pos] = None  # moved to this (earlier) consumer
+            seen[key] = (i, len(out[i]))
+            out[i].append(t)
+    return [[t for t in ts if t is not None] for ts in out]
 
 
 def output_gather(producers: list[tuple[OpNode, Config]], ctx: CostContext, frag: Fragment,
@@ -462,16 +506,34 @@ def output_gather(producers: list[tuple[OpNode, Config]], ctx: CostContext, frag
     return frag
 
 
+def without_gradient(nodes: Sequence[OpNode]) -> frozenset[str]:
+    """The ops (in topological order) whose output autograd gives no gradient: not
+    floating point (token ids, boolean masks), or computed from no parameter (model
+    inputs, buffers and constants only: Llama's rotary cos and sin, a mask built from
+    the input). Their readers send no gradient back to them, and they run no backward."""
+    carries: set[str] = set()
+    out: set[str] = set()
+    for n in nodes:
+        if is_source(n):
+            continue
+        if n.outputs and differentiable(n.outputs[0].dtype) and (n.params or any(i in carries for i in n.inputs)):
+            carries.add(n.name)
+        else:
+            out.add(n.name)
+    return frozenset(out)
+
+
 def build_fragment(
     node: OpNode,
     c: Config,
     producers: list[tuple[OpNode, Config]],
     ctx: CostContext,
     replica: Replica | None = None,
+    no_grad: frozenset[str] = frozenset(),
 ) -> Fragment:
     """The fragment of ``node`` under ``c``, given its inputs' nodes and configurations
     (in ``node.inputs`` order); of the first replica only with ``replica`` (module
-    docstring)."""
+    docstring); ``no_grad``: the graph's :func:`without_gradient`."""
     frag = Fragment()
     if node.kind == "output" and soap_runtime(ctx):
         return output_gather(producers, ctx, frag, replica)
@@ -480,13 +542,13 @@ def build_fragment(
     needs: dict[int, list[Key]] = {d: [] for _, _, d in tasks_of(c) if replica is None or d < replica.width}
     grad_edges: list[Task] = []
     for k, (p, pc) in enumerate(producers):
-        fwd, bwd, wait = edge_tasks(node, c, k, p, pc, ctx, frag, replica)
+        fwd, bwd, wait = edge_tasks(node, c, k, p, pc, ctx, frag, replica, gradient=p.name not in no_grad)
         frag.forward += fwd
         grad_edges += bwd
         for d, keys in wait.items():
             needs[d] += keys
-    first = bool(node.param_bytes) and all(is_source(p) for p, _ in producers)
-    node_tasks(node, c, ctx, frag, needs, grad_edges, first, replica)
+    first = bool(node.param_bytes) and all(is_source(p) or p.name in no_grad for p, _ in producers)
+    node_tasks(node, c, ctx, frag, needs, grad_edges, first, replica, backward=node.name not in no_grad)
     return frag
 
 
@@ -499,10 +561,12 @@ def node_tasks(
     grad_edges: list[Task] = (),
     first: bool = False,
     replica: Replica | None = None,
+    backward: bool = True,
 ) -> Fragment:
     """Add the node's own tasks to ``frag``: compute, partial-sum all-reduce, gradient
     synchronisation, and its memory terms (``first``: a first layer, no input gradient;
-    ``replica``: of the first replica only, module docstring)."""
+    ``replica``: of the first replica only, module docstring; ``backward=False``: an op
+    without gradient, :func:`without_gradient`, whose backward task takes no time)."""
     n = node.name
     parts = tasks_of(c)
     copies = 1
@@ -510,8 +574,9 @@ def node_tasks(
         parts = [p for p in parts if p[2] < replica.width]
         copies = replica.copies
     needs = needs or {}
-    cost = ctx.op_cost(node, c, first)
-    fwd_time, bwd_time = cost
+    fwd_time, bwd_time = ctx.op_cost(node, c, first)
+    if not backward:
+        bwd_time = 0.0
     out_bytes = kept_bytes(node) / activation_split(c)
     keeps = out_bytes > 0
     grad = grad_bytes(node) / activation_split(c)

@@ -7,7 +7,9 @@ searched plan.
 - ``megatron`` (models with attention or repeated blocks holding Linears): tensor
   parallel of degree ``t`` inside a node times data parallel ``N / t``. In each block
   the Linears alternate column-parallel (parameter split of the out features) and
-  row-parallel (reduce split of the in features, one all-reduce after), attention is
+  row-parallel (reduce split of the in features, one all-reduce after) along the
+  data flow (:func:`linear_depths`: separate q, k and v projections are all
+  column-parallel, the projection after attention row-parallel), attention is
   split by heads, embeddings vocab-parallel, Linears outside blocks column-parallel,
   everything else replicated on the tensor-parallel group. :func:`megatron` returns
   one strategy per ``t`` in 2, 4, ... up to the devices of a node; the planner keeps
@@ -56,18 +58,34 @@ def is_cnn(space: Space) -> bool:
     return any(n.kind == "conv" for n in space.graph.nodes)
 
 
+def linear_depths(graph: OpGraph) -> dict[str, int]:
+    """Per Linear of a repeated block's first instance, the most Linears on a data-flow
+    path from the block's inputs to it (itself excluded): Megatron's layout splits the
+    Linears at even depth by columns and those at odd depth by rows, so each row-parallel
+    Linear reads a column-parallel one's split output and one all-reduce closes each
+    pair. GPT's ``c_attn`` (or ``q_proj``, ``k_proj``, ``v_proj``, all at depth 0) ->
+    attention -> ``c_proj`` (1) -> residual, norm -> ``c_fc`` (2) -> ``c_proj`` (3);
+    Llama's ``gate_proj`` and ``up_proj`` (2) -> ``down_proj`` (3). Counting Linears in
+    program order instead split ``k_proj`` by rows: an all-reduce more each way per layer."""
+    out: dict[str, int] = {}
+    for b in graph.blocks:
+        depth: dict[str, int] = {}
+        for nm in b.instances[0]:  # program order is a topological order
+            node = graph.node(nm)
+            depth[nm] = max((depth[i] + (graph.node(i).kind == "linear") for i in node.inputs if i in depth),
+                            default=0)
+            if node.kind == "linear":
+                out[nm] = depth[nm]
+    return out
+
+
 def megatron(space: Space, t: int) -> dict[str, Config]:
     """Megatron-style tensor parallel of degree ``t`` times data parallel (docstring)."""
     n = space.devices
     s = n // t
     rep = Config(s, "x", t)
     g = space.graph
-    # column/row alternation by a Linear's order among the Linears of its block
-    order: dict[str, int] = {}
-    for b in g.blocks:
-        linears = [nm for nm in b.instances[0] if g.node(nm).kind == "linear"]
-        for i, nm in enumerate(linears):
-            order[nm] = i
+    order = linear_depths(g)  # column/row alternation along the data flow
     out: dict[str, Config] = {}
     for u in space.units:
         node = g.node(u.name)

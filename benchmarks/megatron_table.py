@@ -32,6 +32,12 @@ fraction of peak each op kind reaches from ``costmodels/efficiency.json`` (cuBLA
 STREAM-like figures, each with its source). A ratio far from 1 is a miss to explain,
 not a constant to move.
 
+``--unfused-attention`` builds the attention as SC21 ran it (2021, before fused
+attention kernels: the ``batch x heads x s x s`` scores written by ``q k^T``, masked,
+softmaxed, dropped out and read by ``@ v``) instead of ``scaled_dot_product_attention``
+(costed as one fused kernel); a diagnostic of how much the table's small rows depend
+on it (the score traffic grows with ``s / h``), not the table.
+
 Rows: the six rows quoted in the issue ([v2 3/6]) are marked ``*``; the other four were
 read from the paper's Table 1 from memory and are marked ``(recalled)``; check them
 against the paper before relying on them.
@@ -40,6 +46,7 @@ against the paper before relying on them.
     python benchmarks/megatron_table.py --no-search     # Megatron's layouts only
     python benchmarks/megatron_table.py --rows 1.7B 18.4B
     python benchmarks/megatron_table.py --quick         # 1.7B and 18.4B, layouts only
+    python benchmarks/megatron_table.py --no-search --unfused-attention
 
 Last line: ``rows=... median_ratio=... min_ratio=... max_ratio=... fits=...
 search_not_worse=...`` (ratio = predicted / measured time per iteration, over the rows
@@ -125,13 +132,14 @@ def _gpt_module():
     return mod
 
 
-def build(row: Row):
+def build(row: Row, fused_attention: bool = True):
     """The zoo's GPT at the row's size (learned positions, tied head, biases: GPT-2's
     layout, as Megatron's GPT; q, k and v projections apart, so that a column split is
-    head-aligned as Megatron's fused per-head QKV is), on meta, with the row's global batch."""
+    head-aligned as Megatron's fused per-head QKV is), on meta, with the row's global
+    batch; ``fused_attention=False``: the attention unfused (``--unfused-attention``)."""
     gpt = _gpt_module()
     cfg = gpt.GPTConfig(vocab_size=V, block_size=S, n_layer=row.layers, n_head=row.heads, n_embd=row.hidden,
-                        fused_qkv=False)
+                        fused_qkv=False, fused_attention=fused_attention)
     return gpt._build(cfg, row.batch, S, meta=True)
 
 
@@ -183,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=None, help="the planner's time budget per row")
     ap.add_argument("--max-iters", type=int, default=None, help="the planner's MCMC steps (default: its own)")
     ap.add_argument("--quick", action="store_true", help=f"rows {', '.join(QUICK)}, layouts only")
+    ap.add_argument("--unfused-attention", action="store_true",
+                    help="attention as SC21 ran it (scores materialised; a diagnostic, not the table)")
     args = ap.parse_args(argv)
     names = QUICK if args.quick else (args.rows or [r.name for r in ROWS])
     search = not (args.no_search or args.quick)
@@ -192,12 +202,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{'ratio':>6} {'mem GB':>7}")
     if search:
         head += f"  {'planner layout':<48} {'pred s':>8} {'speedup':>7} {'search s':>8}"
-    print("Megatron-LM (SC21) Table 1 on dgx-a100, bf16-mixed; measured s/iter from the paper's FLOP/s")
+    print("Megatron-LM (SC21) Table 1 on dgx-a100, bf16-mixed; measured s/iter from the paper's FLOP/s"
+          + ("; attention unfused" if args.unfused_attention else ""))
     print(head)
     ratios, fits, better, searched = [], 0, 0, 0
     for row in rows:
         t0 = time.perf_counter()
-        model, inputs = build(row)
+        model, inputs = build(row, fused_attention=not args.unfused_attention)
         graph = trace(model, inputs, precision="bf16-mixed")
         cluster = Cluster.preset("dgx-a100", row.gpus)
         ctx = CostContext(cluster, precision=precision("bf16-mixed"))

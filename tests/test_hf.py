@@ -341,3 +341,46 @@ def test_simulated_input_gradient_all_reduces_are_the_emitted_modules(graphs, na
     plan = plan_from(g, cluster, strategy, predict(g, strategy, ctx), baselines={}, lower_bound_s=0.0)
     shapes = run_ranks(comm_job, 2, name, plan)[0]
     assert len([s for s in shapes if len(s) > 1]) == simulated == {"llama": 5, "gpt2": 4}[name]
+
+
+def explicit_job(rank: int, world: int, plan) -> tuple[float, float]:
+    from flexsearch.emit.verify import verify
+
+    sys.path.insert(0, str(ROOT / "tests" / "data"))
+    import single_file_gpt as sf
+
+    model, x = sf.explicit_attention()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        y = torch.randn(_main(model(*x)).shape)
+    r = verify(model, plan, x, y, _loss)
+    return r["loss"], r["reference_loss"]
+
+
+def test_megatron_splits_unfused_attention_by_heads():
+    """nanoGPT's attention without the fused kernel (``q @ k^T``, the mask buffer,
+    softmax, ``@ v``): Megatron's layout splits its products by heads, so the scores
+    stay split (replicated, every device would compute every head), and the emitted
+    module computes what the model does (2 gloo ranks)."""
+    import single_file_gpt as sf
+
+    from flexsearch.search.results import plan_from
+    from flexsearch.sim.context import CostContext
+    from flexsearch.sim.predict import predict
+    from flexsearch.strategy.kinds import Soap
+    from flexsearch.strategy.recipes import megatron
+
+    model, x = sf.explicit_attention()
+    g = trace(model, x)
+    cluster = Cluster.resolve("cpu", 2)
+    space = Space(g, 2)
+    dec = megatron(space, 2)
+    configs = space.expand(dec)
+    scores = [n.name for n in g.nodes if n.kind in ("matmul", "softmax") and len(n.outputs[0].shape) == 4]
+    assert len(scores) == 3 * 2  # per layer q k^T, softmax, @ v
+    assert {(configs[nm].kind, configs[nm].t, configs[nm].dim) for nm in scores} == {("a", 2, 1)}
+    strategy = Soap(configs, dec)
+    plan = plan_from(g, cluster, strategy, predict(g, strategy, CostContext(cluster)), baselines={},
+                     lower_bound_s=0.0)
+    for loss, ref in run_ranks(explicit_job, 2, plan):
+        assert loss == pytest.approx(ref, rel=1e-5)

@@ -36,6 +36,11 @@ class GPTConfig:
     """One ``c_attn`` Linear for q, k and v (GPT-2's layout: a column split of it is not
     aligned with the heads); False: ``q_proj``, ``k_proj``, ``v_proj`` (Megatron's and
     torchtitan's head-aligned layout for tensor parallelism; the same FLOPs)."""
+    fused_attention: bool = True
+    """``F.scaled_dot_product_attention`` (a fused kernel: FlashAttention on GPUs);
+    False: attention as it ran before fused kernels (Megatron-LM's SC21 runs, nanoGPT's
+    fallback): the ``(batch, heads, T, T)`` scores materialised by ``q k^T``, a causal
+    mask, softmax, dropout, then ``@ v`` (the same result, more memory traffic)."""
 
 
 class CausalSelfAttention(nn.Module):
@@ -47,6 +52,9 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = cfg.n_embd // cfg.n_head
         self.n_embd = cfg.n_embd
         self.dropout = cfg.dropout
+        self.fused_attention = cfg.fused_attention
+        if not cfg.fused_attention:
+            self.attn_dropout = nn.Dropout(cfg.dropout)
         if cfg.fused_qkv:
             self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         else:
@@ -65,9 +73,14 @@ class CausalSelfAttention(nn.Module):
         q = q.unflatten(2, (self.n_head, self.head_dim)).transpose(1, 2)
         k = k.unflatten(2, (self.n_head, self.head_dim)).transpose(1, 2)
         v = v.unflatten(2, (self.n_head, self.head_dim)).transpose(1, 2)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        if self.fused_attention:
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            )
+        else:
+            scores = (q * self.head_dim**-0.5) @ k.transpose(-2, -1)
+            causal = torch.ones(x.size(1), x.size(1), dtype=torch.bool, device=x.device).tril()
+            y = self.attn_dropout(scores.masked_fill(~causal, float("-inf")).softmax(-1)) @ v
         y = y.transpose(1, 2).flatten(2)
         return self.resid_dropout(self.c_proj(y))
 

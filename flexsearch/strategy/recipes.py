@@ -10,7 +10,8 @@ searched plan.
   row-parallel (reduce split of the in features, one all-reduce after) along the
   data flow (:func:`linear_depths`: separate q, k and v projections are all
   column-parallel, the projection after attention row-parallel), attention is
-  split by heads, embeddings vocab-parallel, Linears outside blocks column-parallel,
+  split by heads (fused, or unfused: its two batched products of 4-D tensors),
+  embeddings vocab-parallel, Linears outside blocks column-parallel,
   everything else replicated on the tensor-parallel group. :func:`megatron` returns
   one strategy per ``t`` in 2, 4, ... up to the devices of a node; the planner keeps
   the fastest.
@@ -95,7 +96,9 @@ def megatron(space: Space, t: int) -> dict[str, Config]:
             row = Config(s, "r", t, 0)
             first, second = (col, row) if order.get(u.name, 0) % 2 == 0 else (row, col)
             out[u.name] = _pick(space, u, first, second, rep)
-        elif node.kind == "attention":
+        elif node.kind == "attention" or (node.kind == "matmul" and last == 3):
+            # heads (dim 1 of (batch, heads, T, *)): fused attention, or its unfused
+            # products q k^T and scores @ v (the mask, softmax and dropout follow them)
             out[u.name] = _pick(space, u, Config(s, "a", t, 1), rep)
         elif node.kind == "embedding":
             out[u.name] = _pick(space, u, Config(s, "r", t, 0), Config(s, "p", t, last), rep)

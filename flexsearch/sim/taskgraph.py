@@ -448,7 +448,7 @@ def merged_reductions(frags: Sequence[Fragment]) -> list[list[Task]]:
     projections). So identical reductions (the same gradient keys, devices and bytes)
     are one task, waiting for every consumer's backward, run after the backward of the
     first consumer in graph order (the last to run its backward)."""
-    out: list[list[Task]] = [[] for _ in frags]
+    out: list[list[Task | None]] = [[] for _ in frags]
     seen: dict[tuple, tuple[int, int]] = {}  # reduction -> (fragment, position in its list)
     for i in reversed(range(len(frags))):  # the later consumers first: their backward runs first
         for t in frags[i].reductions:

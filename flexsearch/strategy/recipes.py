@@ -66,8 +66,9 @@ def linear_depths(graph: OpGraph) -> dict[str, int]:
     Linear reads a column-parallel one's split output and one all-reduce closes each
     pair. GPT's ``c_attn`` (or ``q_proj``, ``k_proj``, ``v_proj``, all at depth 0) ->
     attention -> ``c_proj`` (1) -> residual, norm -> ``c_fc`` (2) -> ``c_proj`` (3);
-    Llama's ``gate_proj`` and ``up_proj`` (2) -> ``down_proj`` (3). Counting Linears in
-    program order instead split ``k_proj`` by rows: an all-reduce more each way per layer."""
+    Llama's MLP (a block of its own): ``gate_proj`` and ``up_proj`` (0) -> ``down_proj``
+    (1). Counting Linears in program order instead split ``k_proj`` by rows: an
+    all-reduce more each way per layer."""
     out: dict[str, int] = {}
     for b in graph.blocks:
         depth: dict[str, int] = {}

@@ -10,6 +10,10 @@
    Both include ``Space.expand`` and run without the timeline, as the search does. The
    two are measured back to back in the same process, ``--rounds`` times interleaved;
    the figures are the medians over the rounds. Target ([v2 4/6]): delta / full >= 10.
+   ``delta_bound=``: a full simulation's time over the time a delta simulation spends
+   building the fragments it changes (``delta_rebuilt=`` per move), measured apart
+   (:func:`delta_build`): the most ``delta_over_full`` could reach if assembling and
+   scheduling the tasks took no time.
 
    And MCMC iterations per second on the same graph and cluster, from the baselines'
    seeds, ``--mcmc-iters`` iterations (seeded) with one fragment kept per node against
@@ -43,7 +47,8 @@
     python benchmarks/search_speed.py                # full: budgets 60 s and 150 s, every plan_time case
     python benchmarks/search_speed.py --quick        # budgets 2 s and 3 s, one round (a smoke run)
 
-Last line: ``full_sims_per_s=... delta_sims_per_s=... delta_over_full=... mcmc_rebuilt_one=...
+Last line: ``full_sims_per_s=... delta_sims_per_s=... delta_over_full=... delta_rebuilt=...
+delta_bound=... mcmc_rebuilt_one=...
 mcmc_rebuilt_kept=... mcmc_kept_speedup=... converge_xl8_s=...
 converge_xl64_s=...`` (plus tracing, seeding and speedup-over-data figures) and the
 plan times of part 3.
@@ -118,6 +123,42 @@ def sim_rates(
             n += 1
         delta.append(n / (time.perf_counter() - t0))
     return full, delta
+
+
+def delta_build(graph, cluster: Cluster, moves: int, seed: int = 0) -> tuple[float, float]:
+    """Seconds per delta simulation spent building fragments, and fragments built per
+    move, over ``moves`` random moves (as :func:`sim_rates`' delta rounds). A delta
+    simulation cannot take less than its builds: a full simulation's time over this is
+    the most ``delta_over_full`` could reach with assembly and scheduling free."""
+    import flexsearch.sim.simulator as simulator
+
+    space = Space(graph, cluster.devices)
+    units = [u for u in space.units if len(space.candidates(u)) > 1]
+    cands = {u.name: space.candidates(u) for u in units}
+    rng = random.Random(seed + 1)
+    dec = {u.name: rng.choice(cands[u.name]) for u in units}
+    sim = Simulator(graph, CostContext(cluster))
+    sim.simulate(space.expand(dec), timeline=False)
+    build, spent = simulator.build_fragment, [0.0]
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return build(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - t0
+
+    before = sim.rebuilt
+    simulator.build_fragment = timed
+    try:
+        for _ in range(moves):
+            u = units[rng.randrange(len(units))]
+            options = [c for c in cands[u.name] if c != dec[u.name]]
+            dec[u.name] = options[rng.randrange(len(options))]
+            sim.simulate(space.expand(dec), timeline=False)
+    finally:
+        simulator.build_fragment = build
+    return spent[0] / moves, (sim.rebuilt - before) / moves
 
 
 def mcmc_rates(graph, cluster: Cluster, iters: int, seed: int = 0) -> dict[str, float]:
@@ -249,10 +290,16 @@ def main() -> None:
     print(f"  full  sims/s per round: {' '.join(f'{x:.1f}' for x in full)}  median {f:.1f}")
     print(f"  delta sims/s per round: {' '.join(f'{x:.1f}' for x in delta)}  median {d:.1f}")
     print(f"  delta / full: {d / f:.1f}x (target >= 10x)")
+    build_s, rebuilt = delta_build(graph, cluster, 60 if q else 300, args.seed)
+    print(f"  a delta simulation builds {rebuilt:.1f} of {len(graph.nodes)} fragments in {build_s * 1e3:.2f} ms: "
+          f"a full simulation ({1e3 / f:.2f} ms) over that, {1 / (f * build_s):.1f}x, is the most delta / full "
+          f"could reach with assembly and scheduling free")
     figures = [
         f"full_sims_per_s={f:.1f}",
         f"delta_sims_per_s={d:.1f}",
         f"delta_over_full={d / f:.2f}",
+        f"delta_rebuilt={rebuilt:.1f}",
+        f"delta_bound={1 / (f * build_s):.2f}",
     ]
     kept = mcmc_rates(graph, cluster, args.mcmc_iters or (60 if q else 400), args.seed)
     print(f"  MCMC fragments built per iteration: {kept['mcmc_rebuilt_one']:.1f} with one kept per node, "

@@ -30,9 +30,11 @@ emitter keeps one per microbatch it may still need, checked here per stage,
 :func:`flexsearch.emit.staged.receive_buffers`): -8.0% to +2.1% but four known misses
 (:data:`PIPELINE_MISSES`); a 1F1B pipeline of 2 replicas on 4 ranks the same way, its
 optimizer state replicated and sharded over the replicas (ZeRO-1): -11.0% to +0.2%, and
-the saving within 25% of the allocator's. Not checked: SOAP plans
-(``MemTracker`` registers a post-accumulate-grad hook on every module parameter, and a
-tied weight the emitter moves to another op's layout is not a leaf).
+the saving within 25% of the allocator's. SOAP plans (``MemTracker`` registers a
+post-accumulate-grad hook on every module parameter, and a tied weight the emitter
+moves to another op's layout is not a leaf) are checked the same way on Megatron's
+layout: a known miss, the model 25-37% under the allocator
+(:func:`test_tensor_parallel_peak_memory_against_torchs_allocator`).
 """
 
 from __future__ import annotations
@@ -379,3 +381,44 @@ def test_zero1_pipeline_peak_memory_matches_torchs_allocator():
     for rank in range(4):  # what sharding the optimizer state saves, model against allocator
         saved = predicted[0][rank] - predicted[1][rank]
         assert saved > 0 and saved == pytest.approx(have[0][rank] - have[1][rank], rel=0.25), rank
+
+
+TENSOR_PARALLEL_MISS = 0.40
+"""A known miss: the memory model under-predicts tensor-parallel (SOAP) plans (module
+docstring)."""
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_tensor_parallel_peak_memory_against_torchs_allocator(precision):
+    """Megatron's layout (t = 2, the emitter's DTensor runtime) on 2 gloo ranks: the
+    calibrated peak per device against torch's allocator, as for pipelines. A known
+    miss, bounded by :data:`TENSOR_PARALLEL_MISS`: measured -34% to -37% (fp32) and -25%
+    to -29% (bf16-mixed) per rank over two runs. The allocator's peak (``torch.profiler``'s live
+    allocations, grouped by the op that made them) holds what the model leaves out: the
+    whole tensor a redistribution gathers (the model counts the received part: 0.2 MB of
+    the tiny GPT's fused q/k/v per layer), the out-of-place functional all-reduce's
+    output beside its partial-sum input (the tied head's logits: 0.5 MB), and copies
+    DTensor makes in the backward."""
+    from flexsearch.cost.calibration import load_calibration_file
+    from flexsearch.sim.accounting import peak_bytes
+    from flexsearch.strategy.kinds import Soap
+    from flexsearch.strategy.recipes import megatron
+    from flexsearch.strategy.space import Space
+
+    model, x = load(FAMILIES["gpt"])
+    g = trace(model, x, precision=precision)
+    cl = Cluster.resolve("cpu", 2)
+    cal = load_calibration_file().devices[cl.device.name]
+    ctx = CostContext(cl, calibration=cal, precision=precision_of(precision))
+    space = Space(g, 2)
+    dec = megatron(space, 2)
+    s = Soap(space.expand(dec), dec)
+    sim = predict(g, s, ctx)
+    plan = plan_from(g, cl, s, sim, baselines={}, lower_bound_s=0.0)
+    got = run_ranks(allocated_job, 2, FAMILIES["gpt"], [plan], timeout_s=600)
+    for rank in range(2):
+        want = peak_bytes(sim.memory_terms[rank], cal, "sharded") - cal.runtime("sharded")
+        have = got[rank][0][0]
+        print(f"megatron t=2 {precision} rank {rank}: model {want / 1e6:.2f} MB, allocator {have / 1e6:.2f} MB "
+              f"({want / have - 1:+.1%})")
+        assert want == pytest.approx(have, rel=TENSOR_PARALLEL_MISS), rank

@@ -288,8 +288,9 @@ def test_megatron_layout_follows_the_data_flow(graphs):
     assert kinds == ["p", "p", "p", "r", "p", "p", "r"]
 
 
-def comm_job(rank: int, world: int, name: str, plan) -> list[tuple[int, ...]]:
-    """The shapes of the tensors the emitted module's backward all-reduces."""
+def comm_job(rank: int, world: int, cases: list) -> list[list[tuple[int, ...]]]:
+    """Per (model name, plan): the shapes of the tensors the emitted module's backward
+    all-reduces."""
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -305,15 +306,17 @@ def comm_job(rank: int, world: int, name: str, plan) -> list[tuple[int, ...]]:
                 self.shapes.append(tuple(args[0].shape))
             return func(*args, **(kwargs or {}))
 
-    module = flexsearch.parallelize(build(name)[0], plan)
-    out = _main(module(*build(name)[1]))
-    with AllReduces() as seen:
-        out.float().pow(2).mean().backward()
-    return seen.shapes
+    out = []
+    for name, plan in cases:
+        module = flexsearch.parallelize(build(name)[0], plan)
+        y = _main(module(*build(name)[1]))
+        with AllReduces() as seen:
+            y.float().pow(2).mean().backward()
+        out.append(seen.shapes)
+    return out
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_simulated_input_gradient_all_reduces_are_the_emitted_modules(graphs, name):
+def test_simulated_input_gradient_all_reduces_are_the_emitted_modules(graphs):
     """Megatron's layout on 2 ranks: the activation-gradient all-reduces the emitted
     module's backward runs are the simulation's input-gradient reductions, one per
     producer for all its readers (Llama: 5 where one per reader and per rotary input
@@ -329,18 +332,23 @@ def test_simulated_input_gradient_all_reduces_are_the_emitted_modules(graphs, na
     from flexsearch.strategy.kinds import Soap
     from flexsearch.strategy.recipes import megatron
 
-    g = _graph(graphs, name)[2]
     cluster = Cluster.resolve("cpu", 2)
-    space = Space(g, 2)
-    dec = megatron(space, 2)
-    configs = space.expand(dec)
-    ctx = CostContext(cluster, precision=precision(g.precision))
-    frags = [Simulator(g, ctx).fragment(n.name, configs) for n in g.nodes]
-    simulated = sum(len(r) for r in merged_reductions(frags))
-    strategy = Soap(configs, dec)
-    plan = plan_from(g, cluster, strategy, predict(g, strategy, ctx), baselines={}, lower_bound_s=0.0)
-    shapes = run_ranks(comm_job, 2, name, plan)[0]
-    assert len([s for s in shapes if len(s) > 1]) == simulated == {"llama": 5, "gpt2": 4}[name]
+    cases, simulated, per_reader = [], [], []
+    for name in ("llama", "gpt2"):
+        g = _graph(graphs, name)[2]
+        space = Space(g, 2)
+        dec = megatron(space, 2)
+        configs = space.expand(dec)
+        ctx = CostContext(cluster, precision=precision(g.precision))
+        frags = [Simulator(g, ctx).fragment(n.name, configs) for n in g.nodes]
+        simulated.append(sum(len(r) for r in merged_reductions(frags)))
+        per_reader.append(sum(len(f.reductions) for f in frags))
+        strategy = Soap(configs, dec)
+        cases.append((name, plan_from(g, cluster, strategy, predict(g, strategy, ctx), baselines={},
+                                      lower_bound_s=0.0)))
+    shapes = run_ranks(comm_job, 2, cases)[0]
+    assert [len([s for s in mine if len(s) > 1]) for mine in shapes] == simulated == [5, 4]
+    assert per_reader[0] > simulated[0]
 
 
 def explicit_job(rank: int, world: int, plan) -> tuple[float, float]:

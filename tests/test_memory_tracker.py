@@ -388,17 +388,16 @@ TENSOR_PARALLEL_MISS = 0.40
 docstring)."""
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
-def test_tensor_parallel_peak_memory_against_torchs_allocator(precision):
-    """Megatron's layout (t = 2, the emitter's DTensor runtime) on 2 gloo ranks: the
-    calibrated peak per device against torch's allocator, as for pipelines. A known
-    miss, bounded by :data:`TENSOR_PARALLEL_MISS`: measured -34% to -37% (fp32) and -25%
-    to -29% (bf16-mixed) per rank over two runs. The allocator's peak (``torch.profiler``'s live
-    allocations, grouped by the op that made them) holds what the model leaves out: the
-    whole tensor a redistribution gathers (the model counts the received part: 0.2 MB of
-    the tiny GPT's fused q/k/v per layer), the out-of-place functional all-reduce's
-    output beside its partial-sum input (the tied head's logits: 0.5 MB), and copies
-    DTensor makes in the backward."""
+def test_tensor_parallel_peak_memory_against_torchs_allocator():
+    """Megatron's layout (t = 2, the emitter's DTensor runtime) on 2 gloo ranks, fp32 and
+    bf16-mixed: the calibrated peak per device against torch's allocator, as for
+    pipelines. A known miss, bounded by :data:`TENSOR_PARALLEL_MISS`: measured -34% to
+    -37% (fp32) and -25% to -29% (bf16-mixed) per rank over two runs. The allocator's
+    peak (``torch.profiler``'s live allocations, grouped by the op that made them) holds
+    what the model leaves out: the whole tensor a redistribution gathers (the model
+    counts the received part: 0.2 MB of the tiny GPT's fused q/k/v per layer), the
+    out-of-place functional all-reduce's output beside its partial-sum input (the tied
+    head's logits: 0.5 MB), and copies DTensor makes in the backward."""
     from flexsearch.cost.calibration import load_calibration_file
     from flexsearch.sim.accounting import peak_bytes
     from flexsearch.strategy.kinds import Soap
@@ -406,19 +405,22 @@ def test_tensor_parallel_peak_memory_against_torchs_allocator(precision):
     from flexsearch.strategy.space import Space
 
     model, x = load(FAMILIES["gpt"])
-    g = trace(model, x, precision=precision)
     cl = Cluster.resolve("cpu", 2)
     cal = load_calibration_file().devices[cl.device.name]
-    ctx = CostContext(cl, calibration=cal, precision=precision_of(precision))
-    space = Space(g, 2)
-    dec = megatron(space, 2)
-    s = Soap(space.expand(dec), dec)
-    sim = predict(g, s, ctx)
-    plan = plan_from(g, cl, s, sim, baselines={}, lower_bound_s=0.0)
-    got = run_ranks(allocated_job, 2, FAMILIES["gpt"], [plan], timeout_s=600)
-    for rank in range(2):
-        want = peak_bytes(sim.memory_terms[rank], cal, "sharded") - cal.runtime("sharded")
-        have = got[rank][0][0]
-        print(f"megatron t=2 {precision} rank {rank}: model {want / 1e6:.2f} MB, allocator {have / 1e6:.2f} MB "
-              f"({want / have - 1:+.1%})")
-        assert want == pytest.approx(have, rel=TENSOR_PARALLEL_MISS), rank
+    plans, predicted = [], []
+    for precision in ("fp32", "bf16-mixed"):
+        g = trace(model, x, precision=precision)
+        ctx = CostContext(cl, calibration=cal, precision=precision_of(precision))
+        space = Space(g, 2)
+        dec = megatron(space, 2)
+        s = Soap(space.expand(dec), dec)
+        sim = predict(g, s, ctx)
+        plans.append(plan_from(g, cl, s, sim, baselines={}, lower_bound_s=0.0))
+        predicted.append([peak_bytes(m, cal, "sharded") - cal.runtime("sharded") for m in sim.memory_terms])
+    got = run_ranks(allocated_job, 2, FAMILIES["gpt"], plans, timeout_s=600)
+    for i, plan in enumerate(plans):
+        for rank in range(2):
+            want, have = predicted[i][rank], got[rank][i][0]
+            print(f"megatron t=2 {plan.precision} rank {rank}: model {want / 1e6:.2f} MB, allocator "
+                  f"{have / 1e6:.2f} MB ({want / have - 1:+.1%})")
+            assert want == pytest.approx(have, rel=TENSOR_PARALLEL_MISS), (plan.precision, rank)

@@ -319,8 +319,8 @@ def comm_job(rank: int, world: int, cases: list) -> list[list[tuple[int, ...]]]:
 def test_simulated_input_gradient_all_reduces_are_the_emitted_modules(graphs):
     """Megatron's layout on 2 ranks: the activation-gradient all-reduces the emitted
     module's backward runs are the simulation's input-gradient reductions, one per
-    producer for all its readers (Llama: 5 where one per reader and per rotary input
-    would be 21); token ids, masks and rotary tables get no gradient (GPT-2: 4, not 7).
+    producer for all its readers (Llama: 5, fewer than one per reader); token ids, masks
+    and rotary tables get no gradient (GPT-2: 4).
     Parameter-gradient all-reduces (1-D: RMSNorm's weight, whose gradient Llama's
     decomposed norm computes from the partial sums) are left out."""
     from flexsearch.precision import precision

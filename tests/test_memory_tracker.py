@@ -33,7 +33,7 @@ optimizer state replicated and sharded over the replicas (ZeRO-1): -11.0% to +0.
 the saving within 25% of the allocator's. SOAP plans (``MemTracker`` registers a
 post-accumulate-grad hook on every module parameter, and a tied weight the emitter
 moves to another op's layout is not a leaf) are checked the same way on Megatron's
-layout: a known miss, the model 25-37% under the allocator
+layout: a known miss, the model 25-29% under the allocator
 (:func:`test_tensor_parallel_peak_memory_against_torchs_allocator`).
 """
 
@@ -391,13 +391,15 @@ docstring)."""
 def test_tensor_parallel_peak_memory_against_torchs_allocator():
     """Megatron's layout (t = 2, the emitter's DTensor runtime) on 2 gloo ranks, fp32 and
     bf16-mixed: the calibrated peak per device against torch's allocator, as for
-    pipelines. A known miss, bounded by :data:`TENSOR_PARALLEL_MISS`: measured -34% to
-    -37% (fp32) and -25% to -29% (bf16-mixed) per rank over two runs. The allocator's
-    peak (``torch.profiler``'s live allocations, grouped by the op that made them) holds
-    what the model leaves out: the whole tensor a redistribution gathers (the model
-    counts the received part: 0.2 MB of the tiny GPT's fused q/k/v per layer), the
-    out-of-place functional all-reduce's output beside its partial-sum input (the tied
-    head's logits: 0.5 MB), and copies DTensor makes in the backward."""
+    pipelines. A known miss, bounded by :data:`TENSOR_PARALLEL_MISS`: measured -25% / -27%
+    (fp32) and -28% / -29% (bf16-mixed) per rank; -34% to -37% in fp32 before the
+    emitter freed each value after its last reader
+    (:func:`flexsearch.emit.sharded.last_uses`). What the allocator's peak
+    (``torch.profiler``'s live allocations, grouped by the op that made them) still
+    holds that the model leaves out: the whole tensor a redistribution gathers (the
+    model counts the received part: 0.1 MB of the tiny GPT's fused q/k/v per layer),
+    the functional all-reduce's out-of-place output, and the copies DTensor makes in the
+    backward."""
     from flexsearch.cost.calibration import load_calibration_file
     from flexsearch.sim.accounting import peak_bytes
     from flexsearch.strategy.kinds import Soap

@@ -374,6 +374,8 @@ class ShardedModule(nn.Module):
             if node is None or is_source(node):
                 a, kw = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
                 env[n] = self._call(n, a, kw, None, None)
+                for done in self._last_uses.get(n, ()):
+                    del env[done]
                 continue
             c = self._configs.get(n.name, Config())
             mesh = self._mesh(c)

@@ -296,10 +296,10 @@ class ShardedModule(nn.Module):
         self._configs = dict(configs)
         self._rt = rt
         self._shapes: dict[tuple, Any] = {}
-        self._last_uses = last_uses(gm.graph)
         """Output shapes of locally run ops per (node, input shapes): found once on meta
         tensors (an LSTM there runs decomposed, one op per gate and time step: tens of
         milliseconds per call)."""
+        self._last_uses = last_uses(gm.graph)
         build_layouts(rt, self._configs.values())
         self._world = rt.block_mesh(0, len(rt.ranks), 1)
         self._distribute({} if distributed is None else distributed)

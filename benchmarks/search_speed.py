@@ -88,6 +88,13 @@ def trace(name: str, **kwargs):
 # ------------------------------------------------------------------ 1. sims per second
 
 
+def move(rng: random.Random, units: list, cands: dict, dec: dict) -> None:
+    """One random unit of ``dec`` to a random other candidate (an MCMC step's move)."""
+    u = units[rng.randrange(len(units))]
+    options = [c for c in cands[u.name] if c != dec[u.name]]
+    dec[u.name] = options[rng.randrange(len(options))]
+
+
 def sim_rates(
     graph, cluster: Cluster, rounds: int, seconds: float, seed: int = 0
 ) -> tuple[list[float], list[float]]:
@@ -113,12 +120,7 @@ def sim_rates(
         full.append(n / (time.perf_counter() - t0))
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds:
-            u = units[rng.randrange(len(units))]
-            options = cands[u.name]
-            new = options[rng.randrange(len(options))]
-            if new == dec[u.name]:
-                new = options[(options.index(new) + 1) % len(options)]
-            dec[u.name] = new
+            move(rng, units, cands, dec)
             delta_sim.simulate(space.expand(dec), timeline=False)
             n += 1
         delta.append(n / (time.perf_counter() - t0))
@@ -152,9 +154,7 @@ def delta_build(graph, cluster: Cluster, moves: int, seed: int = 0) -> tuple[flo
     simulator.build_fragment = timed
     try:
         for _ in range(moves):
-            u = units[rng.randrange(len(units))]
-            options = [c for c in cands[u.name] if c != dec[u.name]]
-            dec[u.name] = options[rng.randrange(len(options))]
+            move(rng, units, cands, dec)
             sim.simulate(space.expand(dec), timeline=False)
     finally:
         simulator.build_fragment = build

@@ -326,9 +326,9 @@ def test_simulated_input_gradient_all_reduces_are_the_emitted_modules(graphs):
     from flexsearch.precision import precision
     from flexsearch.search.results import plan_from
     from flexsearch.sim.context import CostContext
+    from flexsearch.sim.gradients import merged_reductions
     from flexsearch.sim.predict import predict
     from flexsearch.sim.simulator import Simulator
-    from flexsearch.sim.taskgraph import merged_reductions
     from flexsearch.strategy.kinds import Soap
     from flexsearch.strategy.recipes import megatron
 

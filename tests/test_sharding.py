@@ -248,7 +248,6 @@ def zero1_job(rank: int, world: int, spec: str, plans: list) -> list:
     the bytes of Adam's state its optimizer holds after a step, and of the weights'
     local tensors."""
     import torch
-
     from emit_cases import mse, with_target
 
     from flexsearch.emit import make_optimizer, parallelize

@@ -9,15 +9,9 @@ ATen graph, whose weights come in as arguments (:func:`arg_placement` splits the
 
 - **mesh**: the ``s x t`` :class:`DeviceMesh` of devices ``first .. first+s*t-1``
   (mesh dims ``("s", "t")``; ranks outside it hold empty shards and skip the op);
-- **inputs**: each tensor input is brought to that mesh with ``Shard(b)`` on ``s`` (``b``
-  the input dim the op's batch dim reads) and, on ``t``, ``Shard`` of the input dim an
-  attribute split reads, ``Shard`` of the reduced dim for a reduce split (row-wise
-  Linear, ``k`` of a matmul), else ``Replicate`` (parameter split, replication);
-- **parameters**: ``Replicate`` on ``s``; on ``t`` ``Shard(0)`` of Linear/Conv/Norm
-  weights and biases for a parameter split (column-wise), ``Shard(1)`` of a Linear
-  weight for a reduce split (row-wise); an Embedding table splits by columns
-  (``Shard(1)``) or by vocabulary (``Shard(0)``). The styles of
-  ``parallelize_module``'s ``ColwiseParallel``/``RowwiseParallel``, per op.
+- **inputs** and **parameters**: the placements of :mod:`flexsearch.emit.placements`
+  (``Shard`` of what the op's split reads, else ``Replicate``; the styles of
+  ``parallelize_module``'s ``ColwiseParallel``/``RowwiseParallel``, per op).
 
 Then the op itself runs on DTensors: DTensor's sharding propagation computes its
 output placement (e.g. ``Partial`` after a row-wise Linear) and redistributes when an
@@ -53,7 +47,6 @@ from torch import nn
 from torch.distributed.tensor import (
     DTensor,
     Partial,
-    Placement,
     Replicate,
     Shard,
     distribute_tensor,
@@ -64,82 +57,13 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from flexsearch.emit.dense import dense_grad
 from flexsearch.emit.inputs import split, step_loss
+from flexsearch.emit.placements import REPLICATE, arg_placement, input_placements, param_placement
 from flexsearch.emit.precision import autocast, backward, cast_inputs, cast_model
 from flexsearch.emit.runtime import Runtime
 from flexsearch.errors import EmitError
 from flexsearch.graph.lift import flat_inputs
-from flexsearch.graph.microbatch import batch_dim
 from flexsearch.graph.opgraph import OpGraph, OpNode
-from flexsearch.graph.regions import dim_map, reduced_input_dims
 from flexsearch.strategy.config import Config, is_source
-
-_REPLICATE = (Replicate(), Replicate())
-
-
-# ----------------------------------------------------------------------------- placements
-
-
-def input_placements(node: OpNode, k: int, shape: tuple[int, ...], c: Config) -> tuple[Placement, Placement]:
-    """Placements on the ``(s, t)`` mesh of input ``k`` (of ``shape``) of ``node`` under ``c``."""
-    dmap = dim_map(node, k, shape) if node.outputs else ()
-    out_shape = node.outputs[0].shape if node.outputs else ()
-
-    def shard_of(out_dim: int | None) -> Placement:
-        if out_dim is None or out_dim >= len(dmap) or dmap[out_dim] is None:
-            return Replicate()
-        i = dmap[out_dim][0]
-        return Shard(i) if shape[i] == out_shape[out_dim] else Replicate()
-
-    s_pl = shard_of(batch_dim(node)) if c.s > 1 else Replicate()
-    t_pl: Placement = Replicate()
-    if c.kind == "a":
-        t_pl = shard_of(c.dim)
-    elif c.kind == "r":
-        dims = reduced_input_dims(node, k, shape)
-        t_pl = Shard(dims[0]) if dims else Replicate()
-    return s_pl, t_pl
-
-
-def param_placement(module: nn.Module, name: str, c: Config) -> tuple[Placement, Placement]:
-    """Placements of ``module``'s parameter ``name`` for an op configured ``c``."""
-    if c.t == 1 or c.kind not in ("p", "r") or tensor_dim(module, name) == 0:
-        return _REPLICATE
-    if isinstance(module, nn.Embedding):
-        return (Replicate(), Shard(1) if c.kind == "p" else Shard(0))
-    if c.kind == "p" and isinstance(module, (nn.Linear, nn.modules.conv._ConvNd, nn.modules.batchnorm._NormBase,
-                                             nn.GroupNorm)):
-        return (Replicate(), Shard(0))
-    if c.kind == "r" and isinstance(module, nn.Linear) and name == "weight":
-        return (Replicate(), Shard(1))
-    return _REPLICATE
-
-
-_LINEAR, _ADDMM = {1: (0, 1), 2: (0, None)}, {0: (0, None), 2: (1, 0)}
-_WEIGHT_SPLITS = {torch.ops.aten.linear.default: _LINEAR, nn.functional.linear: _LINEAR,
-                  torch.ops.aten.addmm.default: _ADDMM, torch.addmm: _ADDMM,
-                  torch.ops.aten.embedding.default: {0: (1, None)}}
-"""Per ATen op of an exported graph, per argument index that is a weight: the dim it is
-split on ``t`` for a parameter split and for a reduce split (None: replicated), as
-:func:`param_placement` splits a layer's: a Linear's weight and bias column-wise (dim
-0) or its weight row-wise (dim 1), ``addmm``'s transposed weight the other way round;
-an Embedding's table by columns."""
-
-
-def arg_placement(n: fx.Node, k: int, c: Config) -> tuple[Placement, Placement]:
-    """Placements of argument ``k`` of ATen op node ``n`` (a weight an exported graph
-    passes as an argument) for an op configured ``c``."""
-    split = _WEIGHT_SPLITS.get(n.target, {}).get(k)
-    if c.t == 1 or c.kind not in ("p", "r") or split is None:
-        return _REPLICATE
-    d = split[0 if c.kind == "p" else 1]
-    return _REPLICATE if d is None else (Replicate(), Shard(d))
-
-
-def tensor_dim(module: nn.Module, name: str) -> int:
-    """Rank of ``module``'s parameter or buffer ``name``."""
-    return module.get_parameter(name).dim() if name in dict(module.named_parameters()) else \
-        module.get_buffer(name).dim()
-
 
 # ----------------------------------------------------------------------------- moving tensors
 
@@ -243,7 +167,7 @@ class _Whole(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return DTensor.from_local(grad.contiguous(), ctx.mesh, _REPLICATE, run_check=False, shape=ctx.shape,
+        return DTensor.from_local(grad.contiguous(), ctx.mesh, REPLICATE, run_check=False, shape=ctx.shape,
                                   stride=grad.contiguous().stride())
 
 
@@ -323,7 +247,7 @@ class ShardedModule(nn.Module):
                 user = next((u for u in n.users if u.name in by and not is_source(by[u.name])), None)
                 uc = self._configs.get(user.name, Config()) if user is not None else Config()
                 pl = arg_placement(user, user.args.index(n), uc) if user is not None and n in user.args \
-                    else _REPLICATE
+                    else REPLICATE
                 homes.setdefault(id(self._fetch(n.target)), (self._mesh(uc), pl))
         # an exported graph module holds the model's tensors in a module tree of its own
         for mod in {id(m): m for m in (*self.module.modules(), *gm.modules())}.values():
@@ -332,7 +256,7 @@ class ShardedModule(nn.Module):
                     if p is None:
                         continue
                     if id(p) not in done:
-                        mesh, pl = homes.get(id(p), (self._world, _REPLICATE))
+                        mesh, pl = homes.get(id(p), (self._world, REPLICATE))
                         d = distribute_tensor(p.detach(), mesh, pl, src_data_rank=0)  # the mesh's first rank's values
                         if isinstance(p, nn.Parameter):
                             d = nn.Parameter(d, requires_grad=p.requires_grad)
@@ -357,51 +281,52 @@ class ShardedModule(nn.Module):
         return tree_unflatten(list(out) if isinstance(out, (tuple, list)) else [out], spec) if spec else out
 
     def _run(self, *args: Any) -> Any:
-        """The graph on its placeholders' values (:func:`flexsearch.graph.lift.flat_inputs`)."""
-        gm, by, rt = self._gm[0], self._graph.by_name, self._rt
+        """The graph on its placeholders' values (:func:`flexsearch.graph.lift.flat_inputs`);
+        each value is dropped after its last reader (:func:`last_uses`)."""
+        gm, by = self._gm[0], self._graph.by_name
         env: dict[fx.Node, Any] = {}
         inputs = iter(args)
         for n in gm.graph.nodes:
             if n.op == "placeholder":
                 env[n] = next(inputs)
-                continue
-            if n.op == "get_attr":
+            elif n.op == "get_attr":
                 env[n] = self._fetch(n.target)
-                continue
-            if n.op == "output":
+            elif n.op == "output":
                 return tree_map(self._gather_output, fx.node.map_arg(n.args[0], lambda a: env[a]))
-            node = by.get(n.name)
-            if node is None or is_source(node):
+            elif (node := by.get(n.name)) is None or is_source(node):
                 a, kw = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
                 env[n] = self._call(n, a, kw, None, None)
-                for done in self._last_uses.get(n, ()):
-                    del env[done]
-                continue
-            c = self._configs.get(n.name, Config())
-            mesh = self._mesh(c)
-
-            def convert(a: fx.Node, n=n, node=node, c=c, mesh=mesh) -> Any:
-                v = env[a]
-                if not isinstance(v, torch.Tensor):
-                    return v
-                k = node.inputs.index(a.name) if a.name in node.inputs else -1
-                if k >= 0:
-                    pl = input_placements(node, k, tuple(v.shape), c)
-                elif a.op == "get_attr" and a in n.args:  # an exported graph's weight
-                    pl = arg_placement(n, n.args.index(a), c)
-                else:
-                    pl = _REPLICATE
-                return to_layout(rt, v, mesh, pl)
-
-            try:
-                a, kw = fx.node.map_arg((n.args, n.kwargs), convert)
-                env[n] = tree_map(dense_grad, self._call(n, a, kw, c, mesh))
-            except Exception as e:
-                e.add_note(f"flexsearch: while running op {n.name} as {c.text} on rank {rt.rank}")
-                raise
+            else:
+                env[n] = self._planned(n, node, env)
             for done in self._last_uses.get(n, ()):  # what autograd does not save is freed now
                 del env[done]
         raise EmitError("the model's graph has no output")
+
+    def _planned(self, n: fx.Node, node: OpNode, env: Mapping[fx.Node, Any]) -> Any:
+        """Op ``n`` on its configuration's mesh, its inputs brought to their placements."""
+        rt = self._rt
+        c = self._configs.get(n.name, Config())
+        mesh = self._mesh(c)
+
+        def convert(a: fx.Node) -> Any:
+            v = env[a]
+            if not isinstance(v, torch.Tensor):
+                return v
+            k = node.inputs.index(a.name) if a.name in node.inputs else -1
+            if k >= 0:
+                pl = input_placements(node, k, tuple(v.shape), c)
+            elif a.op == "get_attr" and a in n.args:  # an exported graph's weight
+                pl = arg_placement(n, n.args.index(a), c)
+            else:
+                pl = REPLICATE
+            return to_layout(rt, v, mesh, pl)
+
+        try:
+            a, kw = fx.node.map_arg((n.args, n.kwargs), convert)
+            return tree_map(dense_grad, self._call(n, a, kw, c, mesh))
+        except Exception as e:
+            e.add_note(f"flexsearch: while running op {n.name} as {c.text} on rank {rt.rank}")
+            raise
 
     def _call(self, n: fx.Node, args, kwargs, c: Config | None, mesh) -> Any:
         if c is None:
@@ -490,8 +415,8 @@ class ShardedModule(nn.Module):
             lflat[i] = local(v, (s_pl, Replicate()), (s_pl, t_grad))
         lstate, mstate = {}, {}
         for pname, p in _state(mod) if mod is not None else ():
-            pl = param_placement(mod, pname, c) if split else _REPLICATE
-            grad_pl = ((Partial() if c.s > 1 else Replicate()), pl[1]) if split else _REPLICATE
+            pl = param_placement(mod, pname, c) if split else REPLICATE
+            grad_pl = ((Partial() if c.s > 1 else Replicate()), pl[1]) if split else REPLICATE
             lstate[pname] = local(p, pl, grad_pl if p.requires_grad else pl)
             mstate[pname] = meta(p)
         key = (n.name, *((tuple(v.shape), v.dtype) for v in mflat if isinstance(v, torch.Tensor)))
@@ -538,7 +463,7 @@ class ShardedModule(nn.Module):
 
     def _gather_output(self, v: Any) -> Any:
         if isinstance(v, DTensor):
-            return _Whole.apply(to_layout(self._rt, v, self._world, _REPLICATE))
+            return _Whole.apply(to_layout(self._rt, v, self._world, REPLICATE))
         return v
 
 

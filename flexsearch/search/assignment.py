@@ -27,7 +27,8 @@ from collections import defaultdict
 from flexsearch.search.ilp import AssignmentProblem, AssignmentResult, solve_assignment
 from flexsearch.sim.accounting import param_copies
 from flexsearch.sim.context import CostContext
-from flexsearch.sim.taskgraph import Fragment, edge_tasks, node_tasks, without_gradient
+from flexsearch.sim.gradients import without_gradient
+from flexsearch.sim.taskgraph import Fragment, edge_tasks, node_tasks
 from flexsearch.sim.tasks import Task
 from flexsearch.strategy.config import Config, follow, is_source
 from flexsearch.strategy.space import Space

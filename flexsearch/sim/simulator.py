@@ -57,6 +57,7 @@ from flexsearch.sim.accounting import (
     update_s,
 )
 from flexsearch.sim.context import CostContext, collective_task
+from flexsearch.sim.gradients import merged_reductions, without_gradient
 from flexsearch.sim.result import Simulation
 from flexsearch.sim.taskgraph import (
     Fragment,
@@ -69,15 +70,12 @@ from flexsearch.sim.taskgraph import (
     kept_bytes,
     loss_held_bytes,
     loss_operands,
-    merged_reductions,
-    without_gradient,
 )
 from flexsearch.sim.tasks import Scheduled, Task, run_tasks
 from flexsearch.strategy.config import Config, is_source
 from flexsearch.strategy.fsdp import ROOT, fsdp_units, node_units
 from flexsearch.strategy.kinds import FSDP_SHARDINGS
 from flexsearch.strategy.recompute import Checkpointing
-
 
 FRAGMENTS_KEPT = 4
 """Fragments kept per node, the most recently used (delta simulation): a search returns

@@ -34,6 +34,7 @@ from flexsearch.cost.hardware import Cluster
 from flexsearch.graph.microbatch import microbatch_graph
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.sim.context import CostContext
+from flexsearch.sim.gradients import merged_reductions
 from flexsearch.sim.pipeline import PipelineLayout, StageCost, peak_memory, simulate_pipeline
 from flexsearch.sim.result import Simulation
 from flexsearch.sim.simulator import Simulator
@@ -43,7 +44,6 @@ from flexsearch.sim.taskgraph import (
     grad_bytes,
     loss_held_bytes,
     loss_operands,
-    merged_reductions,
 )
 from flexsearch.strategy.config import Config
 from flexsearch.strategy.recipes import stage_configs
@@ -91,7 +91,7 @@ def node_costs(graph: OpGraph, configs: Mapping[str, Config], ctx: CostContext) 
     share). Identical layers (same signature, configuration, producers and the earlier
     readers of those) are costed once. A node's backward includes the all-reduces of
     its inputs' partial-sum gradients unless an earlier reader of the same input runs
-    the same one (:func:`~flexsearch.sim.taskgraph.merged_reductions`: one for all the
+    the same one (:func:`~flexsearch.sim.gradients.merged_reductions`: one for all the
     readers that hold identical partial sums)."""
     sim = Simulator(graph, ctx)
     memo: dict[tuple, NodeCost] = {}

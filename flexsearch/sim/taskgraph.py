@@ -16,9 +16,8 @@ Per node ``n`` with configuration ``c`` (:class:`~flexsearch.strategy.config.Con
   back by every remote reader (the holder sums them); a tile replicated on several
   devices gets an all-gather (readers took disjoint pieces) or an all-reduce (they
   overlap) among holders and readers. The all-reduces of partial sums that several
-  readers of one tensor hold alike are one (:func:`merged_reductions`, as DTensor's
-  autograd runs them), and an integer or boolean input (token ids, masks) has no
-  gradient;
+  readers of one tensor hold alike are one, and an integer or boolean input (token ids,
+  masks) has no gradient (:mod:`flexsearch.sim.gradients`);
 - a reduce split leaves partial sums: an **all-reduce** of the output over each group
   of ``t`` partitions follows the forward;
 - **gradient synchronisation**: an all-reduce of the node's (owned) parameter
@@ -121,7 +120,7 @@ class Fragment:
     reductions: list[Task] = field(default_factory=list)  # input gradients' partial-sum all-reduces
     """The all-reduces that make an input's gradient whole from this node's partial sums,
     kept apart from ``backward``: the consumers of one producer add their partial sums
-    first and reduce once (:func:`merged_reductions`)."""
+    first and reduce once (:func:`~flexsearch.sim.gradients.merged_reductions`)."""
 
 
 _COPYING_VIEWS = frozenset({"Tensor.repeat", "Tensor.contiguous", "torch.repeat_interleave",
@@ -414,7 +413,7 @@ def edge_tasks(
             forward += sent
             needs.setdefault(d, []).append(key)
             frag.activations[d] = frag.activations.get(d, 0.0) + nbytes
-    if not gradient:  # p's output carries none (without_gradient)
+    if not gradient:  # p's output carries none (gradients.without_gradient)
         return forward, backward, needs
     for d, h in geo.grad_local:
         if d < width:
@@ -431,36 +430,6 @@ def edge_tasks(
         else:
             backward += tasks
     return forward, backward, needs
-
-
-def differentiable(dtype: str) -> bool:
-    """Whether autograd carries a gradient for a tensor of ``dtype`` (floating point)."""
-    return dtype.startswith(("float", "bfloat", "complex"))
-
-
-def merged_reductions(frags: Sequence[Fragment]) -> list[list[Task]]:
-    """Per fragment (graph order), the input-gradient all-reduces to run after its
-    backward. Consumers that read one producer's output whole on the same group (q, k
-    and v projections of one normalised input, Llama's gate and up projections) each
-    hold a partial sum of its gradient; DTensor's autograd adds them as ``Partial``
-    tensors and all-reduces once, when the producer's backward needs the gradient whole
-    (seen with ``CommDebugMode`` on the emitted module: one ``all_reduce`` for three
-    projections). So identical reductions (the same gradient keys, devices and bytes)
-    are one task, waiting for every consumer's backward, run after the backward of the
-    first consumer in graph order (the last to run its backward)."""
-    out: list[list[Task | None]] = [[] for _ in frags]
-    seen: dict[tuple, tuple[int, int]] = {}  # reduction -> (fragment, position in its list)
-    for i in reversed(range(len(frags))):  # the later consumers first: their backward runs first
-        for t in frags[i].reductions:
-            key = (t.defines, t.resources, t.nbytes)
-            hit = seen.pop(key, None)
-            if hit is not None:
-                j, pos = hit
-                t = replace(t, deps=out[j][pos].deps + t.deps)
-                out[j][pos] = None  # moved to this (earlier) consumer
-            seen[key] = (i, len(out[i]))
-            out[i].append(t)
-    return [[t for t in ts if t is not None] for ts in out]
 
 
 def output_gather(producers: list[tuple[OpNode, Config]], ctx: CostContext, frag: Fragment,
@@ -506,23 +475,6 @@ def output_gather(producers: list[tuple[OpNode, Config]], ctx: CostContext, frag
     return frag
 
 
-def without_gradient(nodes: Sequence[OpNode]) -> frozenset[str]:
-    """The ops (in topological order) whose output autograd gives no gradient: not
-    floating point (token ids, boolean masks), or computed from no parameter (model
-    inputs, buffers and constants only: Llama's rotary cos and sin, a mask built from
-    the input). Their readers send no gradient back to them, and they run no backward."""
-    carries: set[str] = set()
-    out: set[str] = set()
-    for n in nodes:
-        if is_source(n):
-            continue
-        if n.outputs and differentiable(n.outputs[0].dtype) and (n.params or any(i in carries for i in n.inputs)):
-            carries.add(n.name)
-        else:
-            out.add(n.name)
-    return frozenset(out)
-
-
 def build_fragment(
     node: OpNode,
     c: Config,
@@ -533,7 +485,8 @@ def build_fragment(
 ) -> Fragment:
     """The fragment of ``node`` under ``c``, given its inputs' nodes and configurations
     (in ``node.inputs`` order); of the first replica only with ``replica`` (module
-    docstring); ``no_grad``: the graph's :func:`without_gradient`."""
+    docstring); ``no_grad``: the graph's
+    :func:`~flexsearch.sim.gradients.without_gradient`."""
     frag = Fragment()
     if node.kind == "output" and soap_runtime(ctx):
         return output_gather(producers, ctx, frag, replica)
@@ -566,7 +519,8 @@ def node_tasks(
     """Add the node's own tasks to ``frag``: compute, partial-sum all-reduce, gradient
     synchronisation, and its memory terms (``first``: a first layer, no input gradient;
     ``replica``: of the first replica only, module docstring; ``backward=False``: an op
-    without gradient, :func:`without_gradient`, whose backward task takes no time)."""
+    without gradient, :func:`~flexsearch.sim.gradients.without_gradient`, whose
+    backward task takes no time)."""
     n = node.name
     parts = tasks_of(c)
     copies = 1

@@ -54,24 +54,43 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from zoo import build  # noqa: E402  (stdlib only: safe on the GPU machine)
 
 PRESETS = ("dgx-h100", "h200")
 DEVICE_PRESET = {"H100": "dgx-h100", "H200": "h200"}
-CASES = [  # (zoo builder, batch, precision)
+class Case(NamedTuple):
+    """One measured step: a zoo builder, its batch, the precision, and a vocabulary
+    size in place of the builder's (None: its own)."""
+
+    name: str
+    batch: int
+    precision: str
+    vocab: int | None = None
+
+    @property
+    def key(self) -> str:
+        vocab = f":v{self.vocab}" if self.vocab else ""
+        return f"{self.name}:b{self.batch}:{self.precision}{vocab}"
+
+    def build(self, batch: int | None = None):
+        kwargs = {"vocab_size": self.vocab} if self.vocab else {}
+        return build(self.name, batch_size=batch or self.batch, **kwargs)
+
+
+CASES = [Case(*c) for c in (
     ("gpt2_small", 8, "bf16-mixed"),
     ("gpt2_small", 16, "bf16-mixed"),
+    ("gpt2_small", 32, "bf16-mixed"),  # the main job's batch per device (512 over 16 GPUs)
     ("gpt2_medium", 8, "bf16-mixed"),
     ("gpt2_xl", 4, "bf16-mixed"),
     ("gpt2_small", 8, "tf32"),
-]
-QUICK = [("gpt_tiny", 4, "bf16-mixed")]
-
-
-def case_key(name: str, batch: int, precision: str) -> str:
-    return f"{name}:b{batch}:{precision}"
+    ("gpt2_small", 8, "bf16-mixed", 50304),  # nanoGPT's padded vocabulary: the LM head's GEMMs aligned
+    ("gpt2_small", 8, "tf32", 50304),
+)]
+QUICK = [Case("gpt_tiny", 4, "bf16-mixed")]
 
 
 # ----------------------------------------------------------------------------- predict
@@ -118,8 +137,9 @@ def predict(cases, presets=PRESETS, profile: Path | None = None) -> dict:
         db.data.entries = {k.rsplit("|torch-", 1)[0] + f"|torch-{torch.__version__}": e
                            for k, e in db.data.entries.items()}
     out: dict = {"presets": {preset: {} for preset in presets}}
-    for name, batch, precision in cases:
-        model, inputs = build(name, batch_size=batch)
+    for case in cases:
+        precision = case.precision
+        model, inputs = case.build()
         graph = flexsearch.trace(model, inputs, precision=precision)
         for preset in presets:
             t0 = time.perf_counter()
@@ -136,7 +156,7 @@ def predict(cases, presets=PRESETS, profile: Path | None = None) -> dict:
             for node in graph.nodes:  # each op's forward and backward at the plan's precision
                 c = op_cost(node, cl.device, WHOLE, dtype=ctx.compute_dtype(node), efficiency=ctx.efficiency)
                 parts[category(node.kind)] = parts.get(category(node.kind), 0.0) + c.forward_s + c.backward_s
-            out["presets"][preset][case_key(name, batch, precision)] = {
+            out["presets"][preset][case.key] = {
                 "parts_s": parts,
                 "profiled_s": profiled,
                 "iteration_s": plan.predicted.iteration_time_s,
@@ -159,20 +179,20 @@ def measure(cases, steps: int = 20, warmup: int = 5, profile: bool = True) -> di
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = {}
     for case in cases:
-        rows[case_key(*case)] = measure_case(*case, dev, steps, warmup, profile)
-        print(f"{case_key(*case)}: {rows[case_key(*case)]}", flush=True)
+        rows[case.key] = measure_case(case, dev, steps, warmup, profile)
+        print(f"{case.key}: {rows[case.key]}", flush=True)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d"), "steps": steps, "warmup": warmup, "rows": rows}
 
 
-def gpu_model(name: str, batch: int, dev):
+def gpu_model(case: Case, dev):
     """The zoo model on ``dev``, its parameters drawn afresh (tied ones kept tied), and a
     batch of tokens."""
     import torch
 
-    model, (idx,) = build(name, batch_size=batch)
+    model, (idx,) = case.build()
     shared: dict[int, list] = {}  # to_empty unties shared (tied) parameters: tie them again
     for mod in model.modules():
         for pname, p in mod.named_parameters(recurse=False):
@@ -187,14 +207,15 @@ def gpu_model(name: str, batch: int, dev):
     return model.train(), torch.randint(0, model.config.vocab_size, idx.shape, device=dev)
 
 
-def measure_case(name: str, batch: int, precision: str, dev, steps: int, warmup: int, profile: bool) -> dict:
+def measure_case(case: Case, dev, steps: int, warmup: int, profile: bool) -> dict:
     """Median step seconds, peak allocated bytes, the loss's own time and, on a GPU with
     ``profile``, the kernels' time per step by category (module docstring)."""
     import torch
     import torch.nn.functional as F
 
     cuda = dev.type == "cuda"
-    model, idx = gpu_model(name, batch, dev)
+    precision = case.precision
+    model, idx = gpu_model(case, dev)
     target = torch.randint_like(idx, 0, model.config.vocab_size)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     if cuda:
@@ -273,11 +294,11 @@ def profile_ops(cases, out: Path) -> None:
     from flexsearch.cost.profiler import profile_model
 
     dev = torch.device("cuda")
-    for name, batch, precision in cases:
-        model, idx = gpu_model(name, batch, dev)
+    for case in cases:
+        model, idx = gpu_model(case, dev)
         t0 = time.perf_counter()
-        _, counts = profile_model(model, (idx,), out=out, degrees=(), precision=precision)
-        print(f"{case_key(name, batch, precision)}: profiled {counts} in {time.perf_counter() - t0:.1f} s", flush=True)
+        _, counts = profile_model(model, (idx,), out=out, degrees=(), precision=case.precision)
+        print(f"{case.key}: profiled {counts} in {time.perf_counter() - t0:.1f} s", flush=True)
         del model
         torch.cuda.empty_cache()
 
@@ -298,13 +319,13 @@ def compare(pred: dict, meas: dict) -> dict:
     rows = pred["presets"][preset]
     print(f"# measured on {meas['device']} (torch {meas['torch']}, {meas['date']}), predicted for the "
           f"{preset} preset")
-    print(f"{'case':28} {'pred ms':>9} {'meas ms':>9} {'err':>7} {'profiled':>9} {'err':>7} {'loss ms':>8} "
+    print(f"{'case':32} {'pred ms':>9} {'meas ms':>9} {'err':>7} {'profiled':>9} {'err':>7} {'loss ms':>8} "
           f"{'pred GB':>8} {'meas GB':>8} {'err':>7} {'MFU':>6}")
     terr, merr, perr = [], [], []
     for key, m in meas["rows"].items():
         p = rows.get(key)
         if p is None:
-            print(f"{key:28} not predicted")
+            print(f"{key:32} not predicted")
             continue
         te = p["iteration_s"] / m["step_s"] - 1
         me = p["peak_bytes"] / m["peak_bytes"] - 1 if m["peak_bytes"] == m["peak_bytes"] else math.nan
@@ -314,9 +335,9 @@ def compare(pred: dict, meas: dict) -> dict:
         pe = p.get("profiled_s", math.nan) / m["step_s"] - 1
         if pe == pe:
             perr.append(abs(pe))
-        peak = PEAK.get(key.rsplit(":", 1)[1], math.nan)
+        peak = PEAK.get(p["precision"], math.nan)
         mfu = p["model_flops"] / m["step_s"] / peak if p.get("model_flops") else math.nan
-        print(f"{key:28} {p['iteration_s'] * 1e3:9.2f} {m['step_s'] * 1e3:9.2f} {te:+7.1%} "
+        print(f"{key:32} {p['iteration_s'] * 1e3:9.2f} {m['step_s'] * 1e3:9.2f} {te:+7.1%} "
               f"{p.get('profiled_s', math.nan) * 1e3:9.2f} {pe:+7.1%} {m['loss_s'] * 1e3:8.2f} "
               f"{p['peak_bytes'] / 1e9:8.2f} {m['peak_bytes'] / 1e9:8.2f} {me:+7.1%} {mfu:6.1%}")
     print("# time by category, ms per step (predicted / GPU kernels measured); busy: the GPU's kernel time in all")
@@ -326,7 +347,7 @@ def compare(pred: dict, meas: dict) -> dict:
             continue
         cells = "  ".join(f"{k} {p['parts_s'].get(k, 0.0) * 1e3:.1f}/{m['parts_s'].get(k, 0.0) * 1e3:.1f}"
                           for k in PARTS)
-        print(f"{key:28} {cells}  busy {m['gpu_busy_s'] * 1e3:.1f} of {m['step_s'] * 1e3:.1f}")
+        print(f"{key:32} {cells}  busy {m['gpu_busy_s'] * 1e3:.1f} of {m['step_s'] * 1e3:.1f}")
     return {
         "median_time_error": statistics.median(terr) if terr else math.nan,
         "max_time_error": max(terr) if terr else math.nan,

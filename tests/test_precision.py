@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from conftest import ROOT
 from emit_cases import FAMILIES, check_job, make_plan
 from typer.testing import CliRunner
 
 import flexsearch
 from flexsearch.cli import app
+from flexsearch.cost.alignment import misaligned, misaligned_note
 from flexsearch.cost.hardware import Cluster
 from flexsearch.emit.launch import run_ranks
 from flexsearch.errors import FlexsearchError, PlanFileError
@@ -163,3 +165,25 @@ def test_auto_on_this_machine_follows_its_cpu(monkeypatch):
     monkeypatch.setattr(precision_mod, "host_runs_bf16", lambda: True)
     assert resolve_precision("auto", cpu)[0].name == "bf16-mixed"
     check_runs_here(lstm, precision("bf16-mixed"), "cpu")
+
+
+@pytest.mark.parametrize("precision_name,width,noted", [
+    ("bf16-mixed", 50, True),   # 100 bytes: off the 16-byte vectors
+    ("bf16-mixed", 48, False),
+    ("tf32", 52, False),        # 208 bytes at TF32's 4
+    ("bf16-mixed", 52, True),   # 104 bytes at bf16's 2
+    ("fp32", 50, False),        # CUDA cores: no tensor-core alignment
+])
+def test_misaligned_gemms_are_named_with_their_padding(precision_name, width, noted):
+    model = torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.ReLU(), torch.nn.Linear(width, 64))
+    graph = trace(model, (torch.randn(32, 64),), precision=precision_name)
+    gpus = Cluster.preset("dgx-h100", 8)
+    found = misaligned(graph, precision(precision_name), gpus)
+    assert bool(found) == noted
+    if noted:  # the first Linear's N and the second's K
+        assert [dim for _, dim in found] == [width, width]
+        note = misaligned_note(graph, precision(precision_name), gpus)
+        assert f"({width})" in note and f"{width} -> 64" in note
+        plan = plan_graph(graph, gpus, max_iters=0, decentralized=False)
+        assert note in plan.notes
+    assert not misaligned(graph, precision(precision_name), Cluster.preset("cpu", 2))  # AMX: not what was measured

@@ -148,13 +148,14 @@ def _build(cfg: GPTConfig, batch_size: int, seq_len: int, meta: bool):
     return model, (idx,)
 
 
-def gpt2_small(batch_size: int = 512, seq_len: int = 1024, dropout: float = 0.0):
+def gpt2_small(batch_size: int = 512, seq_len: int = 1024, dropout: float = 0.0, vocab_size: int = 50257):
     """GPT-2 small (124M): 12 layers, d=768, 12 heads, vocab 50257, context 1024.
 
     Radford et al. 2019, "Language Models are Unsupervised Multitask Learners":
-    batch 512 sequences of 1024 tokens. Built on meta.
+    batch 512 sequences of 1024 tokens. Built on meta. ``vocab_size=50304`` is nanoGPT's
+    padding of the vocabulary to a multiple of 64 (its GEMMs' dimensions aligned).
     """
-    cfg = GPTConfig(n_layer=12, n_head=12, n_embd=768, dropout=dropout)
+    cfg = GPTConfig(n_layer=12, n_head=12, n_embd=768, dropout=dropout, vocab_size=vocab_size)
     return _build(cfg, batch_size, seq_len, meta=True)
 
 

@@ -51,6 +51,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from flexsearch.cost.alignment import misaligned_note
 from flexsearch.cost.calibration import DeviceCalibration
 from flexsearch.cost.compute import MeasuredCosts
 from flexsearch.cost.hardware import Cluster
@@ -222,6 +223,8 @@ def plan_graph(
     if graph.via == "export" and "soap" in kinds:
         notes.append(EXPORTED_NOTE)
     ctx = CostContext(cluster, measured, precision=precision_of(graph.precision), calibration=calibration)
+    if measured is None and (aligned := misaligned_note(graph, ctx.precision, cluster)):
+        notes.append(aligned)  # the roofline prices misaligned GEMMs as aligned
     sync_kinds = tuple(k for k in kinds if k != "decentralized")
     if not sync_kinds:  # D-PSGD alone: a synchronous plan to compare with, cheaply
         plan = plan_synchronous(graph, ctx, kinds=("data", "soap", "pipeline", "hybrid"), optimizer=optimizer,

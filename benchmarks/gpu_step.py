@@ -39,6 +39,10 @@ there needs flexsearch too):
     python benchmarks/gpu_step.py compare pred.json meas.json
     python benchmarks/gpu_step.py --quick                      # all three on gpt_tiny, on this machine
 
+Cases (:data:`CASES`): zoo GPTs, GPT-2 small with its vocabulary padded (``:v50304``),
+and Hugging Face's GPT-2 and a Llama built from configs (:data:`HF`), trained on their
+own loss; ``--cases TEXT`` keeps the cases whose key contains it.
+
 ``--quick`` predicts for ``dgx-h100`` and measures on whatever device is here (a CPU
 in CI): a test of the plumbing, its errors mean nothing. Measured runs are kept in
 ``costmodels/measurements/gpu-step-*.json``. The last line: ``key=value`` pairs
@@ -75,9 +79,42 @@ class Case(NamedTuple):
         vocab = f":v{self.vocab}" if self.vocab else ""
         return f"{self.name}:b{self.batch}:{self.precision}{vocab}"
 
-    def build(self, batch: int | None = None):
+    @property
+    def hf(self) -> bool:
+        """A Hugging Face model (:data:`HF`), trained on its own loss (``labels``)."""
+        return self.name in HF
+
+    def build(self):
+        """``(model, inputs)`` on the meta device (a zoo builder's, or :data:`HF`'s)."""
+        if self.hf:
+            return hf_model(self.name, self.batch, self.vocab)
         kwargs = {"vocab_size": self.vocab} if self.vocab else {}
-        return build(self.name, batch_size=batch or self.batch, **kwargs)
+        return build(self.name, batch_size=self.batch, **kwargs)
+
+
+HF = {  # transformers config class, model class, config: models as users build them
+    "hf_gpt2": ("GPT2Config", "GPT2LMHeadModel", {}),  # GPT-2 small: its defaults
+    "hf_llama": ("LlamaConfig", "LlamaForCausalLM", {  # TinyLlama-1.1B's shape (GQA, 4 KV heads)
+        "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 2048}),
+}
+HF_SEQ = 1024
+
+
+def hf_model(name: str, batch: int, vocab: int | None):
+    """A Hugging Face causal LM built from its config on the meta device (nothing is
+    downloaded), with ``batch`` sequences of :data:`HF_SEQ` tokens as its input ids and
+    labels."""
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    cfg_cls, model_cls, kwargs = HF[name]
+    cfg = getattr(transformers, cfg_cls)(**kwargs, **({"vocab_size": vocab} if vocab else {}))
+    with torch.device("meta"):
+        model = getattr(transformers, model_cls)(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (batch, HF_SEQ))
+    return model, (ids, {"labels": ids})
 
 
 CASES = [Case(*c) for c in (
@@ -89,6 +126,8 @@ CASES = [Case(*c) for c in (
     ("gpt2_small", 8, "tf32"),
     ("gpt2_small", 8, "bf16-mixed", 50304),  # nanoGPT's padded vocabulary: the LM head's GEMMs aligned
     ("gpt2_small", 8, "tf32", 50304),
+    ("hf_gpt2", 8, "bf16-mixed"),  # Hugging Face's GPT-2 small: its eager GELU, its own fp32 loss
+    ("hf_llama", 4, "bf16-mixed"),
 )]
 QUICK = [Case("gpt_tiny", 4, "bf16-mixed")]
 
@@ -192,7 +231,8 @@ def gpu_model(case: Case, dev):
     batch of tokens."""
     import torch
 
-    model, (idx,) = case.build()
+    model, inputs = case.build()
+    idx = inputs[0]
     shared: dict[int, list] = {}  # to_empty unties shared (tied) parameters: tie them again
     for mod in model.modules():
         for pname, p in mod.named_parameters(recurse=False):
@@ -228,8 +268,9 @@ def measure_case(case: Case, dev, steps: int, warmup: int, profile: bool) -> dic
 
     def step():
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=mixed):
-            logits = model(idx)
-        loss_of(logits).backward()
+            # a Hugging Face model's own loss, which the planner traces and prices
+            out = model(input_ids=idx, labels=target).loss if case.hf else model(idx)
+        (out if case.hf else loss_of(out)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -253,7 +294,7 @@ def measure_case(case: Case, dev, steps: int, warmup: int, profile: bool) -> dic
     times = [timed(step) for _ in range(steps)]
     peak = torch.cuda.max_memory_allocated() if cuda else math.nan
     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=mixed), torch.no_grad():
-        shape = model(idx)
+        shape = model(input_ids=idx).logits if case.hf else model(idx)
     logits = torch.randn(shape.shape, dtype=shape.dtype, device=dev, requires_grad=True)
     del shape
     loss_times = [timed(lambda: loss_of(logits).backward()) for _ in range(5)]
@@ -297,7 +338,8 @@ def profile_ops(cases, out: Path) -> None:
     for case in cases:
         model, idx = gpu_model(case, dev)
         t0 = time.perf_counter()
-        _, counts = profile_model(model, (idx,), out=out, degrees=(), precision=case.precision)
+        inputs = (idx, {"labels": idx}) if case.hf else (idx,)
+        _, counts = profile_model(model, inputs, out=out, degrees=(), precision=case.precision)
         print(f"{case.key}: profiled {counts} in {time.perf_counter() - t0:.1f} s", flush=True)
         del model
         torch.cuda.empty_cache()
@@ -374,8 +416,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="gpt_tiny, dgx-h100, measured on this machine")
+    ap.add_argument("--cases", default="", help="only the cases whose key contains this text (e.g. hf_)")
     args = ap.parse_args()
-    cases = QUICK if args.quick else CASES
+    cases = [c for c in (QUICK if args.quick else CASES) if args.cases in c.key]
     if args.part == "profile":
         if args.out is None:
             ap.error("profile writes the op profile to --out FILE")

@@ -319,8 +319,8 @@ def test_replicas_sharing_links_are_all_simulated(cl, own):
 @pytest.mark.parametrize("cl", ["dgx-h100", "cpu"])
 def test_peak_memory_without_scheduling_is_the_simulations(cl):
     """:func:`flexsearch.sim.stages.stages_peak_memory` (the search's memory check before
-    it simulates a layout: closed forms for GPipe and 1F1B uncalibrated, the lanes'
-    actions otherwise) gives exactly the simulation's largest peak, for every schedule,
+    it simulates a layout: closed forms for GPipe and 1F1B, the lanes' actions
+    otherwise) gives exactly the simulation's largest peak, for every schedule,
     checkpointing mode and optimizer sharding on random layouts."""
     import random
 

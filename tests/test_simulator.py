@@ -442,8 +442,9 @@ def test_memory_counts_optimizer_state():
     mem = {opt: Simulator(g, c, optimizer=opt).simulate(configs).memory_bytes[0]
            for opt in ("sgd", "momentum", "adam")}
     p = g.param_bytes
-    assert mem["momentum"] - mem["sgd"] == pytest.approx(p)
-    assert mem["adam"] - mem["sgd"] == pytest.approx(2 * p)
+    assert mem["momentum"] - mem["sgd"] == pytest.approx(p)  # both update in place
+    # Adam's state, and its temporaries (one copy) where the update is the peak
+    assert 2 * p <= mem["adam"] - mem["sgd"] <= 3 * p
     assert mem["sgd"] >= 2 * p  # parameters and gradients
     with pytest.raises(ValueError, match="unknown optimizer"):
         Simulator(g, c, optimizer="lamb")  # type: ignore[arg-type]

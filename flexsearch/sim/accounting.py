@@ -20,15 +20,22 @@ microbatches' activations stay stashed meanwhile), ``B`` buffers (FSDP's gathere
 parameters, a gossip snapshot and receive buffers, PipeDream's extra weight versions, a
 parameter server's accumulation buffer), ``L`` the largest parameter tensor it holds::
 
-    uncalibrated:  P + G + O + A + max(Y, W) + B
-    calibrated:    P + O + B + max(A + max(Y, W), G + w L, H + max(Y, W)) + R_mode + D
+    P + O + B + R + max(A + max(Y, W), G + U, H + max(Y, W)) + D
 
-Calibrated (:mod:`flexsearch.cost.calibration`), the peak follows the measured runtime:
-gradients are allocated as the backward frees the activations (``zero_grad`` frees
+Gradients are allocated as the backward frees the activations (``zero_grad`` frees
 them), so they share the peak with the activations rather than adding to it, together
-with the update's temporaries, ``w`` (``optimizer_working_tensors``) times the largest
-tensor; ``R_mode`` is the runtime's own allocation for the execution mode and ``D`` DDP's
-gradient buckets (a flat copy of the gradients, ``P``). ``H`` is what a pipeline stage
+with the update's temporaries ``U``; ``D`` is DDP's gradient buckets (a flat copy of the
+gradients, ``P``: ``gradient_as_bucket_view`` is off, torch's default, which the emitter
+keeps). Calibrated (:mod:`flexsearch.cost.calibration`), ``U = w L`` (``w``,
+``optimizer_working_tensors``, times the largest tensor: the update torch runs on this
+host's CPU, one tensor at a time) and ``R`` is the runtime's own allocation for the
+execution mode, both measured. Uncalibrated (the GPU presets), ``R = 0`` and ``U`` is
+what ``torch.optim``'s multi-tensor update allocates on a GPU (:data:`UPDATE_WORKING`:
+Adam's square roots of its second moments, one parameter-sized tensor per parameter).
+Until this was one formula, the uncalibrated peak added ``G`` to the activations
+(``P + G + O + A + max(Y, W) + B``, no buckets): measured on an H100
+(``benchmarks/gpu_step.py``, one GPU, Adam), that was 13% over the allocator's peak for
+GPT-2 XL and 24% over for a 1.1B Llama, by about ``G``. ``H`` is what a pipeline stage
 holds once its first backward has run: the gradients made so far and the activations of
 the microbatches still in flight (:func:`flexsearch.sim.pipeline.held_with_gradients`;
 0 outside pipelines). torch's allocator, traced by ``torch.profiler`` over a 1F1B
@@ -67,6 +74,10 @@ OPTIMIZER_STATE = {"adam": 2, "momentum": 1, "sgd": 0}
 """Optimizer state per parameter, in parameter copies."""
 UPDATE_TRAFFIC = {"adam": 18, "momentum": 8, "sgd": 3}
 """Bytes an update moves per parameter byte (module docstring)."""
+UPDATE_WORKING = {"adam": 1, "momentum": 0, "sgd": 0}
+"""Temporaries of an uncalibrated update, in copies of the parameters it updates:
+``_multi_tensor_adam``'s ``_foreach_sqrt`` of the second moments makes a new tensor per
+parameter; momentum and SGD update in place (no weight decay) (module docstring)."""
 
 
 def param_copies(optimizer: str) -> float:
@@ -108,23 +119,28 @@ class DeviceMemory:
     held_with_grads: float = 0.0
     """``H``: a pipeline stage's gradients and kept activations at once, after its first
     backward (module docstring)."""
+    update_working: float = 0.0
+    """``U``: the uncalibrated update's temporaries (:data:`UPDATE_WORKING` times the
+    parameters the device updates)."""
 
     @classmethod
     def replicated(cls, params: float, activations: float, optimizer: str, *, largest: float = 0.0,
                    buffers: float = 0.0, grad_buckets: float = 0.0, loss_grad: float = 0.0) -> DeviceMemory:
         """A device that holds ``params`` with their gradients and optimizer state."""
         return cls(params, params, OPTIMIZER_STATE[optimizer] * params, activations, largest, buffers, grad_buckets,
-                   loss_grad)
+                   loss_grad, update_working=UPDATE_WORKING[optimizer] * params)
 
 
 def peak_bytes(m: DeviceMemory, calibration: DeviceCalibration | None, mode: Mode) -> float:
     """The device's peak memory (module docstring)."""
     backward = max(m.loss_grad, m.grad_working)
     if calibration is None:
-        return m.params + m.grads + m.optimizer + m.activations + m.rebuilt + backward + m.buffers
-    working = m.grads + calibration.optimizer_working_tensors.value * m.largest
+        working, runtime = m.grads + m.update_working, 0.0
+    else:
+        working = m.grads + calibration.optimizer_working_tensors.value * m.largest
+        runtime = calibration.runtime(mode)
     held = m.held_with_grads + m.rebuilt + backward if m.held_with_grads else 0.0
-    return (m.params + m.optimizer + m.buffers + calibration.runtime(mode)
+    return (m.params + m.optimizer + m.buffers + runtime
             + max(m.activations + m.rebuilt + backward, working, held) + m.grad_buckets)
 
 

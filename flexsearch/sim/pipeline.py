@@ -79,6 +79,7 @@ from typing import Literal
 
 from flexsearch.sim.accounting import (
     OPTIMIZER_STATE,
+    UPDATE_WORKING,
     DeviceMemory,
     check_optimizer,
     peak_bytes,
@@ -499,6 +500,7 @@ def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: Pipeli
     return [replace(DeviceMemory.replicated(params[d], acts[d], optimizer, largest=largest[d], buffers=buffers[d],
                                             loss_grad=loss[d]),
                     optimizer=OPTIMIZER_STATE[optimizer] * params[d] / shards[d],
+                    update_working=UPDATE_WORKING[optimizer] * params[d] / shards[d],
                     rebuilt=rebuilt[d], grad_working=grads[d], held_with_grads=held[d]) for d in range(devices)]
 
 
@@ -534,11 +536,17 @@ def peak_memory(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLa
     actions), so replica 0's lanes are walked."""
     check_optimizer(optimizer)
     p, m = len(layout.ranks), layout.microbatches
-    if ctx.calibration is None and layout.schedule in ("gpipe", "1f1b"):
+    if layout.schedule in ("gpipe", "1f1b") and layout.chunks == 1:
         # closed forms (:func:`~flexsearch.strategy.schedules.rank_actions`): rank r runs
-        # stage r with m (GPipe) or min(m, p - r) (1F1B) microbatches in flight; H counts
-        # only in the calibrated peak
-        occupied = {(r, 0): ({r: m if layout.schedule == "gpipe" else min(m, p - r)}, 0.0) for r in range(p)}
+        # stage r with w = m (GPipe) or min(m, p - r) (1F1B) warm-up forwards, so w
+        # microbatches in flight; at its first backward it holds the stage's gradients and
+        # w - 1 stashes, and w again if a forward follows (m > w): H of
+        # :func:`held_with_gradients`
+        occupied = {}
+        for r in range(p):
+            w = m if layout.schedule == "gpipe" else min(m, p - r)
+            kept = w if m > w else w - 1
+            occupied[(r, 0)] = ({r: w}, costs[r].param_bytes + kept * costs[r].stash_bytes)
     else:
         by_lane = lanes(layout)
         if not layout.asynchronous:

@@ -51,6 +51,7 @@ from flexsearch.cost.hardware import Cluster
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.sim.accounting import (
     OPTIMIZER_STATE,
+    UPDATE_WORKING,
     DeviceMemory,
     check_optimizer,
     peak_bytes,
@@ -503,7 +504,7 @@ class Simulator:
         terms = [DeviceMemory(params[d], params[d], OPTIMIZER_STATE[self.optimizer] * owned[d], acts[d], largest[d],
                               unsharded, params[d] if buckets_held else 0.0, loss_grad.get(d, 0.0),
                               working.get(d, 0.0),  # checkpointing: one unit's activations rebuilt at a time
-                              backward.get(d, 0.0))
+                              backward.get(d, 0.0), update_working=UPDATE_WORKING[self.optimizer] * owned[d])
                  for d in range(width)]
         memory = [peak_bytes(m, cal, mode) for m in terms]
         if replica is not None:  # every replica's figures are the first's

@@ -123,6 +123,7 @@ CASES = [Case(*c) for c in (
     ("gpt2_small", 32, "bf16-mixed"),  # the main job's batch per device (512 over 16 GPUs)
     ("gpt2_medium", 8, "bf16-mixed"),
     ("gpt2_xl", 4, "bf16-mixed"),
+    ("gpt2_xl", 1, "bf16-mixed"),  # peak at the update: the parameters' state outweighs the activations
     ("gpt2_small", 8, "tf32"),
     ("gpt2_small", 8, "bf16-mixed", 50304),  # nanoGPT's padded vocabulary: the LM head's GEMMs aligned
     ("gpt2_small", 8, "tf32", 50304),

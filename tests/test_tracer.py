@@ -334,3 +334,33 @@ def test_hf_style_kwargs_and_dict_output():
 def test_not_a_module():
     with pytest.raises(TraceError, match="nn.Module"):
         trace(lambda x: x, (torch.zeros(1),))
+
+
+def test_exported_graphs_run_on_cpu_whatever_device_the_model_was_on():
+    """An exported graph bakes the model's device into the tensors its ops create; on a
+    GPU (``flexsearch profile`` of a Hugging Face GPT-2 on an H100: ``found two different
+    devices cpu, cuda:0`` at its position embedding) that was ``cuda:0`` while the tracer
+    measures on fake CPU tensors. Every device, as a ``torch.device`` or a string, becomes
+    ``cpu``; other strings stay."""
+    from flexsearch.graph.lift import _devices_to_cpu
+
+    class Positions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wpe = nn.Embedding(16, 4)
+
+        def forward(self, x):
+            return self.wpe(torch.arange(x.shape[1], device=x.device)) + x
+
+    gm = torch.export.export(Positions(), (torch.randn(2, 8, 4),), strict=False).module()
+    made = [n for n in gm.graph.nodes if n.op == "call_function" and "device" in n.kwargs]
+    assert made
+    for n, dev in zip(made, [torch.device("cuda", 0), "cuda:0", "meta"] * len(made), strict=False):
+        n.kwargs = {**n.kwargs, "device": dev}  # as exported on a GPU (no GPU here)
+    gm.recompile()
+    _devices_to_cpu(gm)
+    assert all(n.kwargs["device"] == torch.device("cpu") for n in made)
+    assert gm(torch.randn(2, 8, 4)).shape == (2, 8, 4)
+    from flexsearch.graph.lift import DEVICE_NAME  # strings like "mean" are not devices
+
+    assert DEVICE_NAME.fullmatch("cuda:1") and DEVICE_NAME.fullmatch("meta") and not DEVICE_NAME.fullmatch("mean")

@@ -65,10 +65,12 @@ def lift(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, s
             raise TraceError(failure_line(fx_error, export_error)) from export_error
         gm = ep.graph_module
         _drop_checks(gm)
-        _meta_to_cpu(gm)
+        _devices_to_cpu(gm)
         return gm, "export", export_inputs(ep, model, args, kwargs)
 
 
+DEVICE_NAME = re.compile(r"(meta|cuda|mps|xpu|hpu)(:\d+)?")
+"""A device written as a string in an op's arguments (other strings are left alone)."""
 CHECKS = ("aten._assert_tensor_metadata", "aten._assert_scalar", "aten.sym_constrain_range_for_size")
 """Ops ``torch.export`` inserts to check what it assumed (an input's dtype before a
 ``.to()``): they compute nothing, and fail under autocast (a bf16 matmul output where
@@ -149,11 +151,12 @@ def training_outputs(model: nn.Module, kwargs: dict, notes: list[str]) -> Iterat
             c.use_cache = True
 
 
-def _meta_to_cpu(gm: fx.GraphModule) -> None:
-    """A model built on the meta device exports with ``device=meta`` baked into the
-    tensors its ops create (``arange``, ``ones``; also inside higher-order ops'
-    sub-graphs); the tracer measures on fake CPU tensors, so those become ``cpu``."""
-    meta = torch.device("meta")
+def _devices_to_cpu(gm: fx.GraphModule) -> None:
+    """A model exports with its device baked into the tensors its ops create (``arange``,
+    ``ones``; also inside higher-order ops' sub-graphs): ``meta`` for a model built
+    there, ``cuda:0`` for one on a GPU (``flexsearch profile`` there). The tracer
+    measures on fake CPU tensors, so every device becomes ``cpu``."""
+    cpu_device = torch.device("cpu")
     for m in gm.modules():
         if not isinstance(m, fx.GraphModule):
             continue
@@ -161,9 +164,11 @@ def _meta_to_cpu(gm: fx.GraphModule) -> None:
 
         def cpu(v):
             nonlocal changed
-            if (isinstance(v, torch.device) and v == meta) or (isinstance(v, str) and v == "meta"):
+            if isinstance(v, str) and DEVICE_NAME.fullmatch(v):
+                v = torch.device(v)
+            if isinstance(v, torch.device) and v.type != "cpu":
                 changed = True
-                return torch.device("cpu")
+                return cpu_device
             if isinstance(v, (tuple, list)):
                 return type(v)(cpu(x) for x in v)
             return v

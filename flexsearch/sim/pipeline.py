@@ -35,7 +35,10 @@ The simulation has three parts, each a function over the same inputs:
   rebuilds one microbatch's activations, ``R``, during its backward; ``W`` one
   microbatch's backward gradients above its kept activations; ``H`` the most it holds in
   gradients and stashed microbatches at once after its first backward,
-  :func:`held_with_gradients`), summed into
+  :func:`held_with_gradients`; on the stage that returns the output, the loss's saved
+  fp32 copy of a lower-precision output once per microbatch in flight, since torch's
+  pipelining computes each microbatch's loss in its forward action and keeps it to the
+  backward: :func:`microbatch_bytes`), summed into
   :func:`flexsearch.sim.accounting.peak_bytes`; PipeDream adds one weight version per
   extra minibatch in flight, ``P (q - 1)``, as a buffer. Not counted: the stages' receive
   buffers, for the activation a stage receives and for its output's gradient. torch 2.13's
@@ -110,6 +113,9 @@ class StageCost:
     """The largest parameter tensor per device (a calibrated update's temporaries)."""
     loss_bytes: float = 0.0
     """What the loss holds over one microbatch's output (the stage that returns it)."""
+    loss_copy_bytes: float = 0.0
+    """The part of it the loss saves until that microbatch's backward (the fp32 copy of
+    a lower-precision output): kept once per microbatch in flight."""
     grad_working_bytes: float = 0.0
     """``W``: one microbatch's backward gradients above its kept activations
     (:func:`flexsearch.sim.taskgraph.backward_working`)."""
@@ -463,9 +469,14 @@ Occupancy = tuple[Mapping[int, int], float]
 def occupancy(by_lane: Mapping[tuple[int, int], Sequence[Action]],
               costs: Sequence[StageCost]) -> dict[tuple[int, int], Occupancy]:
     """Each lane's :data:`Occupancy`, walking its actions."""
-    stash = {s: c.stash_bytes for s, c in enumerate(costs)}
+    stash = {s: microbatch_bytes(c) for s, c in enumerate(costs)}
     stage_grads = {s: c.param_bytes for s, c in enumerate(costs)}
     return {lane: (in_flight(acts), held_with_gradients(acts, stash, stage_grads)) for lane, acts in by_lane.items()}
+
+
+def microbatch_bytes(c: StageCost) -> float:
+    """What a stage keeps per microbatch in flight: its stash and the loss's saved copy."""
+    return c.stash_bytes + c.loss_copy_bytes
 
 
 def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLayout, optimizer: str,
@@ -490,7 +501,7 @@ def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: Pipeli
             c_s = costs[s]
             for d in layout.ranks[r][i]:
                 params[d] += c_s.param_bytes
-                acts[d] += c_s.stash_bytes * q
+                acts[d] += c_s.stash_bytes * q + c_s.loss_copy_bytes * (q - 1)  # the one run backward: in Y
                 rebuilt[d] += c_s.working_bytes
                 loss[d] = max(loss[d], c_s.loss_bytes)
                 grads[d] = max(grads[d], c_s.grad_working_bytes)
@@ -546,7 +557,7 @@ def peak_memory(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLa
         for r in range(p):
             w = m if layout.schedule == "gpipe" else min(m, p - r)
             kept = w if m > w else w - 1
-            occupied[(r, 0)] = ({r: w}, costs[r].param_bytes + kept * costs[r].stash_bytes)
+            occupied[(r, 0)] = ({r: w}, costs[r].param_bytes + kept * microbatch_bytes(costs[r]))
     else:
         by_lane = lanes(layout)
         if not layout.asynchronous:

@@ -42,6 +42,7 @@ from flexsearch.sim.taskgraph import (
     activation_split,
     backward_working,
     grad_bytes,
+    loss_copy_bytes,
     loss_held_bytes,
     loss_operands,
 )
@@ -74,6 +75,9 @@ class NodeCost:
     grad_bytes: float = 0.0
     """The gradient buffer of its output share in the backward
     (:func:`~flexsearch.sim.taskgraph.grad_bytes`)."""
+    loss_copy_bytes: float = 0.0
+    """The part of ``loss_bytes`` the loss saves per microbatch
+    (:func:`~flexsearch.sim.taskgraph.loss_copy_bytes`)."""
 
 
 def _span(tasks) -> float:
@@ -118,7 +122,8 @@ def node_costs(graph: OpGraph, configs: Mapping[str, Config], ctx: CostContext) 
             share, grad = node.output_bytes / split, grad_bytes(node) / split
             hit = memo[key] = NodeCost(_span(fw), _span(bw), frag.params.get(0, 0.0), frag.activations.get(0, 0.0),
                                        frag.tensors.get(0, 0), frag.largest.get(0, 0.0), frag.cast.get(0, 0.0),
-                                       share, loss_held_bytes(node, share) if node.name in returned else 0.0, grad)
+                                       share, loss_held_bytes(node, share) if node.name in returned else 0.0, grad,
+                                       loss_copy_bytes(node, share) if node.name in returned else 0.0)
         out[node.name] = hit
     return out
 
@@ -202,6 +207,7 @@ def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float],
         tensors=sum(costs[i].tensors for i in seg),
         largest_param_bytes=max((costs[i].largest_param_bytes for i in seg), default=0.0),
         loss_bytes=sum(costs[i].loss_bytes for i in seg),
+        loss_copy_bytes=sum(costs[i].loss_copy_bytes for i in seg),
         grad_working_bytes=backward_working(per_node, [costs[i].grad_bytes for i in seg], cuts[a] if a else 0.0),
     )
 

@@ -198,6 +198,17 @@ def loss_held_bytes(node: OpNode, share: float) -> float:
     return fp32 * (2 if size < 4 else 1)
 
 
+def loss_copy_bytes(node: OpNode, share: float) -> float:
+    """The part of :func:`loss_held_bytes` a loss saves for its backward: the fp32 copy of
+    a lower-precision output share (0 for an fp32 output, which it saves as it is and
+    the runtime keeps anyway). A pipeline keeps one per microbatch in flight on the
+    stage that returns the output (:func:`flexsearch.sim.pipeline.pipeline_memory`)."""
+    if not node.outputs:
+        return 0.0
+    size = dtype_size(node.outputs[0].dtype)
+    return share * 4 / size if size < 4 else 0.0
+
+
 def activation_split(c: Config) -> int:
     """Into how many pieces a node's activations are split under ``c`` (its sample
     split, times its attribute or parameter split)."""

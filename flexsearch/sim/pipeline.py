@@ -519,7 +519,8 @@ def held_with_gradients(actions: Sequence[Action], stash: Mapping[int, float], g
     """The most one lane holds in gradients and kept activations at once, once its first
     backward has run (``H`` of :mod:`flexsearch.sim.accounting`; 0 before): walking its
     actions in order, at each backward the gradients of every stage that has begun its
-    backward and the stashes (``stash[s]`` bytes per microbatch) of the microbatches in
+    backward and the stashes (``stash[s]`` bytes per microbatch, the loss's saved copy
+    included: :func:`microbatch_bytes`) of the microbatches in
     flight but the one being run backward (whose activations the backward frees as it
     makes the gradients: ``W``), and after each later forward the same with the new
     microbatch's stash."""

@@ -88,6 +88,12 @@ def precision(name: str) -> Precision:
         raise ValueError(f"unknown precision {name!r}; use auto or one of {', '.join(NAMES)}") from None
 
 
+def bf16_tensor_cores(device) -> bool:
+    """Does ``device`` (a :class:`~flexsearch.cost.hardware.DeviceSpec`) run bf16 on
+    matrix units: a bf16 peak at least twice its fp32 peak?"""
+    return device.peak("bfloat16") >= 2 * device.peak("float32")
+
+
 def resolve(name: str, device) -> tuple[Precision, str]:
     """``(precision, why)`` for ``name`` on ``device`` (a
     :class:`~flexsearch.cost.hardware.DeviceSpec`): ``auto`` is ``bf16-mixed`` on a device
@@ -96,7 +102,7 @@ def resolve(name: str, device) -> tuple[Precision, str]:
         return precision(name), "chosen"
     bf16, fp32 = device.peak("bfloat16"), device.peak("float32")
     ratio = bf16 / fp32
-    if ratio >= 2:
+    if bf16_tensor_cores(device):
         return _PRECISIONS["bf16-mixed"], (f"auto: {device.name} runs bf16 at {bf16 / 1e12:.0f} TFLOP/s, "
                                            f"{ratio:.0f}x its fp32 peak (tensor cores)")
     return FP32, (f"auto: {device.name} has no bf16 tensor cores (bf16 peak {ratio:.1f}x its fp32 peak); "

@@ -25,7 +25,7 @@ Pipelines, which ``MemTracker`` refuses (it raises ``NotImplementedError`` for a
 called more than once per iteration, which a stage is, once per microbatch), are checked
 by their peak per device against torch's allocator instead, read from ``torch.profiler``'s
 memory events (GPipe, 1F1B and interleaved 1F1B on 2 ranks, both precisions), less the
-stages' receive buffers (which the model leaves out: :mod:`flexsearch.sim.pipeline`; the
+stages' receive buffers (which the model leaves out: :mod:`flexsearch.sim.pipeline_memory`; the
 emitter keeps one per microbatch it may still need, checked here per stage,
 :func:`flexsearch.emit.staged.receive_buffers`): -8.0% to +2.1% but one known miss
 (:data:`PIPELINE_MISSES`); a 1F1B pipeline of 2 replicas on 4 ranks the same way, its
@@ -195,7 +195,7 @@ Three more (bf16-mixed: GPipe -15.4%,
 saved by the MSE): torch.distributed.pipelining computes each microbatch's loss in its
 forward action and keeps it to the backward, so the copy stays once per microbatch in
 flight, where the model counted it once (``Y``). It counts it per microbatch now
-(:func:`flexsearch.sim.taskgraph.loss_copy_bytes`, in the stash and in ``H``): -3.8%,
+(:func:`flexsearch.sim.footprint.loss_copy_bytes`, in the stash and in ``H``): -3.8%,
 -2.4%, -2.9%."""
 
 
@@ -316,7 +316,7 @@ def test_pipeline_peak_memory_matches_torchs_allocator(precision):
     allocator's peak (``torch.profiler``'s memory events) less the stages' receive buffers
     (not modelled) within :data:`ACTIVATION_RTOL`.
     Gradients stay while later microbatches are in flight (``H``,
-    :func:`flexsearch.sim.pipeline.held_with_gradients`): without that term the fidelity
+    :func:`flexsearch.sim.pipeline_memory.held_with_gradients`): without that term the fidelity
     benchmark's GPT was predicted at 30.9 MB on its first 1F1B stage, which allocated
     37.8 MB."""
     from flexsearch.cost.calibration import load_calibration_file

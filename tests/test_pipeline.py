@@ -27,12 +27,9 @@ from flexsearch.search.pipeline import (
 )
 from flexsearch.search.planner import plan_graph
 from flexsearch.sim.context import CostContext
-from flexsearch.sim.pipeline import (
-    PipelineLayout,
-    StageCost,
-    held_with_gradients,
-    simulate_pipeline,
-)
+from flexsearch.sim.pipeline import simulate_pipeline
+from flexsearch.sim.pipeline_layout import PipelineLayout, StageCost
+from flexsearch.sim.pipeline_memory import held_with_gradients
 from flexsearch.strategy.schedules import rank_actions
 
 CTX = CostContext(Cluster.preset("dgx-h100", 16))
@@ -236,7 +233,7 @@ def test_backward_working_set():
     """``W``: backpropagating node i, the activations of the nodes before it are still
     kept and the gradients of its output and input are alive; a view's gradient is its
     consumer's (no buffer of its own)."""
-    from flexsearch.sim.taskgraph import backward_working
+    from flexsearch.sim.footprint import backward_working
 
     assert backward_working([10, 10, 10], [4, 4, 4]) == 8.0
     assert backward_working([10, 10, 10], [4, 0, 4]) == 4.0

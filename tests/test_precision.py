@@ -22,8 +22,8 @@ from flexsearch.graph.tracer import trace
 from flexsearch.precision import NAMES, precision, resolve
 from flexsearch.search.planner import plan_graph
 from flexsearch.sim.context import CostContext
+from flexsearch.sim.footprint import cast_copy_bytes
 from flexsearch.sim.predict import predict
-from flexsearch.sim.taskgraph import cast_copy_bytes
 
 GPT = str(ROOT / "benchmarks/models/gpt.py:gpt_tiny")
 MLP = str(ROOT / "benchmarks/models/mlp.py:mlp_tiny")

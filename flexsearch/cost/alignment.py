@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from flexsearch.cost.hardware import Cluster
 from flexsearch.graph.opgraph import OpGraph, OpNode
-from flexsearch.precision import Precision
+from flexsearch.precision import Precision, bf16_tensor_cores
 
 ALIGN_BYTES = 16
 """Tensor cores' operand vector width (the user's guide cited above)."""
@@ -31,11 +31,10 @@ _BYTES = {"bfloat16": 2, "float16": 2, "tf32": 4}
 
 
 def has_tensor_cores(cluster: Cluster) -> bool:
-    """GPUs (devices not sharing a host's memory) whose bf16 peak is at least twice their
-    fp32 peak, the test ``--precision auto`` uses. A CPU's matrix units (AMX) pass that
-    test but are not what was measured."""
-    device = cluster.device
-    return cluster.spec.intra_node.kind != "shared-memory" and device.peak("bfloat16") >= 2 * device.peak("float32")
+    """GPUs (devices not sharing a host's memory) with bf16 matrix units, by the test
+    ``--precision auto`` uses (:func:`flexsearch.precision.bf16_tensor_cores`). A CPU's
+    matrix units (AMX) pass that test but are not what was measured."""
+    return cluster.spec.intra_node.kind != "shared-memory" and bf16_tensor_cores(cluster.device)
 
 
 def gemm_rows(graph: OpGraph, node: OpNode) -> tuple[int, int] | None:

@@ -8,7 +8,7 @@ another node's output (or this op's own), which marks that storage saved, or a t
 the op made and keeps internally (a dropout mask, a norm's statistics, autocast's
 low-precision copy of an activation), counted for the op. Parameters and buffers are
 state, not activations; autocast's copies of weights are costed apart
-(``flexsearch.sim.taskgraph.cast_copy_bytes``). A node's saved bytes are its owned
+(``flexsearch.sim.footprint.cast_copy_bytes``). A node's saved bytes are its owned
 storages some op saved (or the model returns) plus what it saved internally.
 
 A recurrent layer is traced decomposed (matmuls and pointwise ops the FLOP counter

@@ -55,7 +55,7 @@ from flexsearch.sim.decentralized import (
     simulate_gossip,
     simulate_parameter_server,
 )
-from flexsearch.sim.pipeline import StageCost
+from flexsearch.sim.pipeline_layout import StageCost
 from flexsearch.sim.result import Simulation
 from flexsearch.sim.stages import replica_cost
 from flexsearch.strategy.kinds import Decentralized

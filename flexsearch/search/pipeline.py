@@ -45,7 +45,8 @@ from flexsearch.search.clock import past
 from flexsearch.search.partition import Chain, Level, Memory, partition
 from flexsearch.sim.accounting import param_copies
 from flexsearch.sim.context import CostContext
-from flexsearch.sim.pipeline import PipelineLayout, simulate_pipeline
+from flexsearch.sim.pipeline import simulate_pipeline
+from flexsearch.sim.pipeline_layout import PipelineLayout
 from flexsearch.sim.predict import predict
 from flexsearch.sim.result import Simulation
 from flexsearch.sim.stages import (

@@ -15,7 +15,7 @@ output-sized tensor the loss holds (its gradient of the output; measured with
 ``MemTracker``, a loss over the output also holds one output-sized tensor at its
 peak: ``tests/test_memory_tracker.py``),
 ``W`` a backward's gradient buffers above the activations it still keeps
-(:func:`flexsearch.sim.taskgraph.backward_working`: in a pipeline stage, other
+(:func:`flexsearch.sim.footprint.backward_working`: in a pipeline stage, other
 microbatches' activations stay stashed meanwhile), ``B`` buffers (FSDP's gathered
 parameters, a gossip snapshot and receive buffers, PipeDream's extra weight versions, a
 parameter server's accumulation buffer), ``L`` the largest parameter tensor it holds::
@@ -37,7 +37,7 @@ Until this was one formula, the uncalibrated peak added ``G`` to the activations
 (``benchmarks/gpu_step.py``, one GPU, Adam), that was 13% over the allocator's peak for
 GPT-2 XL and 24% over for a 1.1B Llama, by about ``G``. ``H`` is what a pipeline stage
 holds once its first backward has run: the gradients made so far and the activations of
-the microbatches still in flight (:func:`flexsearch.sim.pipeline.held_with_gradients`;
+the microbatches still in flight (:func:`flexsearch.sim.pipeline_memory.held_with_gradients`;
 0 outside pipelines). torch's allocator, traced by ``torch.profiler`` over a 1F1B
 step of GPT-tiny on two stages, peaked at 37.8 MB on the first stage where ``max(A +
 max(Y, W), G + w L)`` gave 30.9 MB: after the first backward the stage holds its
@@ -114,7 +114,7 @@ class DeviceMemory:
     with the activations)."""
     grad_working: float = 0.0
     """``W``: one backward's gradient buffers above the activations still kept
-    (:func:`flexsearch.sim.taskgraph.backward_working`); the peak takes the larger of
+    (:func:`flexsearch.sim.footprint.backward_working`); the peak takes the larger of
     it and ``Y``."""
     held_with_grads: float = 0.0
     """``H``: a pipeline stage's gradients and kept activations at once, after its first

@@ -2,7 +2,7 @@
 iterations as tasks for the shared list scheduler.
 
 Every rank ``i`` of ``n`` (device ``i``) holds a whole model replica and trains on its
-slice of the global batch. The caller gives one :class:`~flexsearch.sim.pipeline.StageCost`
+slice of the global batch. The caller gives one :class:`~flexsearch.sim.pipeline_layout.StageCost`
 for that replica: forward and backward time of the ``B / n`` slice, the parameter bytes
 ``P`` and the activation bytes kept for the backward (``stash_bytes``); the search
 (:func:`flexsearch.sim.stages.replica_cost`) costs it exactly as the
@@ -82,7 +82,8 @@ from flexsearch.sim.accounting import (
     update_s,
 )
 from flexsearch.sim.context import CostContext
-from flexsearch.sim.pipeline import PipelineLayout, StageCost, simulate_pipeline
+from flexsearch.sim.pipeline import simulate_pipeline
+from flexsearch.sim.pipeline_layout import PipelineLayout, StageCost
 from flexsearch.sim.result import Simulation
 from flexsearch.sim.tasks import Task, busy_compute, run_tasks
 from flexsearch.strategy.topology import Topology

@@ -4,11 +4,12 @@ A pipeline of ``S`` stages runs on ``p`` pipeline ranks (``S = p v``: an interle
 schedule gives each rank ``v`` chunks, stage ``s`` on rank ``s mod p``). Each rank is
 replicated: a tuple of replicas, each a group of devices running the stage in lockstep
 (tensor parallel inside; one device for a plain stage). Per stage the caller gives a
-:class:`StageCost`: forward and backward time of one microbatch on one replica, the
+:class:`~flexsearch.sim.pipeline_layout.StageCost`: forward and backward time of one microbatch on one replica, the
 parameter and stashed-activation bytes per device, and the activation bytes one replica
 sends to the next stage per microbatch.
 
-The simulation has three parts, each a function over the same inputs:
+The simulation has three parts, each a function over the same inputs (the stage costs and
+the :class:`~flexsearch.sim.pipeline_layout.PipelineLayout`):
 
 - **compute and transfers** (:func:`action_tasks`): for every action of the schedule
   (:mod:`flexsearch.strategy.schedules`) a forward or backward task on the replica's
@@ -28,28 +29,8 @@ The simulation has three parts, each a function over the same inputs:
   optimizer state), then the replicas all-gather the updated parameters, one
   all-gather per tensor-parallel rank (calibrated: with ``ZeroRedundancyOptimizer``'s
   cost per parameter tensor and per step, the op-level ZeRO-1's terms);
-- **memory** (:func:`pipeline_memory`), per device: for each stage it hosts, ``P``
-  its parameter bytes, ``A q + R`` activations (``A`` stashed per microbatch, ``q`` the
-  peak number of microbatches in flight on it under the schedule, ``R`` the working
-  bytes: activation recomputation keeps only each microbatch's stage input, ``A``, and
-  rebuilds one microbatch's activations, ``R``, during its backward; ``W`` one
-  microbatch's backward gradients above its kept activations; ``H`` the most it holds in
-  gradients and stashed microbatches at once after its first backward,
-  :func:`held_with_gradients`; on the stage that returns the output, the loss's saved
-  fp32 copy of a lower-precision output once per microbatch in flight, since torch's
-  pipelining computes each microbatch's loss in its forward action and keeps it to the
-  backward: :func:`microbatch_bytes`), summed into
-  :func:`flexsearch.sim.accounting.peak_bytes`; PipeDream adds one weight version per
-  extra minibatch in flight, ``P (q - 1)``, as a buffer. Not counted: the stages' receive
-  buffers, for the activation a stage receives and for its output's gradient. torch 2.13's
-  ``PipelineStage`` makes one per microbatch each way and keeps them, memory linear in the
-  replica's batch (counted so, they made every layout of GPT-3 175B on 1024 H100s and of
-  Megatron's 1T row overflow 80 GB); the emitter keeps only those a microbatch in flight
-  may still need (:class:`flexsearch.emit.staged.ReusedBuffersStage`: under 1F1B the
-  stage's warm-up count of activations and one gradient; under GPipe every microbatch's
-  activation and one gradient; interleaved, torch's one per microbatch), a received
-  activation being what a checkpointed stage keeps of the microbatch (``A``). On the
-  zoo's tiny GPT they are 0.02-0.59 MB of a 2-4 MB peak (``tests/test_memory_tracker.py``).
+- **memory** (:mod:`flexsearch.sim.pipeline_memory`), per device, from each lane's
+  actions.
 
 The iteration time of a **synchronous schedule** (``gpipe``, ``1f1b``,
 ``interleaved``: every replica runs the whole schedule on its share of the batch) is
@@ -75,89 +56,21 @@ Dependencies are typed keys (:class:`Step`, :class:`Synced`, :class:`TiedSynced`
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
 from flexsearch.sim.accounting import (
-    OPTIMIZER_STATE,
-    UPDATE_WORKING,
-    DeviceMemory,
     check_optimizer,
     peak_bytes,
-    stage_largest,
     update_s,
 )
 from flexsearch.sim.context import CostContext, collective_task
+from flexsearch.sim.pipeline_layout import PipelineLayout, StageCost, lanes
+from flexsearch.sim.pipeline_memory import occupancy, pipeline_memory
 from flexsearch.sim.result import Simulation
 from flexsearch.sim.tasks import Task, busy_compute, run_tasks
-from flexsearch.strategy.schedules import Action, in_flight, rank_actions, warmup_then_alternate
-
-
-@dataclass(frozen=True)
-class StageCost:
-    """One stage's costs (module docstring); times in seconds, sizes in bytes per device."""
-
-    forward_s: float
-    backward_s: float
-    param_bytes: float
-    stash_bytes: float
-    send_bytes: float
-    working_bytes: float = 0.0
-    """Bytes needed once, whatever the microbatches in flight (with activation
-    recomputation: one microbatch's activations, rebuilt during its backward)."""
-    tensors: int = 0
-    """Parameter tensors per device (a calibrated update pays a fixed cost per tensor)."""
-    largest_param_bytes: float = 0.0
-    """The largest parameter tensor per device (a calibrated update's temporaries)."""
-    loss_bytes: float = 0.0
-    """What the loss holds over one microbatch's output (the stage that returns it)."""
-    loss_copy_bytes: float = 0.0
-    """The part of it the loss saves until that microbatch's backward (the fp32 copy of
-    a lower-precision output): kept once per microbatch in flight."""
-    grad_working_bytes: float = 0.0
-    """``W``: one microbatch's backward gradients above its kept activations
-    (:func:`flexsearch.sim.taskgraph.backward_working`)."""
-
-
-@dataclass(frozen=True)
-class PipelineLayout:
-    """Where a pipeline runs: ``ranks[r][i]`` = the devices of replica ``i`` of pipeline
-    rank ``r``; ``units`` = how many schedule microbatches make one iteration (the
-    microbatch count for a synchronous schedule; the minibatches per global batch for
-    PipeDream, whose window is ``microbatches`` long)."""
-
-    schedule: str
-    microbatches: int
-    ranks: tuple[tuple[tuple[int, ...], ...], ...]
-    chunks: int = 1
-    units: int | None = None
-    tied: tuple[tuple[int, int, float], ...] = ()
-    """(stage a, stage b, gradient bytes per device) of weights both stages hold."""
-    shard: str = "none"
-    """``zero1``: optimizer state sharded over each rank's replicas (module docstring)."""
-
-    def shards(self, device_rank: int) -> int:
-        """Over how many devices pipeline rank ``device_rank``'s optimizer state is
-        sharded: its replicas under ``zero1``, else 1."""
-        return len(self.ranks[device_rank]) if self.shard == "zero1" else 1
-
-    @property
-    def stages(self) -> int:
-        return len(self.ranks) * self.chunks
-
-    @property
-    def asynchronous(self) -> bool:
-        return self.schedule == "pipedream"
-
-    def rank_of(self, stage: int) -> int:
-        return stage % len(self.ranks)
-
-    def replicas(self, stage: int) -> tuple[tuple[int, ...], ...]:
-        """The device groups of ``stage``'s replicas."""
-        return self.ranks[self.rank_of(stage)]
-
+from flexsearch.strategy.schedules import Action
 
 # ----------------------------------------------------------------------------- keys
 
@@ -209,32 +122,6 @@ class Updated:
     device: int = -1
     stage: int = -1
     microbatch: int = -1
-
-
-# ----------------------------------------------------------------------------- lanes
-
-
-def lanes(layout: PipelineLayout) -> dict[tuple[int, int], tuple[Action, ...]]:
-    """(rank, replica) -> the actions that replica runs."""
-    p, m = len(layout.ranks), layout.microbatches
-    out: dict[tuple[int, int], tuple[Action, ...]] = {}
-    if not layout.asynchronous:
-        per_rank = rank_actions(layout.schedule, p, m, chunks=layout.chunks)
-        for r, reps in enumerate(layout.ranks):
-            for i in range(len(reps)):
-                out[(r, i)] = per_rank[r]
-        return out
-    if layout.chunks != 1:
-        raise ValueError("the pipedream schedule has one chunk per rank")
-    sizes = [len(reps) for reps in layout.ranks]
-    for r, n in enumerate(sizes):
-        noam = math.ceil(sum(sizes[r:]) / n)
-        for i in range(n):
-            mine = [j for j in range(m) if j % n == i]
-            fw = [Action(r, "F", j) for j in mine]
-            bw = [Action(r, "B", j) for j in mine]
-            out[(r, i)] = warmup_then_alternate(fw, bw, min(noam, len(mine)))
-    return out
 
 
 # ----------------------------------------------------------------------------- tasks
@@ -458,115 +345,6 @@ def _zero1_gathers(ctx: CostContext, layout: PipelineLayout, held: Sequence[floa
                             + cal.step("zero1"))
             out.append(t)
     return out
-
-
-Occupancy = tuple[Mapping[int, int], float]
-"""What memory needs of a lane's actions: per stage the peak microbatches in flight
-(:func:`~flexsearch.strategy.schedules.in_flight`), and ``H``
-(:func:`held_with_gradients`)."""
-
-
-def occupancy(by_lane: Mapping[tuple[int, int], Sequence[Action]],
-              costs: Sequence[StageCost]) -> dict[tuple[int, int], Occupancy]:
-    """Each lane's :data:`Occupancy`, walking its actions."""
-    stash = {s: microbatch_bytes(c) for s, c in enumerate(costs)}
-    stage_grads = {s: c.param_bytes for s, c in enumerate(costs)}
-    return {lane: (in_flight(acts), held_with_gradients(acts, stash, stage_grads)) for lane, acts in by_lane.items()}
-
-
-def microbatch_bytes(c: StageCost) -> float:
-    """What a stage keeps per microbatch in flight: its stash and the loss's saved copy."""
-    return c.stash_bytes + c.loss_copy_bytes
-
-
-def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLayout, optimizer: str,
-                    by_lane: Mapping[tuple[int, int], Occupancy]) -> list[DeviceMemory]:
-    """The memory terms per device (module docstring), for :func:`peak_bytes`, from each
-    lane's :data:`Occupancy`."""
-    devices = ctx.cluster.devices
-    params = [0.0] * devices
-    acts = [0.0] * devices
-    largest = [0.0] * devices
-    buffers = [0.0] * devices  # PipeDream's weight versions
-    rebuilt = [0.0] * devices
-    loss = [0.0] * devices  # one microbatch's loss at a time
-    grads = [0.0] * devices  # one microbatch's backward at a time
-    held = [0.0] * devices
-    shards = [1] * devices  # ZeRO-1: the optimizer state over the rank's replicas
-    for (r, i), (flight, h) in by_lane.items():
-        for d in layout.ranks[r][i]:
-            held[d] += h
-            shards[d] = layout.shards(r)
-        for s, q in flight.items():
-            c_s = costs[s]
-            for d in layout.ranks[r][i]:
-                params[d] += c_s.param_bytes
-                acts[d] += c_s.stash_bytes * q + c_s.loss_copy_bytes * (q - 1)  # the one run backward: in Y
-                rebuilt[d] += c_s.working_bytes
-                loss[d] = max(loss[d], c_s.loss_bytes)
-                grads[d] = max(grads[d], c_s.grad_working_bytes)
-                largest[d] = max(largest[d], stage_largest(c_s.largest_param_bytes, c_s.param_bytes))
-                if layout.asynchronous:
-                    buffers[d] += c_s.param_bytes * (q - 1)
-    return [replace(DeviceMemory.replicated(params[d], acts[d], optimizer, largest=largest[d], buffers=buffers[d],
-                                            loss_grad=loss[d]),
-                    optimizer=OPTIMIZER_STATE[optimizer] * params[d] / shards[d],
-                    update_working=UPDATE_WORKING[optimizer] * params[d] / shards[d],
-                    rebuilt=rebuilt[d], grad_working=grads[d], held_with_grads=held[d]) for d in range(devices)]
-
-
-def held_with_gradients(actions: Sequence[Action], stash: Mapping[int, float], grads: Mapping[int, float]) -> float:
-    """The most one lane holds in gradients and kept activations at once, once its first
-    backward has run (``H`` of :mod:`flexsearch.sim.accounting`; 0 before): walking its
-    actions in order, at each backward the gradients of every stage that has begun its
-    backward and the stashes (``stash[s]`` bytes per microbatch, the loss's saved copy
-    included: :func:`microbatch_bytes`) of the microbatches in
-    flight but the one being run backward (whose activations the backward frees as it
-    makes the gradients: ``W``), and after each later forward the same with the new
-    microbatch's stash."""
-    started: set[int] = set()
-    kept = made = peak = 0.0  # stashed bytes in flight; gradients made so far
-    for a in actions:
-        if a.kind == "F":
-            kept += stash[a.stage]
-            if not started:
-                continue
-        else:
-            kept -= stash[a.stage]
-            if a.stage not in started:
-                started.add(a.stage)
-                made += grads[a.stage]
-        peak = max(peak, made + kept)
-    return peak
-
-
-def peak_memory(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLayout,
-                optimizer: str = "adam") -> float:
-    """The largest per-device peak :func:`simulate_pipeline` predicts, without scheduling
-    the iteration: memory depends on each lane's actions, not on their times. A
-    synchronous schedule's replicas of a rank hold the same (the same stages and
-    actions), so replica 0's lanes are walked."""
-    check_optimizer(optimizer)
-    p, m = len(layout.ranks), layout.microbatches
-    if layout.schedule in ("gpipe", "1f1b") and layout.chunks == 1:
-        # closed forms (:func:`~flexsearch.strategy.schedules.rank_actions`): rank r runs
-        # stage r with w = m (GPipe) or min(m, p - r) (1F1B) warm-up forwards, so w
-        # microbatches in flight; at its first backward it holds the stage's gradients and
-        # w - 1 stashes, and w again if a forward follows (m > w): H of
-        # :func:`held_with_gradients`
-        occupied = {}
-        for r in range(p):
-            w = m if layout.schedule == "gpipe" else min(m, p - r)
-            kept = w if m > w else w - 1
-            occupied[(r, 0)] = ({r: w}, costs[r].param_bytes + kept * microbatch_bytes(costs[r]))
-    else:
-        by_lane = lanes(layout)
-        if not layout.asynchronous:
-            by_lane = {lane: acts for lane, acts in by_lane.items() if lane[1] == 0}
-        occupied = occupancy(by_lane, costs)
-    terms = pipeline_memory(ctx, costs, layout, optimizer, occupied)
-    devices = {d for (r, i) in occupied for d in layout.ranks[r][i]}
-    return max(peak_bytes(terms[d], ctx.calibration, "pipeline") for d in devices)
 
 
 def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLayout, *,

@@ -58,6 +58,7 @@ from flexsearch.sim.accounting import (
     update_s,
 )
 from flexsearch.sim.context import CostContext, collective_task
+from flexsearch.sim.footprint import backward_working, kept_bytes, loss_held_bytes, loss_operands
 from flexsearch.sim.gradients import merged_reductions, without_gradient
 from flexsearch.sim.result import Simulation
 from flexsearch.sim.taskgraph import (
@@ -65,12 +66,8 @@ from flexsearch.sim.taskgraph import (
     NotPeriodic,
     Replica,
     activation_split,
-    backward_working,
     build_fragment,
     kept,
-    kept_bytes,
-    loss_held_bytes,
-    loss_operands,
 )
 from flexsearch.sim.tasks import Scheduled, Task, run_tasks
 from flexsearch.strategy.config import Config, is_source
@@ -387,7 +384,7 @@ class Simulator:
 
     def _output_grad(self, configs: Mapping[str, Config] | None, whole: bool = False) -> dict[int, float]:
         """Per device, the bytes the loss holds over its share of the model's outputs
-        (:func:`~flexsearch.sim.taskgraph.loss_held_bytes`); ``whole``: over all of
+        (:func:`~flexsearch.sim.footprint.loss_held_bytes`); ``whole``: over all of
         them on every device (the SOAP emitter's loss,
         :func:`~flexsearch.sim.taskgraph.output_gather`)."""
         out: dict[int, float] = {}
@@ -404,7 +401,7 @@ class Simulator:
 
     @staticmethod
     def _backward_working(frags: list[Fragment]) -> dict[int, float]:
-        """``W`` per device (:func:`~flexsearch.sim.taskgraph.backward_working`) over the
+        """``W`` per device (:func:`~flexsearch.sim.footprint.backward_working`) over the
         nodes it keeps activations or gradients of, in graph order (one pass over the
         fragments' entries, not devices x nodes)."""
         kept: dict[int, list[float]] = {}

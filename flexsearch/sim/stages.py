@@ -34,18 +34,20 @@ from flexsearch.cost.hardware import Cluster
 from flexsearch.graph.microbatch import microbatch_graph
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.sim.context import CostContext
-from flexsearch.sim.gradients import merged_reductions
-from flexsearch.sim.pipeline import PipelineLayout, StageCost, peak_memory, simulate_pipeline
-from flexsearch.sim.result import Simulation
-from flexsearch.sim.simulator import Simulator
-from flexsearch.sim.taskgraph import (
-    activation_split,
+from flexsearch.sim.footprint import (
     backward_working,
     grad_bytes,
     loss_copy_bytes,
     loss_held_bytes,
     loss_operands,
 )
+from flexsearch.sim.gradients import merged_reductions
+from flexsearch.sim.pipeline import simulate_pipeline
+from flexsearch.sim.pipeline_layout import PipelineLayout, StageCost
+from flexsearch.sim.pipeline_memory import peak_memory
+from flexsearch.sim.result import Simulation
+from flexsearch.sim.simulator import Simulator
+from flexsearch.sim.taskgraph import activation_split
 from flexsearch.strategy.config import Config
 from flexsearch.strategy.recipes import stage_configs
 from flexsearch.strategy.recompute import Checkpointing
@@ -71,13 +73,13 @@ class NodeCost:
     unit)."""
     loss_bytes: float = 0.0
     """What a loss over its output share holds, for a node whose output the model
-    returns (:func:`~flexsearch.sim.taskgraph.loss_held_bytes`)."""
+    returns (:func:`~flexsearch.sim.footprint.loss_held_bytes`)."""
     grad_bytes: float = 0.0
     """The gradient buffer of its output share in the backward
-    (:func:`~flexsearch.sim.taskgraph.grad_bytes`)."""
+    (:func:`~flexsearch.sim.footprint.grad_bytes`)."""
     loss_copy_bytes: float = 0.0
     """The part of ``loss_bytes`` the loss saves per microbatch
-    (:func:`~flexsearch.sim.taskgraph.loss_copy_bytes`)."""
+    (:func:`~flexsearch.sim.footprint.loss_copy_bytes`)."""
 
 
 def _span(tasks) -> float:
@@ -253,7 +255,7 @@ def simulate_stages(graph: OpGraph, ctx: CostContext, *, bounds: Sequence[tuple[
 def stages_peak_memory(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam", **layout_kw) -> float:
     """The largest per-device peak memory :func:`simulate_stages` would predict for the
     same layout (``layout_kw``: its layout arguments), without scheduling the iteration
-    (:func:`flexsearch.sim.pipeline.peak_memory`)."""
+    (:func:`flexsearch.sim.pipeline_memory.peak_memory`)."""
     stage_costs, layout = stage_layout(graph, ctx, **layout_kw)
     return peak_memory(ctx, stage_costs, layout, optimizer)
 

@@ -1,0 +1,117 @@
+"""What a node holds in memory: the bytes each memory term of
+:mod:`flexsearch.sim.accounting` is made of, per op (whole; the task graph divides them
+by the op's split, :func:`flexsearch.sim.taskgraph.activation_split`).
+
+- :func:`kept_bytes`: the activations autograd saves for the backward (``A``);
+- :func:`grad_bytes` and :func:`backward_working`: the gradient buffers of a backward
+  above what it still keeps (``W``);
+- :func:`loss_operands`, :func:`loss_held_bytes` and :func:`loss_copy_bytes`: what a
+  loss over the model's output holds (``Y``) and, of that, what it saves per microbatch;
+- :func:`cast_copy_bytes`: autocast's low-precision copy of the weights an op reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from flexsearch.graph.opgraph import OpNode, dtype_size
+from flexsearch.precision import Precision
+
+_COPYING_VIEWS = frozenset({"Tensor.repeat", "Tensor.contiguous", "torch.repeat_interleave",
+                            "torch._VariableFunctionsClass.arange", "torch.arange", "torch.cat", "torch.stack"})
+"""Ops the registry classes as views that write new memory (copies, factories)."""
+_RNN_SAVED = {"LSTM": 6, "GRU": 5, "RNN": 2, "LSTMCell": 6, "GRUCell": 5, "RNNCell": 2}
+"""Bytes a recurrent layer keeps for its backward per byte of its sequence output: per
+step the gates (LSTM 4, GRU 3, RNN 1 times the hidden size), the cell state (LSTM) and
+the hidden output itself."""
+
+
+def kept_bytes(node: OpNode) -> float:
+    """Bytes of activations ``node`` keeps for the backward pass (whole op): what
+    autograd saves that the node created, as the tracer measured it
+    (``OpNode.saved_bytes``; a recurrent layer's as its fused kernel saves them,
+    :func:`flexsearch.graph.saved.fused_rnn_saved`). Without a measurement (a profile
+    from elsewhere, a layer on the meta device): a recurrent layer's gates and states by
+    :data:`_RNN_SAVED`, else its outputs, none for a view (:func:`aliases`)."""
+    if node.saved_bytes is not None:
+        return float(node.saved_bytes)
+    if node.bytes_written <= 0 or aliases(node):
+        return 0.0
+    if node.kind == "rnn" and node.outputs:
+        factor = _RNN_SAVED.get(node.target.rsplit(".", 1)[-1])
+        if factor is not None:
+            return float(factor * node.outputs[0].nbytes + sum(t.nbytes for t in node.outputs[1:]))
+    return float(node.output_bytes)
+
+
+def grad_bytes(node: OpNode) -> float:
+    """The gradient buffer of ``node``'s output in the backward (whole op): its output
+    bytes, none for a view (its gradient is a view of its consumer's), an integer
+    output, the batch or the graph's output node (its producer's output)."""
+    floating = bool(node.outputs) and node.outputs[0].dtype.startswith(("float", "bfloat"))
+    return float(node.output_bytes) if floating and node.kind not in ("input", "output") and not aliases(node) \
+        else 0.0
+
+
+def backward_working(kept: Sequence[float], grads: Sequence[float], received: float = 0.0) -> float:
+    """``W``: the gradient buffers of one backward through a sequence of nodes (forward
+    order; ``kept[i]`` the activations node ``i`` keeps, ``grads[i]`` its output's
+    gradient buffer) above the activations they keep. Backpropagating node ``i``, the
+    activations of the nodes before it are still kept, those after it are freed, and two
+    gradients are alive: of its output and of its input (the node before it's; for the
+    first, the gradient of an input it ``received`` from another device or stage):
+    ``max_i (kept[..i] - kept[..] + grads[i] + grads[i - 1])``, at least 0. A chain's
+    rule: a gradient waiting for a second consumer (a residual) is not counted."""
+    total = sum(kept)
+    prefix = work = 0.0
+    for i, k in enumerate(kept):
+        prefix += k
+        work = max(work, prefix - total + grads[i] + (grads[i - 1] if i else received))
+    return work
+
+
+def loss_operands(graph) -> tuple[str, ...]:
+    """The nodes whose outputs a loss outside the model reads: the producers of the
+    model's outputs; none when the model returns its own loss (a 0-dim output, traced
+    with the rest)."""
+    for n in graph.nodes:
+        if n.kind == "output":
+            return () if any(not t.shape for t in n.outputs) else n.inputs
+    return ()
+
+
+def loss_held_bytes(node: OpNode, share: float) -> float:
+    """Bytes a loss computed in fp32 over ``share`` bytes of ``node``'s output holds
+    (``Y`` of :mod:`flexsearch.sim.accounting`): one output-sized fp32 tensor, and the
+    fp32 copy of a lower-precision output it saves (autocast runs losses in fp32).
+    Measured with ``MemTracker`` (``tests/test_memory_tracker.py``)."""
+    if not node.outputs:
+        return 0.0
+    return share * 4 / dtype_size(node.outputs[0].dtype) + loss_copy_bytes(node, share)
+
+
+def loss_copy_bytes(node: OpNode, share: float) -> float:
+    """The part of :func:`loss_held_bytes` a loss saves for its backward: the fp32 copy of
+    a lower-precision output share (0 for an fp32 output, which it saves as it is and
+    the runtime keeps anyway). A pipeline keeps one per microbatch in flight on the
+    stage that returns the output (:func:`flexsearch.sim.pipeline_memory.pipeline_memory`)."""
+    if not node.outputs:
+        return 0.0
+    size = dtype_size(node.outputs[0].dtype)
+    return share * 4 / size if size < 4 else 0.0
+
+
+def cast_copy_bytes(node: OpNode, precision: Precision) -> float:
+    """Bytes of the low-precision copy of its weights that ``node`` makes under
+    autocast: every parameter it reads, when it computes in the autocast dtype from
+    wider parameters (0 for other precisions and for ops autocast leaves alone)."""
+    low = precision.autocast
+    if low is None or not node.used_param_bytes or not node.outputs or node.outputs[0].dtype != low:
+        return 0.0
+    per_param = node.param_bytes / node.num_params if node.num_params else 4.0
+    return node.used_param_bytes * dtype_size(low) / max(per_param, dtype_size(low))
+
+
+def aliases(node: OpNode) -> bool:
+    """Does the node's output share its input's storage (a view: no new memory kept)?"""
+    return node.kind == "view" and node.target not in _COPYING_VIEWS

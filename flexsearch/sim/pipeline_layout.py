@@ -1,0 +1,100 @@
+"""What a pipeline plan is to the simulators: each stage's costs (:class:`StageCost`),
+where its stages and replicas run (:class:`PipelineLayout`), and the ordered actions each
+replica's lane runs (:func:`lanes`, from :mod:`flexsearch.strategy.schedules`). The task
+simulation (:mod:`flexsearch.sim.pipeline`) and the memory model
+(:mod:`flexsearch.sim.pipeline_memory`) both read them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from flexsearch.strategy.schedules import Action, rank_actions, warmup_then_alternate
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage's costs (:mod:`flexsearch.sim.pipeline`); times in seconds, sizes in bytes per device."""
+
+    forward_s: float
+    backward_s: float
+    param_bytes: float
+    stash_bytes: float
+    send_bytes: float
+    working_bytes: float = 0.0
+    """Bytes needed once, whatever the microbatches in flight (with activation
+    recomputation: one microbatch's activations, rebuilt during its backward)."""
+    tensors: int = 0
+    """Parameter tensors per device (a calibrated update pays a fixed cost per tensor)."""
+    largest_param_bytes: float = 0.0
+    """The largest parameter tensor per device (a calibrated update's temporaries)."""
+    loss_bytes: float = 0.0
+    """What the loss holds over one microbatch's output (the stage that returns it)."""
+    loss_copy_bytes: float = 0.0
+    """The part of it the loss saves until that microbatch's backward (the fp32 copy of
+    a lower-precision output): kept once per microbatch in flight."""
+    grad_working_bytes: float = 0.0
+    """``W``: one microbatch's backward gradients above its kept activations
+    (:func:`flexsearch.sim.footprint.backward_working`)."""
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Where a pipeline runs: ``ranks[r][i]`` = the devices of replica ``i`` of pipeline
+    rank ``r``; ``units`` = how many schedule microbatches make one iteration (the
+    microbatch count for a synchronous schedule; the minibatches per global batch for
+    PipeDream, whose window is ``microbatches`` long)."""
+
+    schedule: str
+    microbatches: int
+    ranks: tuple[tuple[tuple[int, ...], ...], ...]
+    chunks: int = 1
+    units: int | None = None
+    tied: tuple[tuple[int, int, float], ...] = ()
+    """(stage a, stage b, gradient bytes per device) of weights both stages hold."""
+    shard: str = "none"
+    """``zero1``: optimizer state sharded over each rank's replicas (:mod:`flexsearch.sim.pipeline`)."""
+
+    def shards(self, device_rank: int) -> int:
+        """Over how many devices pipeline rank ``device_rank``'s optimizer state is
+        sharded: its replicas under ``zero1``, else 1."""
+        return len(self.ranks[device_rank]) if self.shard == "zero1" else 1
+
+    @property
+    def stages(self) -> int:
+        return len(self.ranks) * self.chunks
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.schedule == "pipedream"
+
+    def rank_of(self, stage: int) -> int:
+        return stage % len(self.ranks)
+
+    def replicas(self, stage: int) -> tuple[tuple[int, ...], ...]:
+        """The device groups of ``stage``'s replicas."""
+        return self.ranks[self.rank_of(stage)]
+
+
+def lanes(layout: PipelineLayout) -> dict[tuple[int, int], tuple[Action, ...]]:
+    """(rank, replica) -> the actions that replica runs."""
+    p, m = len(layout.ranks), layout.microbatches
+    out: dict[tuple[int, int], tuple[Action, ...]] = {}
+    if not layout.asynchronous:
+        per_rank = rank_actions(layout.schedule, p, m, chunks=layout.chunks)
+        for r, reps in enumerate(layout.ranks):
+            for i in range(len(reps)):
+                out[(r, i)] = per_rank[r]
+        return out
+    if layout.chunks != 1:
+        raise ValueError("the pipedream schedule has one chunk per rank")
+    sizes = [len(reps) for reps in layout.ranks]
+    for r, n in enumerate(sizes):
+        noam = math.ceil(sum(sizes[r:]) / n)
+        for i in range(n):
+            mine = [j for j in range(m) if j % n == i]
+            fw = [Action(r, "F", j) for j in mine]
+            bw = [Action(r, "B", j) for j in mine]
+            out[(r, i)] = warmup_then_alternate(fw, bw, min(noam, len(mine)))
+    return out

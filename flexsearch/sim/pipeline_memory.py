@@ -1,0 +1,153 @@
+"""Pipeline memory: what each device of a pipeline plan holds, from its lanes' actions.
+
+Per device (:func:`pipeline_memory`): for each stage it hosts, ``P``
+its parameter bytes, ``A q + R`` activations (``A`` stashed per microbatch, ``q`` the
+peak number of microbatches in flight on it under the schedule, ``R`` the working
+bytes: activation recomputation keeps only each microbatch's stage input, ``A``, and
+rebuilds one microbatch's activations, ``R``, during its backward; ``W`` one
+microbatch's backward gradients above its kept activations; ``H`` the most it holds in
+gradients and stashed microbatches at once after its first backward,
+:func:`held_with_gradients`; on the stage that returns the output, the loss's saved
+fp32 copy of a lower-precision output once per microbatch in flight, since torch's
+pipelining computes each microbatch's loss in its forward action and keeps it to the
+backward: :func:`microbatch_bytes`), summed into
+:func:`flexsearch.sim.accounting.peak_bytes`; PipeDream adds one weight version per
+extra minibatch in flight, ``P (q - 1)``, as a buffer. Not counted: the stages' receive
+buffers, for the activation a stage receives and for its output's gradient. torch 2.13's
+``PipelineStage`` makes one per microbatch each way and keeps them, memory linear in the
+replica's batch (counted so, they made every layout of GPT-3 175B on 1024 H100s and of
+Megatron's 1T row overflow 80 GB); the emitter keeps only those a microbatch in flight
+may still need (:class:`flexsearch.emit.staged.ReusedBuffersStage`: under 1F1B the
+stage's warm-up count of activations and one gradient; under GPipe every microbatch's
+activation and one gradient; interleaved, torch's one per microbatch), a received
+activation being what a checkpointed stage keeps of the microbatch (``A``). On the
+zoo's tiny GPT they are 0.02-0.59 MB of a 2-4 MB peak (``tests/test_memory_tracker.py``).
+
+:func:`peak_memory` gives the largest peak without scheduling the iteration (the
+search's memory check before it simulates a layout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+from flexsearch.sim.accounting import (
+    OPTIMIZER_STATE,
+    UPDATE_WORKING,
+    DeviceMemory,
+    check_optimizer,
+    peak_bytes,
+    stage_largest,
+)
+from flexsearch.sim.context import CostContext
+from flexsearch.sim.pipeline_layout import PipelineLayout, StageCost, lanes
+from flexsearch.strategy.schedules import Action, in_flight
+
+Occupancy = tuple[Mapping[int, int], float]
+"""What memory needs of a lane's actions: per stage the peak microbatches in flight
+(:func:`~flexsearch.strategy.schedules.in_flight`), and ``H``
+(:func:`held_with_gradients`)."""
+
+
+def occupancy(by_lane: Mapping[tuple[int, int], Sequence[Action]],
+              costs: Sequence[StageCost]) -> dict[tuple[int, int], Occupancy]:
+    """Each lane's :data:`Occupancy`, walking its actions."""
+    stash = {s: microbatch_bytes(c) for s, c in enumerate(costs)}
+    stage_grads = {s: c.param_bytes for s, c in enumerate(costs)}
+    return {lane: (in_flight(acts), held_with_gradients(acts, stash, stage_grads)) for lane, acts in by_lane.items()}
+
+
+def microbatch_bytes(c: StageCost) -> float:
+    """What a stage keeps per microbatch in flight: its stash and the loss's saved copy."""
+    return c.stash_bytes + c.loss_copy_bytes
+
+
+def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLayout, optimizer: str,
+                    by_lane: Mapping[tuple[int, int], Occupancy]) -> list[DeviceMemory]:
+    """The memory terms per device (above), for :func:`peak_bytes`, from each
+    lane's :data:`Occupancy`."""
+    devices = ctx.cluster.devices
+    params = [0.0] * devices
+    acts = [0.0] * devices
+    largest = [0.0] * devices
+    buffers = [0.0] * devices  # PipeDream's weight versions
+    rebuilt = [0.0] * devices
+    loss = [0.0] * devices  # one microbatch's loss at a time
+    grads = [0.0] * devices  # one microbatch's backward at a time
+    held = [0.0] * devices
+    shards = [1] * devices  # ZeRO-1: the optimizer state over the rank's replicas
+    for (r, i), (flight, h) in by_lane.items():
+        for d in layout.ranks[r][i]:
+            held[d] += h
+            shards[d] = layout.shards(r)
+        for s, q in flight.items():
+            c_s = costs[s]
+            for d in layout.ranks[r][i]:
+                params[d] += c_s.param_bytes
+                acts[d] += c_s.stash_bytes * q + c_s.loss_copy_bytes * (q - 1)  # the one run backward: in Y
+                rebuilt[d] += c_s.working_bytes
+                loss[d] = max(loss[d], c_s.loss_bytes)
+                grads[d] = max(grads[d], c_s.grad_working_bytes)
+                largest[d] = max(largest[d], stage_largest(c_s.largest_param_bytes, c_s.param_bytes))
+                if layout.asynchronous:
+                    buffers[d] += c_s.param_bytes * (q - 1)
+    return [replace(DeviceMemory.replicated(params[d], acts[d], optimizer, largest=largest[d], buffers=buffers[d],
+                                            loss_grad=loss[d]),
+                    optimizer=OPTIMIZER_STATE[optimizer] * params[d] / shards[d],
+                    update_working=UPDATE_WORKING[optimizer] * params[d] / shards[d],
+                    rebuilt=rebuilt[d], grad_working=grads[d], held_with_grads=held[d]) for d in range(devices)]
+
+
+def held_with_gradients(actions: Sequence[Action], stash: Mapping[int, float], grads: Mapping[int, float]) -> float:
+    """The most one lane holds in gradients and kept activations at once, once its first
+    backward has run (``H`` of :mod:`flexsearch.sim.accounting`; 0 before): walking its
+    actions in order, at each backward the gradients of every stage that has begun its
+    backward and the stashes (``stash[s]`` bytes per microbatch, the loss's saved copy
+    included: :func:`microbatch_bytes`) of the microbatches in
+    flight but the one being run backward (whose activations the backward frees as it
+    makes the gradients: ``W``), and after each later forward the same with the new
+    microbatch's stash."""
+    started: set[int] = set()
+    kept = made = peak = 0.0  # stashed bytes in flight; gradients made so far
+    for a in actions:
+        if a.kind == "F":
+            kept += stash[a.stage]
+            if not started:
+                continue
+        else:
+            kept -= stash[a.stage]
+            if a.stage not in started:
+                started.add(a.stage)
+                made += grads[a.stage]
+        peak = max(peak, made + kept)
+    return peak
+
+
+def peak_memory(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLayout,
+                optimizer: str = "adam") -> float:
+    """The largest per-device peak :func:`~flexsearch.sim.pipeline.simulate_pipeline` predicts, without scheduling
+    the iteration: memory depends on each lane's actions, not on their times. A
+    synchronous schedule's replicas of a rank hold the same (the same stages and
+    actions), so replica 0's lanes are walked."""
+    check_optimizer(optimizer)
+    p, m = len(layout.ranks), layout.microbatches
+    if layout.schedule in ("gpipe", "1f1b") and layout.chunks == 1:
+        # closed forms (:func:`~flexsearch.strategy.schedules.rank_actions`): rank r runs
+        # stage r with w = m (GPipe) or min(m, p - r) (1F1B) warm-up forwards, so w
+        # microbatches in flight; at its first backward it holds the stage's gradients and
+        # w - 1 stashes, and w again if a forward follows (m > w): H of
+        # :func:`held_with_gradients`
+        occupied = {}
+        for r in range(p):
+            w = m if layout.schedule == "gpipe" else min(m, p - r)
+            kept = w if m > w else w - 1
+            occupied[(r, 0)] = ({r: w}, costs[r].param_bytes + kept * microbatch_bytes(costs[r]))
+    else:
+        by_lane = lanes(layout)
+        if not layout.asynchronous:
+            by_lane = {lane: acts for lane, acts in by_lane.items() if lane[1] == 0}
+        occupied = occupancy(by_lane, costs)
+    terms = pipeline_memory(ctx, costs, layout, optimizer, occupied)
+    devices = {d for (r, i) in occupied for d in layout.ranks[r][i]}
+    return max(peak_bytes(terms[d], ctx.calibration, "pipeline") for d in devices)

@@ -18,7 +18,8 @@ there needs flexsearch too):
   ``--warmup`` steps, the median of ``--steps`` step times (CUDA events: forward,
   loss, backward, optimizer step, ``zero_grad``) and the peak of
   ``torch.cuda.max_memory_allocated`` over them. The loss is timed alone too
-  (``loss_ms``): the planner does not cost the loss, so it is part of the error. Then
+  (``loss_ms``): the planner does not cost the loss, so it is part of the error. On a
+  GPU, one step more with the allocator's peak in each phase (``phase_bytes``). Then
   three steps under ``torch.profiler``: the GPU's kernel time per step by category
   (GEMM, attention, optimizer, other) and in all (``busy``: the rest of the step the
   GPU waits for the CPU to launch work);
@@ -30,7 +31,10 @@ there needs flexsearch too):
   case: ``error`` = predicted / measured - 1 for time and memory; then per case the
   predicted and measured time by category (predicted: the cost model's forward and
   backward of every node of each kind at the plan's precision, and its optimizer
-  update; they need not add up to the iteration time, which the simulator schedules).
+  update; they need not add up to the iteration time, which the simulator schedules);
+  and, where ``measure`` recorded them (``phase_bytes``: one step more, the allocator's
+  peak in its forward, loss, backward and optimizer step), the memory model's branches
+  against the peak of the phase each describes (:func:`phase_terms`).
 
     python benchmarks/gpu_step.py predict --out pred.json      # here
     python benchmarks/gpu_step.py measure --out meas.json      # on the GPU machine
@@ -191,6 +195,7 @@ def predict(cases, presets=PRESETS, profile: Path | None = None) -> dict:
             if db is not None:
                 profiled = flexsearch.simulate(graph, plan, measured=db.aliased(cl.device.name),
                                                timeline=False).iteration_time_s
+            terms = flexsearch.simulate(graph, plan, timeline=False).memory_terms[0]
             ctx = CostContext(cl, precision=precision_of(plan.precision))
             parts: dict[str, float] = {"optimizer": roofline_update_s(ctx, plan.optimizer, graph.param_bytes)}
             for node in graph.nodes:  # each op's forward and backward at the plan's precision
@@ -201,6 +206,7 @@ def predict(cases, presets=PRESETS, profile: Path | None = None) -> dict:
                 "profiled_s": profiled,
                 "iteration_s": plan.predicted.iteration_time_s,
                 "peak_bytes": plan.predicted.peak_memory_bytes,
+                "phase_bytes": phase_terms(terms),
                 "kind": plan.kind,
                 "precision": plan.precision,
                 "model_flops": plan.model_flops,
@@ -209,22 +215,38 @@ def predict(cases, presets=PRESETS, profile: Path | None = None) -> dict:
     return out
 
 
+def phase_terms(m) -> dict[str, float]:
+    """The memory model's branches (:mod:`flexsearch.sim.accounting`, uncalibrated) as
+    the allocator's peak in each phase of a step measures them: ``loss``, once the loss
+    holds its tensors over the output (``P + O + A + Y``); ``backward`` (``P + O + A + Y
+    + max(T, W)``, the model's peak of the backward's start); ``update`` (``P + O + G +
+    U``; the step measured still references the logits then, which the model leaves
+    out)."""
+    state = m.params + m.optimizer + m.buffers
+    return {"loss": state + m.activations + m.loss_grad,
+            "backward": state + m.activations + m.rebuilt + m.loss_grad + max(m.loss_working, m.grad_working),
+            "update": state + m.grads + m.update_working}
+
+
 # ----------------------------------------------------------------------------- measure
 
 
-def measure(cases, steps: int = 20, warmup: int = 5, profile: bool = True) -> dict:
-    """Per case (:func:`measure_case`), on the local GPU (else the CPU)."""
+def measure(cases, steps: int = 20, warmup: int = 5, profile: bool = True, out: Path | None = None) -> dict:
+    """Per case (:func:`measure_case`), on the local GPU (else the CPU); written to
+    ``out`` after every case (a run cut short keeps the cases it finished)."""
     import torch
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rows = {}
+    data = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d"), "steps": steps, "warmup": warmup, "rows": {}}
     for case in cases:
-        rows[case.key] = measure_case(case, dev, steps, warmup, profile)
-        print(f"{case.key}: {rows[case.key]}", flush=True)
+        data["rows"][case.key] = row = measure_case(case, dev, steps, warmup, profile)
+        print(f"{case.key}: {row}", flush=True)
+        if out is not None:
+            out.write_text(json.dumps(data, indent=1))
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    return {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d"), "steps": steps, "warmup": warmup, "rows": rows}
+    return data
 
 
 def gpu_model(case: Case, dev):
@@ -294,6 +316,7 @@ def measure_case(case: Case, dev, steps: int, warmup: int, profile: bool) -> dic
         torch.cuda.reset_peak_memory_stats()
     times = [timed(step) for _ in range(steps)]
     peak = torch.cuda.max_memory_allocated() if cuda else math.nan
+    phases = phase_peaks(case, model, idx, target, opt, loss_of) if cuda else {}
     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=mixed), torch.no_grad():
         shape = model(input_ids=idx).logits if case.hf else model(idx)
     logits = torch.randn(shape.shape, dtype=shape.dtype, device=dev, requires_grad=True)
@@ -323,9 +346,36 @@ def measure_case(case: Case, dev, steps: int, warmup: int, profile: bool) -> dic
         "step_s": statistics.median(times),
         "step_spread": (max(times) - min(times)) / 2 / statistics.median(times),
         "peak_bytes": peak,
+        "phase_bytes": phases,
         "loss_s": statistics.median(loss_times),
         "params": sum(p.numel() for p in model.parameters()),
     }
+
+
+def phase_peaks(case: Case, model, idx, target, opt, loss_of) -> dict[str, float]:
+    """One training step more on the GPU: ``torch.cuda.max_memory_allocated`` over each of
+    its phases (forward, loss, backward, optimizer step; a Hugging Face model's loss is
+    in its forward) and ``memory_allocated`` when the step starts and each phase ends
+    (``<phase>_end``), bytes."""
+    import torch
+
+    out: dict[str, float] = {"start": torch.cuda.memory_allocated()}
+
+    def phase(name: str, fn):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        result = fn()
+        torch.cuda.synchronize()
+        out[name], out[f"{name}_end"] = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+        return result
+
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=case.precision == "bf16-mixed"):
+        y = phase("forward", lambda: model(input_ids=idx, labels=target).loss if case.hf else model(idx))
+    loss = y if case.hf else phase("loss", lambda: loss_of(y))
+    phase("backward", loss.backward)
+    phase("update", opt.step)
+    opt.zero_grad(set_to_none=True)
+    return out
 
 
 def profile_ops(cases, out: Path) -> None:
@@ -391,6 +441,15 @@ def compare(pred: dict, meas: dict) -> dict:
         cells = "  ".join(f"{k} {p['parts_s'].get(k, 0.0) * 1e3:.1f}/{m['parts_s'].get(k, 0.0) * 1e3:.1f}"
                           for k in PARTS)
         print(f"{key:32} {cells}  busy {m['gpu_busy_s'] * 1e3:.1f} of {m['step_s'] * 1e3:.1f}")
+    phased = [(key, m["phase_bytes"], rows[key]["phase_bytes"]) for key, m in meas["rows"].items()
+              if m.get("phase_bytes") and rows.get(key, {}).get("phase_bytes")]
+    if phased:
+        print("# memory by phase, GB: the model's branch / the allocator's peak in that phase of one step "
+              "(backward: the model's A + Y + max(T, W) at the backward's start)")
+        for key, got, want in phased:
+            cells = "  ".join(f"{k} {want[k] / 1e9:.2f}/{got[k] / 1e9:.2f} ({want[k] / got[k] - 1:+.1%})"
+                              for k in ("loss", "backward", "update") if k in got)
+            print(f"{key:32} forward {got['forward'] / 1e9:.2f}  {cells}")
     return {
         "median_time_error": statistics.median(terr) if terr else math.nan,
         "max_time_error": max(terr) if terr else math.nan,
@@ -428,7 +487,7 @@ def main() -> None:
     if args.part == "predict":
         data = predict(cases, profile=args.profile)
     elif args.part == "measure":
-        data = measure(cases, args.steps, args.warmup)
+        data = measure(cases, args.steps, args.warmup, out=args.out)
     elif args.part == "compare":
         if len(args.files) != 2:
             ap.error("compare takes two files: the predictions and the measurements")

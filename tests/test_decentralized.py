@@ -138,9 +138,9 @@ def test_memory_counts_receive_buffers(worker):
     assert ring - ar == pytest.approx(3 * p)  # the sent snapshot and 2 receive buffers
     assert expo - ar == pytest.approx(5 * p)  # the snapshot, log2 16 in-neighbours
     assert one - ar == pytest.approx(2 * p)
-    # the loss's hold on the output too, or the backward's gradients where they are larger;
+    # the loss's hold on the output too, and the backward's first gradients beside it;
     # the gradients, with Adam's temporaries (one copy) where it updates, in their place
-    held = cost.stash_bytes + max(cost.loss_bytes, cost.grad_working_bytes)
+    held = cost.stash_bytes + cost.loss_bytes + cost.grad_working_bytes
     assert cost.loss_bytes > 0 and cost.grad_working_bytes > 0
     assert ar == pytest.approx((1 + 2) * p + max(held, 2 * p))
     ps = simulate_parameter_server(ctx, cost, optimizer="adam").memory_bytes

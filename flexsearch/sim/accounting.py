@@ -10,17 +10,35 @@ these terms here, in one place.
 their gradients, ``O`` optimizer state (``k P`` for Adam ``k = 2``, momentum 1, SGD 0),
 ``A`` activations kept for the backward pass (what autograd saves, as the tracer
 measured it, stashed microbatches, inputs received from other devices, and under
-activation checkpointing the largest unit's, rebuilt in the backward), ``Y`` an
-output-sized tensor the loss holds (its gradient of the output; measured with
-``MemTracker``, a loss over the output also holds one output-sized tensor at its
-peak: ``tests/test_memory_tracker.py``),
+activation checkpointing the largest unit's, rebuilt in the backward), ``Y`` what the
+loss holds over the model's output from its forward into the backward (one
+output-sized fp32 tensor, and the fp32 copy of a lower-precision output:
+:func:`flexsearch.sim.footprint.loss_held_bytes`), ``T`` the loss's working tensor
+beside it (one output-sized fp32 tensor: :func:`~flexsearch.sim.footprint.loss_working_bytes`),
 ``W`` a backward's gradient buffers above the activations it still keeps
 (:func:`flexsearch.sim.footprint.backward_working`: in a pipeline stage, other
 microbatches' activations stay stashed meanwhile), ``B`` buffers (FSDP's gathered
 parameters, a gossip snapshot and receive buffers, PipeDream's extra weight versions, a
 parameter server's accumulation buffer), ``L`` the largest parameter tensor it holds::
 
-    P + O + B + R + max(A + max(Y, W), G + U, H + max(Y, W)) + D
+    P + O + B + R + max(A + Y + max(T, W), G + U, H + Y + max(T, W)) + D
+
+The loss's hold lasts into the backward's first gradients: torch's CPU ``mse_loss``
+returns its loss as a view of its elementwise buffer (alive as long as the loss), the
+cross-entropy keeps its log-softmax until its backward has made the gradient of the
+output, and the step's caller still references the output. Its working tensor comes
+on top in the loss's forward (the MSE's second elementwise buffer, the cross-entropy's
+fp32 copy of bf16 logits beside its log-softmax) or in its backward (the gradient of
+the output, computed in fp32 before the cast to the output's dtype), where ``W``
+already counts a gradient of the output: hence ``max(T, W)``. Measured on an H100 by
+phase (``benchmarks/gpu_step.py``: the allocator's peak in the loss and in the
+backward of one step, a cross-entropy over a zoo GPT's logits): ``P + O + A + Y``
+within 2% of the loss's peak and ``P + O + A + Y + max(T, W)`` within 2.2% of the
+backward's on every bf16-mixed row (TF32: -13%, the cross-entropy's two fp32 gradients
+beside its log-softmax, which an fp32 output's ``T`` and ``W`` count once). Until then
+the peak took ``A + max(Y, W)``: 2-19% under torch's CPU allocator on the loss rank
+of every pipeline schedule and 21-32% under on Megatron's layout
+(``tests/test_memory_tracker.py``), 10-26% under an H100's on GPT-2 small and medium.
 
 Gradients are allocated as the backward frees the activations (``zero_grad`` frees
 them), so they share the peak with the activations rather than adding to it, together
@@ -106,8 +124,8 @@ class DeviceMemory:
     buffers: float = 0.0
     grad_buckets: float = 0.0
     loss_grad: float = 0.0
-    """``Y``: the output-sized tensor the loss holds on the device (its gradient of the
-    model's output)."""
+    """``Y``: what the loss holds over the model's output on the device, from its forward
+    into the backward (:func:`flexsearch.sim.footprint.loss_held_bytes`)."""
     rebuilt: float = 0.0
     """Activation checkpointing: the activations one checkpointed unit rebuilds during
     the backward (the largest unit's), on top of those kept from the forward (counted
@@ -115,25 +133,29 @@ class DeviceMemory:
     grad_working: float = 0.0
     """``W``: one backward's gradient buffers above the activations still kept
     (:func:`flexsearch.sim.footprint.backward_working`); the peak takes the larger of
-    it and ``Y``."""
+    it and ``T``, on top of ``Y``."""
     held_with_grads: float = 0.0
     """``H``: a pipeline stage's gradients and kept activations at once, after its first
     backward (module docstring)."""
     update_working: float = 0.0
     """``U``: the uncalibrated update's temporaries (:data:`UPDATE_WORKING` times the
     parameters the device updates)."""
+    loss_working: float = 0.0
+    """``T``: the loss's fp32 working tensor over the output share, beside ``Y``
+    (:func:`flexsearch.sim.footprint.loss_working_bytes`)."""
 
     @classmethod
     def replicated(cls, params: float, activations: float, optimizer: str, *, largest: float = 0.0,
-                   buffers: float = 0.0, grad_buckets: float = 0.0, loss_grad: float = 0.0) -> DeviceMemory:
+                   buffers: float = 0.0, grad_buckets: float = 0.0, loss_grad: float = 0.0,
+                   loss_working: float = 0.0) -> DeviceMemory:
         """A device that holds ``params`` with their gradients and optimizer state."""
         return cls(params, params, OPTIMIZER_STATE[optimizer] * params, activations, largest, buffers, grad_buckets,
-                   loss_grad, update_working=UPDATE_WORKING[optimizer] * params)
+                   loss_grad, update_working=UPDATE_WORKING[optimizer] * params, loss_working=loss_working)
 
 
 def peak_bytes(m: DeviceMemory, calibration: DeviceCalibration | None, mode: Mode) -> float:
     """The device's peak memory (module docstring)."""
-    backward = max(m.loss_grad, m.grad_working)
+    backward = m.loss_grad + max(m.loss_working, m.grad_working)
     if calibration is None:
         working, runtime = m.grads + m.update_working, 0.0
     else:

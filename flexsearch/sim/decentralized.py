@@ -179,7 +179,8 @@ def simulate_gossip(ctx: CostContext, cost: StageCost, topology: Topology, *, op
     largest = stage_largest(cost.largest_param_bytes, p)
     terms = [DeviceMemory(p, p, OPTIMIZER_STATE[optimizer] * p, cost.stash_bytes, largest, (1 + in_max[i]) * p,
                           loss_grad=cost.loss_bytes, rebuilt=cost.working_bytes,
-                          grad_working=cost.grad_working_bytes, update_working=UPDATE_WORKING[optimizer] * p)
+                          grad_working=cost.grad_working_bytes, update_working=UPDATE_WORKING[optimizer] * p,
+                          loss_working=cost.loss_working_bytes)
              for i in range(n)]
     return _finish(ctx, ordered, terms, period, timeline)
 
@@ -211,7 +212,8 @@ def simulate_parameter_server(ctx: CostContext, cost: StageCost, *, servers: Seq
     k = OPTIMIZER_STATE[optimizer]
     terms = [DeviceMemory(p, p, k * shard if i in srv else 0.0, cost.stash_bytes, buffers=shard if i in srv else 0.0,
                           loss_grad=cost.loss_bytes, rebuilt=cost.working_bytes, grad_working=cost.grad_working_bytes,
-                          update_working=UPDATE_WORKING[optimizer] * shard if i in srv else 0.0) for i in range(n)]
+                          update_working=UPDATE_WORKING[optimizer] * shard if i in srv else 0.0,
+                          loss_working=cost.loss_working_bytes) for i in range(n)]
     return _finish(ctx, ordered, terms, 1, timeline, calibrated=False)
 
 

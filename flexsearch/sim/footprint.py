@@ -5,8 +5,9 @@ by the op's split, :func:`flexsearch.sim.taskgraph.activation_split`).
 - :func:`kept_bytes`: the activations autograd saves for the backward (``A``);
 - :func:`grad_bytes` and :func:`backward_working`: the gradient buffers of a backward
   above what it still keeps (``W``);
-- :func:`loss_operands`, :func:`loss_held_bytes` and :func:`loss_copy_bytes`: what a
-  loss over the model's output holds (``Y``) and, of that, what it saves per microbatch;
+- :func:`loss_operands`, :func:`loss_held_bytes`, :func:`loss_copy_bytes` and
+  :func:`loss_working_bytes`: what a loss over the model's output holds (``Y``), of
+  that what it saves per microbatch, and its working tensor beside it (``T``);
 - :func:`cast_copy_bytes`: autocast's low-precision copy of the weights an op reads.
 """
 
@@ -82,12 +83,25 @@ def loss_operands(graph) -> tuple[str, ...]:
 
 def loss_held_bytes(node: OpNode, share: float) -> float:
     """Bytes a loss computed in fp32 over ``share`` bytes of ``node``'s output holds
-    (``Y`` of :mod:`flexsearch.sim.accounting`): one output-sized fp32 tensor, and the
-    fp32 copy of a lower-precision output it saves (autocast runs losses in fp32).
-    Measured with ``MemTracker`` (``tests/test_memory_tracker.py``)."""
+    from its forward into the backward (``Y`` of :mod:`flexsearch.sim.accounting`): one
+    output-sized fp32 tensor, and the fp32 copy of a lower-precision output it saves
+    (autocast runs losses in fp32). Measured with ``MemTracker``
+    (``tests/test_memory_tracker.py``: torch's CPU ``mse_loss`` returns its loss as a
+    view of its elementwise buffer, which lives as long as the loss) and on an H100
+    (``benchmarks/gpu_step.py``: the cross-entropy's fp32 copy of bf16 logits and its
+    log-softmax, within 2% of the allocator's peak in the loss on every row)."""
     if not node.outputs:
         return 0.0
-    return share * 4 / dtype_size(node.outputs[0].dtype) + loss_copy_bytes(node, share)
+    return loss_working_bytes(node, share) + loss_copy_bytes(node, share)
+
+
+def loss_working_bytes(node: OpNode, share: float) -> float:
+    """``T``: one output-sized fp32 tensor over ``share`` bytes of ``node``'s output, the
+    loss's working tensor beside what it holds: the MSE's elementwise temporary in its
+    forward, the gradient of the output a loss computes in fp32 in its backward before
+    it is cast to the output's dtype (the cross-entropy's beside its saved log-softmax,
+    measured on an H100: ``benchmarks/gpu_step.py``)."""
+    return share * 4 / dtype_size(node.outputs[0].dtype) if node.outputs else 0.0
 
 
 def loss_copy_bytes(node: OpNode, share: float) -> float:

@@ -38,6 +38,13 @@ class StageCost:
     """``W``: one microbatch's backward gradients above its kept activations
     (:func:`flexsearch.sim.footprint.backward_working`)."""
 
+    @property
+    def loss_working_bytes(self) -> float:
+        """``T``: the loss's fp32 working tensor over one microbatch's output, the part
+        of ``loss_bytes`` that is not its copy
+        (:func:`flexsearch.sim.footprint.loss_working_bytes`)."""
+        return self.loss_bytes - self.loss_copy_bytes
+
 
 @dataclass(frozen=True)
 class PipelineLayout:

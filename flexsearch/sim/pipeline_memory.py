@@ -74,6 +74,7 @@ def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: Pipeli
     buffers = [0.0] * devices  # PipeDream's weight versions
     rebuilt = [0.0] * devices
     loss = [0.0] * devices  # one microbatch's loss at a time
+    loss_work = [0.0] * devices
     grads = [0.0] * devices  # one microbatch's backward at a time
     held = [0.0] * devices
     shards = [1] * devices  # ZeRO-1: the optimizer state over the rank's replicas
@@ -88,12 +89,13 @@ def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: Pipeli
                 acts[d] += c_s.stash_bytes * q + c_s.loss_copy_bytes * (q - 1)  # the one run backward: in Y
                 rebuilt[d] += c_s.working_bytes
                 loss[d] = max(loss[d], c_s.loss_bytes)
+                loss_work[d] = max(loss_work[d], c_s.loss_working_bytes)
                 grads[d] = max(grads[d], c_s.grad_working_bytes)
                 largest[d] = max(largest[d], stage_largest(c_s.largest_param_bytes, c_s.param_bytes))
                 if layout.asynchronous:
                     buffers[d] += c_s.param_bytes * (q - 1)
     return [replace(DeviceMemory.replicated(params[d], acts[d], optimizer, largest=largest[d], buffers=buffers[d],
-                                            loss_grad=loss[d]),
+                                            loss_grad=loss[d], loss_working=loss_work[d]),
                     optimizer=OPTIMIZER_STATE[optimizer] * params[d] / shards[d],
                     update_working=UPDATE_WORKING[optimizer] * params[d] / shards[d],
                     rebuilt=rebuilt[d], grad_working=grads[d], held_with_grads=held[d]) for d in range(devices)]

@@ -58,7 +58,13 @@ from flexsearch.sim.accounting import (
     update_s,
 )
 from flexsearch.sim.context import CostContext, collective_task
-from flexsearch.sim.footprint import backward_working, kept_bytes, loss_held_bytes, loss_operands
+from flexsearch.sim.footprint import (
+    backward_working,
+    kept_bytes,
+    loss_held_bytes,
+    loss_operands,
+    loss_working_bytes,
+)
 from flexsearch.sim.gradients import merged_reductions, without_gradient
 from flexsearch.sim.result import Simulation
 from flexsearch.sim.taskgraph import (
@@ -382,22 +388,27 @@ class Simulator:
                 members, size, tensors, cap = [], 0.0, 0, cal.ddp_bucket_bytes.value
         return out
 
-    def _output_grad(self, configs: Mapping[str, Config] | None, whole: bool = False) -> dict[int, float]:
+    def _loss_terms(self, configs: Mapping[str, Config] | None,
+                    whole: bool = False) -> tuple[dict[int, float], dict[int, float]]:
         """Per device, the bytes the loss holds over its share of the model's outputs
-        (:func:`~flexsearch.sim.footprint.loss_held_bytes`); ``whole``: over all of
-        them on every device (the SOAP emitter's loss,
+        (``Y``, :func:`~flexsearch.sim.footprint.loss_held_bytes`) and its working
+        tensor (``T``, :func:`~flexsearch.sim.footprint.loss_working_bytes`); ``whole``:
+        over all of them on every device (the SOAP emitter's loss,
         :func:`~flexsearch.sim.taskgraph.output_gather`)."""
-        out: dict[int, float] = {}
+        held: dict[int, float] = {}
+        work: dict[int, float] = {}
         if configs is None:
-            return out
+            return held, work
         for name in loss_operands(self.graph):
             p, c = self.graph.node(name), configs.get(name)
             if c is None or not p.outputs:
                 continue
-            held = loss_held_bytes(p, p.outputs[0].nbytes / (1 if whole else activation_split(c)))
+            share = p.outputs[0].nbytes / (1 if whole else activation_split(c))
+            y, t = loss_held_bytes(p, share), loss_working_bytes(p, share)
             for d in range(self.cluster.devices) if whole else c.devices:
-                out[d] = out.get(d, 0.0) + held
-        return out
+                held[d] = held.get(d, 0.0) + y
+                work[d] = work.get(d, 0.0) + t
+        return held, work
 
     @staticmethod
     def _backward_working(frags: list[Fragment]) -> dict[int, float]:
@@ -494,14 +505,15 @@ class Simulator:
             if keep_timeline:
                 timeline.append(Scheduled(t, start, start + t.duration))
         makespan = max(free[:devices] + free[devices:], default=0.0)
-        loss_grad = self._output_grad(configs, whole=cal is not None and not ddp and shards == 1)
+        loss_grad, loss_work = self._loss_terms(configs, whole=cal is not None and not ddp and shards == 1)
         buckets_held = ddp and shards == 1  # DDP keeps a flat copy of the gradients
         backward = self._backward_working(frags)
         width = replica.width if replica is not None else devices
         terms = [DeviceMemory(params[d], params[d], OPTIMIZER_STATE[self.optimizer] * owned[d], acts[d], largest[d],
                               unsharded, params[d] if buckets_held else 0.0, loss_grad.get(d, 0.0),
                               working.get(d, 0.0),  # checkpointing: one unit's activations rebuilt at a time
-                              backward.get(d, 0.0), update_working=UPDATE_WORKING[self.optimizer] * owned[d])
+                              backward.get(d, 0.0), update_working=UPDATE_WORKING[self.optimizer] * owned[d],
+                              loss_working=loss_work.get(d, 0.0))
                  for d in range(width)]
         memory = [peak_bytes(m, cal, mode) for m in terms]
         if replica is not None:  # every replica's figures are the first's

@@ -231,12 +231,16 @@ def test_gpt3_175b_hybrid_plan_fits_on_1024_h100():
 
 def test_backward_working_set():
     """``W``: backpropagating node i, the activations of the nodes before it are still
-    kept and the gradients of its output and input are alive; a view's gradient is its
-    consumer's (no buffer of its own)."""
+    kept and the gradients of its output and input are alive; a view's gradient is the
+    one its consumer's backward makes, and its own backward makes none."""
     from flexsearch.sim.footprint import backward_working
 
     assert backward_working([10, 10, 10], [4, 4, 4]) == 8.0
-    assert backward_working([10, 10, 10], [4, 0, 4]) == 4.0
+    # a view in the middle: its consumer makes the view's gradient (4) beside its own,
+    # the view hands it on as it is (one buffer at the view, not two)
+    assert backward_working([10, 0, 10], [4, 4, 4], views=[False, True, False]) == 8.0
+    assert backward_working([10, 0, 0], [4, 4, 2], views=[False, True, False]) == 6.0
+    assert backward_working([10, 0, 0], [4, 4, 2]) == 8.0  # not a view: its backward makes a second buffer
     # a pooling layer's big input gradient while the layers before it still keep theirs
     assert backward_working([1, 10, 10], [50, 1, 1]) == 41.0
     # a later stage's first node hands back the gradient of the input it received

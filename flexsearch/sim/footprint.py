@@ -47,27 +47,40 @@ def kept_bytes(node: OpNode) -> float:
 
 def grad_bytes(node: OpNode) -> float:
     """The gradient buffer of ``node``'s output in the backward (whole op): its output
-    bytes, none for a view (its gradient is a view of its consumer's), an integer
-    output, the batch or the graph's output node (its producer's output)."""
+    bytes (a view's too: its consumer's backward makes it, and the view's backward
+    views it, :func:`backward_working`), none for an integer output, the batch or the
+    graph's output node (its producer's output). A loss the model computes itself (a
+    0-dim output) holds the gradient of its input: a fused cross-entropy holds, beside
+    it, the NLL's gradient of the log-probabilities, as large (the bytes it reads, its
+    integer targets with them); measured on an H100 (``benchmarks/gpu_step.py``: the
+    backward of Hugging Face's GPT-2 and Llama rises 8 bytes per logit above their
+    forwards, two fp32 logit-sized gradients)."""
     floating = bool(node.outputs) and node.outputs[0].dtype.startswith(("float", "bfloat"))
-    return float(node.output_bytes) if floating and node.kind not in ("input", "output") and not aliases(node) \
-        else 0.0
+    if not floating or node.kind in ("input", "output"):
+        return 0.0
+    if not node.outputs[0].shape and "cross_entropy" in node.target:
+        return float(max(0, node.bytes_read - node.param_bytes))
+    return float(node.output_bytes)
 
 
-def backward_working(kept: Sequence[float], grads: Sequence[float], received: float = 0.0) -> float:
+def backward_working(kept: Sequence[float], grads: Sequence[float], received: float = 0.0,
+                     views: Sequence[bool] = ()) -> float:
     """``W``: the gradient buffers of one backward through a sequence of nodes (forward
     order; ``kept[i]`` the activations node ``i`` keeps, ``grads[i]`` its output's
-    gradient buffer) above the activations they keep. Backpropagating node ``i``, the
-    activations of the nodes before it are still kept, those after it are freed, and two
-    gradients are alive: of its output and of its input (the node before it's; for the
-    first, the gradient of an input it ``received`` from another device or stage):
-    ``max_i (kept[..i] - kept[..] + grads[i] + grads[i - 1])``, at least 0. A chain's
-    rule: a gradient waiting for a second consumer (a residual) is not counted."""
+    gradient buffer, ``views[i]`` whether it is a view, :func:`aliases`) above the
+    activations they keep. Backpropagating node ``i``, the activations of the nodes
+    before it are still kept, those after it are freed, and two gradients are alive:
+    of its output and of its input (the node before it's; for the first, the gradient
+    of an input it ``received`` from another device or stage), one for a view (its
+    input's gradient is a view of its output's): ``max_i (kept[..i] - kept[..] +
+    grads[i] + grads[i - 1])``, at least 0. A chain's rule: a gradient waiting for a
+    second consumer (a residual) is not counted."""
     total = sum(kept)
     prefix = work = 0.0
     for i, k in enumerate(kept):
         prefix += k
-        work = max(work, prefix - total + grads[i] + (grads[i - 1] if i else received))
+        made = 0.0 if i < len(views) and views[i] else grads[i - 1] if i else received
+        work = max(work, prefix - total + grads[i] + made)
     return work
 
 

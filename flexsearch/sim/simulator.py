@@ -417,13 +417,15 @@ class Simulator:
         fragments' entries, not devices x nodes)."""
         kept: dict[int, list[float]] = {}
         grads: dict[int, list[float]] = {}
+        views: dict[int, list[bool]] = {}
         for f in frags:
             for d in f.activations.keys() | f.grads.keys():
                 k, g = f.activations.get(d, 0.0), f.grads.get(d, 0.0)
                 if k or g:
                     kept.setdefault(d, []).append(k)
                     grads.setdefault(d, []).append(g)
-        return {d: backward_working(kept[d], grads[d]) for d in kept}
+                    views.setdefault(d, []).append(f.view)
+        return {d: backward_working(kept[d], grads[d], views=views[d]) for d in kept}
 
     def _schedule(self, frags: list[Fragment], ordered: list[Task], keep_timeline: bool, ddp: bool = False,
                   buckets: list[Task] = (), shards: int = 1, unsharded: float = 0.0,

@@ -35,6 +35,7 @@ from flexsearch.graph.microbatch import microbatch_graph
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.sim.context import CostContext
 from flexsearch.sim.footprint import (
+    aliases,
     backward_working,
     grad_bytes,
     loss_copy_bytes,
@@ -80,6 +81,8 @@ class NodeCost:
     loss_copy_bytes: float = 0.0
     """The part of ``loss_bytes`` the loss saves per microbatch
     (:func:`~flexsearch.sim.footprint.loss_copy_bytes`)."""
+    view: bool = False
+    """Its output is a view of its input (:func:`~flexsearch.sim.footprint.aliases`)."""
 
 
 def _span(tasks) -> float:
@@ -125,7 +128,8 @@ def node_costs(graph: OpGraph, configs: Mapping[str, Config], ctx: CostContext) 
             hit = memo[key] = NodeCost(_span(fw), _span(bw), frag.params.get(0, 0.0), frag.activations.get(0, 0.0),
                                        frag.tensors.get(0, 0), frag.largest.get(0, 0.0), frag.cast.get(0, 0.0),
                                        share, loss_held_bytes(node, share) if node.name in returned else 0.0, grad,
-                                       loss_copy_bytes(node, share) if node.name in returned else 0.0)
+                                       loss_copy_bytes(node, share) if node.name in returned else 0.0,
+                                       aliases(node))
         out[node.name] = hit
     return out
 
@@ -210,7 +214,8 @@ def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float],
         largest_param_bytes=max((costs[i].largest_param_bytes for i in seg), default=0.0),
         loss_bytes=sum(costs[i].loss_bytes for i in seg),
         loss_copy_bytes=sum(costs[i].loss_copy_bytes for i in seg),
-        grad_working_bytes=backward_working(per_node, [costs[i].grad_bytes for i in seg], cuts[a] if a else 0.0),
+        grad_working_bytes=backward_working(per_node, [costs[i].grad_bytes for i in seg], cuts[a] if a else 0.0,
+                                            [costs[i].view for i in seg]),
     )
 
 

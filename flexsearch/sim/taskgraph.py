@@ -57,7 +57,7 @@ from flexsearch.graph.opgraph import OpNode, dtype_size
 from flexsearch.graph.regions import Region, input_region, intersect, split_interval, volume
 from flexsearch.sim.accounting import largest_tensor
 from flexsearch.sim.context import CostContext, collective_task, link_resources, transfer_task
-from flexsearch.sim.footprint import cast_copy_bytes, grad_bytes, kept_bytes
+from flexsearch.sim.footprint import aliases, cast_copy_bytes, grad_bytes, kept_bytes
 from flexsearch.sim.tasks import Key, Task
 from flexsearch.strategy.config import Config, is_source, sample_dim
 
@@ -117,6 +117,7 @@ class Fragment:
     sync: list[tuple[int, Key]] = field(default_factory=list)  # (device, task key) before update
     cast: dict[int, float] = field(default_factory=dict)  # device -> autocast's low-precision weight copies
     grads: dict[int, float] = field(default_factory=dict)  # device -> its output share's gradient buffer
+    view: bool = False  # the node's output is a view of its input (footprint.aliases)
     reductions: list[Task] = field(default_factory=list)  # input gradients' partial-sum all-reduces
     """The all-reduces that make an input's gradient whole from this node's partial sums,
     kept apart from ``backward``: the consumers of one producer add their partial sums
@@ -396,7 +397,7 @@ def build_fragment(
     (in ``node.inputs`` order); of the first replica only with ``replica`` (module
     docstring); ``no_grad``: the graph's
     :func:`~flexsearch.sim.gradients.without_gradient`."""
-    frag = Fragment()
+    frag = Fragment(view=aliases(node))
     if node.kind == "output" and soap_runtime(ctx):
         return output_gather(producers, ctx, frag, replica)
     if is_source(node):

@@ -514,7 +514,9 @@ class _Measure(fx.Interpreter):
             # as a fused kernel lays its output out ((B, T, H, D) memory, so the usual
             # transpose(1, 2) that follows is a view) and saves: q, k, v and the output
             out = out.transpose(1, 2).contiguous().transpose(1, 2)
-            packed = [t for t in largs[:3] if isinstance(t, torch.Tensor)]
+            # an input of another dtype than the output (autocast's: RoPE's fp32 queries
+            # beside bf16 values) reaches the kernel cast, and the cast copy is what it saves
+            packed = [t if t.dtype == out.dtype else t.to(out.dtype) for t in largs[:3] if isinstance(t, torch.Tensor)]
             packed += [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         self.saved.packed(n.name, packed, [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)])
         fwd = self.counter.get_total_flops() - before

@@ -221,11 +221,13 @@ def phase_terms(m) -> dict[str, float]:
     holds its tensors over the output (``P + O + A + Y``); ``backward`` (``P + O + A + Y
     + max(T, W)``, the model's peak of the backward's start); ``update`` (``P + O + G +
     U``; the step measured still references the logits then, which the model leaves
-    out)."""
+    out): :func:`flexsearch.sim.accounting.peak_branches` with the state beside them."""
+    from flexsearch.sim.accounting import peak_branches
+
     state = m.params + m.optimizer + m.buffers
-    return {"loss": state + m.activations + m.loss_grad,
-            "backward": state + m.activations + m.rebuilt + m.loss_grad + max(m.loss_working, m.grad_working),
-            "update": state + m.grads + m.update_working}
+    branches = peak_branches(m, None)
+    return {"loss": state + m.activations + m.loss_grad, "backward": state + branches["backward"],
+            "update": state + branches["update"]}
 
 
 # ----------------------------------------------------------------------------- measure

@@ -153,17 +153,22 @@ class DeviceMemory:
                    loss_grad, update_working=UPDATE_WORKING[optimizer] * params, loss_working=loss_working)
 
 
+def peak_branches(m: DeviceMemory, calibration: DeviceCalibration | None) -> dict[str, float]:
+    """The three sums :func:`peak_bytes` takes the largest of (module docstring):
+    ``backward`` (``A + Y + max(T, W)``, with a checkpointed unit's rebuilt
+    activations), ``update`` (``G + U``) and ``held`` (``H + Y + max(T, W)``; 0 outside
+    pipelines)."""
+    backward = m.loss_grad + max(m.loss_working, m.grad_working)
+    update = m.update_working if calibration is None else calibration.optimizer_working_tensors.value * m.largest
+    return {"backward": m.activations + m.rebuilt + backward, "update": m.grads + update,
+            "held": m.held_with_grads + m.rebuilt + backward if m.held_with_grads else 0.0}
+
+
 def peak_bytes(m: DeviceMemory, calibration: DeviceCalibration | None, mode: Mode) -> float:
     """The device's peak memory (module docstring)."""
-    backward = m.loss_grad + max(m.loss_working, m.grad_working)
-    if calibration is None:
-        working, runtime = m.grads + m.update_working, 0.0
-    else:
-        working = m.grads + calibration.optimizer_working_tensors.value * m.largest
-        runtime = calibration.runtime(mode)
-    held = m.held_with_grads + m.rebuilt + backward if m.held_with_grads else 0.0
-    return (m.params + m.optimizer + m.buffers + runtime
-            + max(m.activations + m.rebuilt + backward, working, held) + m.grad_buckets)
+    runtime = calibration.runtime(mode) if calibration is not None else 0.0
+    return (m.params + m.optimizer + m.buffers + runtime + max(peak_branches(m, calibration).values())
+            + m.grad_buckets)
 
 
 def largest_tensor(shard_bytes: float, tensors: int) -> float:

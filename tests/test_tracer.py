@@ -212,6 +212,60 @@ def test_recurrent_layer_keeps_what_its_fused_kernel_saves(cls, batch_first, bat
     assert node.saved_bytes == pytest.approx(real, rel=0.02)
 
 
+class Rotary(nn.Module):
+    """A first Linear on the model's float input, then queries rotated by a table made
+    from a buffer (RoPE: ``q * cos + rotate_half(q) * sin``), as Llama does."""
+
+    def __init__(self, d: int = 16, seq: int = 8):
+        super().__init__()
+        self.inp, self.q, self.out = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d), persistent=False)
+        self.seq = seq
+
+    def forward(self, x):
+        freqs = torch.outer(torch.arange(self.seq, dtype=torch.float32), self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        q = self.q(self.inp(x))
+        half = q.shape[-1] // 2
+        rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
+        return self.out(q * cos + rotated * sin)
+
+
+def test_only_inputs_computed_from_parameters_get_gradients():
+    """An op computes and saves for the inputs that need a gradient in the model, as
+    autograd does: the first Linear no gradient of the model's input, RoPE's ``q * cos``
+    none of the table ``cos`` (so it keeps ``cos``, not ``q``), and the table's own ops
+    nothing. Checked against the eager step: its backward's FLOPs
+    (``FlopCounterMode``) and the tensors autograd saves (``saved_tensors_hooks``)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    model, x = Rotary(), torch.randn(4, 8, 16)
+    g = trace(model, (x,))
+    with FlopCounterMode(display=False) as counter:
+        y = model(x)
+    forward = counter.get_total_flops()
+    with FlopCounterMode(display=False) as counter:
+        y.sum().backward()
+    assert g.flops == forward
+    assert g.backward_flops == counter.get_total_flops()  # 2x forward, less the first layer's input gradient
+    assert g.node("inp").backward_flops == g.node("inp").flops
+
+    packed = {}
+
+    def pack(t):
+        packed.setdefault(storage(t), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        pack(model(x))  # the output too: held for the loss
+    real = sum(v for k, v in packed.items() if k not in {storage(p) for p in model.parameters()} | {storage(x)})
+    assert sum(n.saved_bytes or 0 for n in g.nodes) == real
+    assert not g.node("q").saved_bytes  # saved by no op: q * cos keeps cos, the Linear its input
+    assert g.node("mul").saved_bytes == 8 * 16 * 4  # the table (made from buffers, folded) that q * cos keeps
+
+
 def test_opaque_op_is_costed_not_split():
     class Odd(nn.Module):
         def forward(self, x):

@@ -24,8 +24,9 @@ def _materialize(spec: Any, device: torch.device, leaves: list[torch.Tensor], in
     if not isinstance(spec, ArgTensor):
         return spec
     if spec.dtype.is_floating_point:
-        leaf = torch.randn(spec.shape, dtype=spec.dtype, device=device).requires_grad_(input_grads)
-        if input_grads:
+        grad = input_grads and spec.grad  # as the model: a gradient for those computed from parameters
+        leaf = torch.randn(spec.shape, dtype=spec.dtype, device=device).requires_grad_(grad)
+        if grad:
             leaves.append(leaf)
         return leaf
     if spec.dtype == torch.bool:

@@ -284,7 +284,7 @@ def partitioned_call(node: OpNode, call: OpCall, p: Partition) -> OpCall:
                 shape = _split(shape, -1 if position == 0 else -2, p.reduce)
         if p.parameter > 1 and kind == "norm" and len(shape) > 1:
             shape = _split(shape, 1, p.parameter)
-        return ArgTensor(shape, t.dtype, t.batch, t.state)
+        return ArgTensor(shape, t.dtype, t.batch, t.state, t.grad)
 
     def param_shape(shape: tuple[int, ...], name: str) -> tuple[int, ...]:
         weight = name.endswith("weight")

@@ -73,13 +73,15 @@ def trace(model: nn.Module, example_inputs: tuple | Any, *, name: str | None = N
 
 @dataclass(frozen=True)
 class ArgTensor:
-    """A tensor argument of an op call: its shape, dtype, batch dim, and the canonical
-    name of the parameter or buffer it is (``None`` for activations)."""
+    """A tensor argument of an op call: its shape, dtype, batch dim, the canonical
+    name of the parameter or buffer it is (``None`` for activations), and whether it
+    needs a gradient in the model (``grad``: computed from a parameter)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     batch: int | None
     state: str | None
+    grad: bool = True
 
 
 @dataclass(frozen=True)
@@ -258,7 +260,7 @@ class _Measure(fx.Interpreter):
         self.batch_of: dict[int, int | None] = {}  # id(fake tensor) -> batch dim
         self.param_of: dict[int, str] = {}  # id(fake param) -> canonical name
         self.stands_for: dict[str, tuple[str, ...]] = {}  # fx node -> op nodes it carries
-        self._backward_flops: dict[tuple, int] = {}  # op signature -> backward FLOPs
+        self._backward_flops: dict[tuple, int] = {}  # (op signature, inputs needing gradients) -> backward FLOPs
         self.module_types: dict[str, str] = {}  # module path -> class name
         self.calls: dict[str, OpCall] = {}
         self.canon = canonical_names(model)
@@ -447,7 +449,8 @@ class _Measure(fx.Interpreter):
         def spec(x: Any) -> Any:
             if not isinstance(x, torch.Tensor):
                 return x
-            return ArgTensor(tuple(x.shape), x.dtype, self.batch_of.get(id(x)), self.param_of.get(id(x)))
+            return ArgTensor(tuple(x.shape), x.dtype, self.batch_of.get(id(x)), self.param_of.get(id(x)),
+                             x.requires_grad)
 
         state = tuple((local, tuple(t.shape), t.dtype, t.requires_grad) for local, t in mod_params.items())
         sargs, skwargs = tree_map(spec, (args, kwargs))
@@ -483,8 +486,13 @@ class _Measure(fx.Interpreter):
                     leaves.append(x)
                 return x
             if x.is_floating_point():
-                leaf = x.detach().requires_grad_(True)
-                leaves.append(leaf)
+                # an input needs a gradient as in the model: one computed from a
+                # parameter does, a model input, a buffer or a table made from them
+                # (RoPE's cos and sin, a mask) does not, and autograd saves nothing
+                # and computes no gradient for it
+                leaf = x.detach().requires_grad_(x.requires_grad)
+                if x.requires_grad:
+                    leaves.append(leaf)
                 copy = leaf.clone()  # in-place ops (ReLU(inplace=True), +=) need a non-leaf
                 self.saved.cloned(copy, x)
                 return copy
@@ -518,10 +526,13 @@ class _Measure(fx.Interpreter):
             # beside bf16 values) reaches the kernel cast, and the cast copy is what it saves
             packed = [t if t.dtype == out.dtype else t.to(out.dtype) for t in largs[:3] if isinstance(t, torch.Tensor)]
             packed += [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            if not out.requires_grad:  # no input needs a gradient: the kernel saves nothing
+                packed = []
         self.saved.packed(n.name, packed, [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)])
         fwd = self.counter.get_total_flops() - before
-        bwd = self._backward_flops.get(sig, 0)
-        if sig not in self._backward_flops:
+        key = (sig, tuple(t.requires_grad for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)))
+        bwd = self._backward_flops.get(key, 0)
+        if key not in self._backward_flops:
             grads_of = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
             if grads_of and leaves:
                 before = self.counter.get_total_flops()
@@ -532,7 +543,7 @@ class _Measure(fx.Interpreter):
                     allow_unused=True,
                 )
                 bwd = self.counter.get_total_flops() - before
-            self._backward_flops[sig] = bwd
+            self._backward_flops[key] = bwd
         self.signature[n.name] = sig
         return out, fwd, bwd, [t for t in tree_flatten((largs, lkwargs))[0] if isinstance(t, torch.Tensor)]
 

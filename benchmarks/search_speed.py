@@ -7,7 +7,11 @@
    - *delta*: one ``Simulator``; each step gives one random unit a random other candidate
      and simulates, as an MCMC step does (only the changed fragments are rebuilt).
 
-   Both include ``Space.expand`` and run without the timeline, as the search does. The
+   Both include ``Space.expand`` and run as the search runs them: without the timeline
+   and with Python's cyclic garbage collector paused
+   (:func:`flexsearch.search.workers.cycles_paused`; with it running, full simulations
+   lose about a third of their speed to it, delta ones a sixth, and the ratio looks
+   better than the planner sees it). The
    two are measured back to back in the same process, ``--rounds`` times interleaved;
    the figures are the medians over the rounds. Target ([v2 4/6]): delta / full >= 10.
    ``delta_bound=``: a full simulation's time over the time a delta simulation spends
@@ -73,6 +77,7 @@ from flexsearch.cost.hardware import Cluster  # noqa: E402
 from flexsearch.search.assignment import AssignmentBuilder  # noqa: E402
 from flexsearch.search.mcmc import cost_of, mcmc  # noqa: E402
 from flexsearch.search.planner import lower_bound, run_baselines  # noqa: E402
+from flexsearch.search.workers import cycles_paused  # noqa: E402
 from flexsearch.sim.context import CostContext  # noqa: E402
 from flexsearch.sim.simulator import Simulator  # noqa: E402
 from flexsearch.strategy.space import Space  # noqa: E402
@@ -284,13 +289,15 @@ def main() -> None:
 
     graph = trace("gpt2_small")
     cluster = Cluster.preset(CLUSTER, 8)
-    full, delta = sim_rates(graph, cluster, rounds, round_s, args.seed)
+    with cycles_paused():  # as plan_graph runs the search
+        full, delta = sim_rates(graph, cluster, rounds, round_s, args.seed)
     f, d = statistics.median(full), statistics.median(delta)
     print(f"gpt2_small x 8 {CLUSTER}, {len(graph.nodes)} nodes, {rounds} rounds of {round_s:g} s")
     print(f"  full  sims/s per round: {' '.join(f'{x:.1f}' for x in full)}  median {f:.1f}")
     print(f"  delta sims/s per round: {' '.join(f'{x:.1f}' for x in delta)}  median {d:.1f}")
     print(f"  delta / full: {d / f:.1f}x (target >= 10x)")
-    build_s, rebuilt = delta_build(graph, cluster, 60 if q else 300, args.seed)
+    with cycles_paused():
+        build_s, rebuilt = delta_build(graph, cluster, 60 if q else 300, args.seed)
     print(f"  a delta simulation builds {rebuilt:.1f} of {len(graph.nodes)} fragments in {build_s * 1e3:.2f} ms: "
           f"a full simulation ({1e3 / f:.2f} ms) over that, {1 / (f * build_s):.1f}x, is the most delta / full "
           f"could reach with assembly and scheduling free")
@@ -301,7 +308,8 @@ def main() -> None:
         f"delta_rebuilt={rebuilt:.1f}",
         f"delta_bound={1 / (f * build_s):.2f}",
     ]
-    kept = mcmc_rates(graph, cluster, args.mcmc_iters or (60 if q else 400), args.seed)
+    with cycles_paused():
+        kept = mcmc_rates(graph, cluster, args.mcmc_iters or (60 if q else 400), args.seed)
     print(f"  MCMC fragments built per iteration: {kept['mcmc_rebuilt_one']:.1f} with one kept per node, "
           f"{kept['mcmc_rebuilt_kept']:.1f} with more; iterations/s {kept['mcmc_kept_speedup']:.2f}x")
     figures += [f"{k}={v:.2f}" for k, v in kept.items()]
@@ -311,7 +319,8 @@ def main() -> None:
         t = time.perf_counter()
         g = trace("gpt2_xl", batch_size=batch)
         trace_s = time.perf_counter() - t
-        r = converge(g, Cluster.preset(CLUSTER, n), budgets[n], args.seed)
+        with cycles_paused():  # as plan_graph runs its stages
+            r = converge(g, Cluster.preset(CLUSTER, n), budgets[n], args.seed)
         what = "best plan" if r["feasible"] else "best penalised cost (nothing feasible)"
         vs = (
             f"{r['data_s'] / r['best_s']:.3f}x data parallel ({r['data_s']:.4f} s)"

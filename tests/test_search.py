@@ -30,7 +30,7 @@ from flexsearch.search.ilp import (  # noqa: E402
     solve_assignment,
 )
 from flexsearch.search.mcmc import cost_of, mcmc  # noqa: E402
-from flexsearch.search.planner import REFERENCE_BASELINES  # noqa: E402
+from flexsearch.search.planner import REFERENCE_BASELINES, run_baselines  # noqa: E402
 from flexsearch.sim.context import CostContext  # noqa: E402
 from flexsearch.sim.predict import predict  # noqa: E402
 from flexsearch.sim.simulator import Simulator  # noqa: E402
@@ -478,3 +478,35 @@ def test_mcmc_may_stop_after_the_same_simulated_work_on_a_large_graph(monkeypatc
     run = mcmc(space, sim, [{}], max_iters=2000, seed=0)
     assert 40 <= run.iterations < 200
     assert run.iterations == mcmc(space, sim, [{}], max_iters=2000, seed=0).iterations
+
+
+def test_the_search_makes_no_reference_cycles_and_pauses_the_collector(monkeypatch):
+    """The planner pauses Python's cyclic garbage collector (:func:`flexsearch.search.
+    workers.cycles_paused`), which is safe only while a search frees everything it
+    allocates by reference counting: simulations, baselines, MCMC steps and a whole plan
+    leave no unreachable cycle behind. The collector runs again after the plan."""
+    import gc
+
+    g = trace(*zoo.build("gpt_tiny"))
+    cluster = Cluster.preset("dgx-h100", 4)
+    space = Space(g, 4)
+    seen = []
+    simulate = Simulator.simulate
+
+    def spy(self, *a, **k):
+        seen.append(gc.isenabled())
+        return simulate(self, *a, **k)
+
+    gc.collect()
+    gc.disable()
+    try:
+        sim = Simulator(g, CostContext(cluster))
+        seeds = [b.decisions for b in run_baselines(space, sim, cluster.devices_per_node).values()]
+        mcmc(space, sim, seeds, max_iters=50, seed=0, early_stop=False)
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
+    monkeypatch.setattr(Simulator, "simulate", spy)
+    flexsearch.plan(*zoo.build("gpt_tiny"), devices=4, cluster="dgx-h100", max_iters=20, workers=1)
+    assert seen and not any(seen)
+    assert gc.isenabled()

@@ -74,8 +74,8 @@ from flexsearch.search.pipeline import (
 from flexsearch.search.reasons import no_plan_reason, zero1_note
 from flexsearch.search.results import graph_inputs, plan_from, predicted
 from flexsearch.search.variants import fitting_variant, shardings, splits
+from flexsearch.search.workers import cycles_paused, submit, worker_count
 from flexsearch.search.workers import pool as worker_pool
-from flexsearch.search.workers import submit, worker_count
 from flexsearch.sim.context import CostContext
 from flexsearch.sim.predict import better, predict
 from flexsearch.sim.result import Simulation
@@ -216,6 +216,14 @@ def plan_graph(
     factors from ``convergence`` (default: the shipped measurement of the graph's model
     family, :func:`flexsearch.strategy.convergence.constants_for`;
     :func:`flexsearch.api.resolve_convergence` also reads this machine's)."""
+    with cycles_paused():  # a search makes no reference cycles: the collector is pure overhead
+        return _plan_graph(graph, cluster, kinds=kinds, optimizer=optimizer, objective=objective, measured=measured,
+                           calibration=calibration, decentralized=decentralized, batch_norm=batch_norm,
+                           convergence=convergence, **kw)
+
+
+def _plan_graph(graph: OpGraph, cluster: Cluster, *, kinds, optimizer, objective, measured, calibration,
+                decentralized, batch_norm, convergence, **kw) -> Plan:
     t0 = time.perf_counter()
     kinds = check_kinds(kinds)
     default = kinds == DEFAULT_KINDS

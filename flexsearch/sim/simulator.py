@@ -105,6 +105,10 @@ class Simulator:
         self._links = tuple(link.id for link in self.cluster.links)
         self._checkpointing: dict[str, Checkpointing] = {}
         self._no_grad = without_gradient(graph.nodes)
+        index = {n.name: i for i, n in enumerate(graph.nodes)}
+        self._inputs = [[index[i] for i in n.inputs] for n in graph.nodes]
+        # (ddp, replica width) -> the configurations and fragments of the last call
+        self._last: dict[tuple[bool, int], tuple[list[Config], list[Fragment]]] = {}
 
     def fragment(self, name: str, configs: Mapping[str, Config], *, ddp: bool = False,
                  replica: Replica | None = None) -> Fragment:
@@ -129,6 +133,29 @@ class Simulator:
         kept[sig] = frag
         self.rebuilt += 1
         return frag
+
+    def fragments(self, configs: Mapping[str, Config], *, ddp: bool = False,
+                  replica: Replica | None = None) -> list[Fragment]:
+        """Every node's :meth:`fragment` under ``configs``, in graph order. A node whose
+        configuration and producers' configurations are those of the previous call (in
+        the same mode; identical objects, or equal) keeps that call's fragment without
+        a lookup: after a move, only the changed nodes and their consumers are looked
+        up (and built when the cache does not hold them)."""
+        mode = (ddp, replica.width if replica is not None else 0)
+        nodes = self.graph.nodes
+        now = [configs[n.name] for n in nodes]
+        last = self._last.get(mode)
+        if last is None:
+            frags = [self.fragment(n.name, configs, ddp=ddp, replica=replica) for n in nodes]
+        else:
+            before, frags = last
+            frags = list(frags)
+            changed = [a is not b and a != b for a, b in zip(now, before, strict=True)]
+            for i, n in enumerate(nodes):
+                if changed[i] or any(changed[j] for j in self._inputs[i]):
+                    frags[i] = self.fragment(n.name, configs, ddp=ddp, replica=replica)
+        self._last[mode] = (now, frags)
+        return frags
 
     def replica(self, configs: Mapping[str, Config], group: int = 0) -> Replica | None:
         """The replica quotient ``configs`` allow (module docstring), None when they do
@@ -192,8 +219,7 @@ class Simulator:
             return self._fsdp(configs, timeline, fsdp_units, recompute, reshard=shard != "zero2", group=group,
                               replica=replica)
         ddp = self.is_ddp(configs) if ddp is None else ddp and self.ctx.calibration is not None
-        frags, working = self._checkpoint(
-            [self.fragment(n.name, configs, ddp=ddp, replica=replica) for n in self.graph.nodes], configs, recompute)
+        frags, working = self._checkpoint(self.fragments(configs, ddp=ddp, replica=replica), configs, recompute)
         ordered: list[Task] = []
         for f in frags:
             ordered.extend(f.forward)
@@ -282,9 +308,7 @@ class Simulator:
             raise ValueError(f"{n} devices do not split into shard groups of {g}")
         groups = [list(range(k, k + g)) for k in range(0, n, g)]
         group_of = {d: k for k, members in enumerate(groups) for d in members}
-        frags, working = self._checkpoint(
-            [self.fragment(nd.name, configs, ddp=True, replica=replica) for nd in self.graph.nodes], configs,
-            recompute)
+        frags, working = self._checkpoint(self.fragments(configs, ddp=True, replica=replica), configs, recompute)
         ctx = self.ctx.as_ddp()
         units = self.unit_nodes(given)
         unit_of = {i: u for u, idx in units.items() for i in idx}

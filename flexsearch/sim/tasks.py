@@ -75,14 +75,15 @@ def _accumulates(k: Key) -> bool:
 
 
 def _gap(busy: dict[int, tuple[list[float], list[float]]], resources: Sequence[int], devices: int,
-         start: float, duration: float) -> float:
+         start: float, duration: float, free: Sequence[float]) -> float:
     """The earliest time ``>= start`` at which every link among ``resources`` is idle for
-    ``duration`` (their busy intervals are disjoint and sorted)."""
+    ``duration`` (their busy intervals are disjoint and sorted; ``free``: per resource
+    the end of its last interval, a link free by ``start`` is skipped)."""
     moved = True
     while moved:
         moved = False
         for r in resources:
-            if r < devices or r not in busy:
+            if r < devices or free[r] <= start or r not in busy:
                 continue
             starts, ends = busy[r]
             i = bisect.bisect_right(ends, start)
@@ -106,10 +107,13 @@ def busy_compute(ordered: Sequence[Task], devices: int) -> list[float]:
 
 def run_tasks(ordered: Sequence[Task], devices: int, links: int, keep_timeline: bool = True) -> TaskRun:
     """List-schedule ``ordered`` (module docstring). Every plan kind's simulator
-    schedules its tasks through this function."""
+    schedules its tasks through this function (the delta simulation's inner loop: the
+    attribute and method lookups are hoisted, the key test of :func:`_accumulates`
+    inlined)."""
     free = [0.0] * (devices + links)
     busy: dict[int, tuple[list[float], list[float]]] = {}  # link -> (starts, ends) of its busy intervals
     end: dict = {}
+    get = end.get
     timeline: list[Scheduled] = []
     compute = [0.0] * devices
     chain: dict = {}  # critical path: end times without resource waits
@@ -117,40 +121,51 @@ def run_tasks(ordered: Sequence[Task], devices: int, links: int, keep_timeline: 
     for t in ordered:
         start = 0.0
         for k in t.deps:
-            v = end.get(k)
+            v = get(k)
             if v is not None and v > start:
                 start = v
+        res, dur = t.resources, t.duration
         late = False
-        for r in t.resources:
-            if free[r] > start:
+        for r in res:
+            f = free[r]
+            if f > start:
                 if r < devices:
-                    start = free[r]
+                    start = f
                 else:
                     late = True
-        if late and t.duration > 0:
-            start = _gap(busy, t.resources, devices, start, t.duration)
-        stop = start + t.duration
-        for r in t.resources:
-            if r >= devices and t.duration > 0:
-                starts, ends = busy.setdefault(r, ([], []))
-                if not ends or start >= ends[-1]:
-                    starts.append(start)
-                    ends.append(stop)
+        if late and dur > 0:
+            start = _gap(busy, res, devices, start, dur, free)
+        stop = start + dur
+        for r in res:
+            if r >= devices and dur > 0:
+                intervals = busy.get(r)
+                if intervals is None:
+                    busy[r] = ([start], [stop])
                 else:
-                    i = bisect.bisect_left(starts, start)
-                    starts.insert(i, start)
-                    ends.insert(i, stop)
+                    starts, ends = intervals
+                    if start >= ends[-1]:
+                        starts.append(start)
+                        ends.append(stop)
+                    else:
+                        i = bisect.bisect_left(starts, start)
+                        starts.insert(i, start)
+                        ends.insert(i, stop)
             if stop > free[r]:
                 free[r] = stop
         for k in t.defines:
-            if not _accumulates(k) or stop > end.get(k, 0.0):
+            if type(k) is not tuple or k[0] != "G":  # not _accumulates(k): the last definition
                 end[k] = stop
-        if t.kind == "fwd" or t.kind == "bwd":
-            compute[t.resources[0]] += t.duration
-        serial += t.duration * t.copies
+            else:
+                v = get(k)
+                if v is None or stop > v:
+                    end[k] = stop
+        kind = t.kind
+        if kind == "fwd" or kind == "bwd":
+            compute[res[0]] += dur
+        serial += dur * t.copies
         if keep_timeline:
             timeline.append(Scheduled(t, start, stop))
-            cstop = max([chain.get(k, 0.0) for k in t.deps], default=0.0) + t.duration
+            cstop = max([chain.get(k, 0.0) for k in t.deps], default=0.0) + dur
             for k in t.defines:
                 if not _accumulates(k) or cstop > chain.get(k, 0.0):
                     chain[k] = cstop

@@ -41,6 +41,8 @@ class Space:
         self.graph = graph
         self.devices = devices
         self.whole_blocks = graph.via == "export"
+        self._followed: dict[tuple[str, Config], Config] = {}  # (follower, its carrier's config) -> its config
+        self._carriers: dict[str, OpNode] = {}  # follower -> :meth:`carrier`
 
     @cached_property
     def decision_nodes(self) -> tuple[str, ...]:
@@ -98,21 +100,29 @@ class Space:
 
     def expand(self, decisions: Mapping[str, Config]) -> dict[str, Config]:
         """A configuration for every node: a unit's decision for each of its nodes
-        (missing units: ``Config()``), followers derived in topological order, sources
-        whole."""
+        (missing units: ``Config()``), followers derived in topological order (each
+        follower's layout for a carrier's configuration computed once, the same object
+        after: a delta simulation tells unchanged nodes by identity), sources whole."""
         out: dict[str, Config] = {}
         for u in self.units:
             c = decisions.get(u.name, Config())
             for nm in u.nodes:
                 out[nm] = c
+        followed = self._followed
         for n in self.graph.nodes:
             if n.name in out:
                 continue
             if is_source(n):
                 out[n.name] = Config()
                 continue
-            p = self.carrier(n)  # a follower: decisions and sources come first
-            out[n.name] = follow(n, p, out[p.name], self.devices)
+            p = self._carriers.get(n.name)
+            if p is None:
+                p = self._carriers[n.name] = self.carrier(n)  # a follower: decisions and sources come first
+            pc = out[p.name]
+            c = followed.get((n.name, pc))
+            if c is None:
+                c = followed[(n.name, pc)] = follow(n, p, pc, self.devices)
+            out[n.name] = c
         return out
 
     def carrier(self, n: OpNode) -> OpNode:

@@ -40,7 +40,6 @@ def worker_count(workers: int | None) -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-
 @contextmanager
 def cycles_paused() -> Iterator[None]:
     """Python's cyclic garbage collector paused for the block (restored after; a worker
@@ -49,8 +48,9 @@ def cycles_paused() -> Iterator[None]:
     cycles (``gc.collect()`` after 300 delta and 50 full simulations, the baselines and
     200 MCMC steps of GPT-2 small on 8 devices found none), yet every few hundred
     allocations start a collection, and the older generations' rescan the traced graph
-    and the caches: paused, a full simulation of that case ran about 35% faster and a
-    delta simulation about 17% (``benchmarks/search_speed.py``)."""
+    and the caches. Paused, GPT-2 small's full simulations on 8 devices ran about 1.5x
+    as many per second and its delta simulations about 1.2x (``benchmarks/
+    search_speed.py``: ``paused_full_speedup=``, ``paused_delta_speedup=``)."""
     was = gc.isenabled()
     gc.disable()
     try:

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from torch import nn
 
 from flexsearch import OpGraph, TraceError, trace
+from flexsearch.graph.tracer import trace_calls
 from flexsearch.graph.saved import storage
 
 
@@ -251,6 +252,12 @@ def test_only_inputs_computed_from_parameters_get_gradients():
     assert g.flops == forward
     assert g.backward_flops == counter.get_total_flops()  # 2x forward, less the first layer's input gradient
     assert g.node("inp").backward_flops == g.node("inp").flops
+    # the first Linear and the last have one shape but not one backward: the profiler
+    # measures each (its entries are keyed by signature) with its own operands' gradients
+    assert g.node("inp").signature != g.node("out").signature
+    assert g.node("q").signature == g.node("out").signature
+    _, calls = trace_calls(model, (x,))
+    assert calls["inp"].args[0].grad is False and calls["out"].args[0].grad is True
 
     packed = {}
 

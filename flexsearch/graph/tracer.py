@@ -260,7 +260,7 @@ class _Measure(fx.Interpreter):
         self.batch_of: dict[int, int | None] = {}  # id(fake tensor) -> batch dim
         self.param_of: dict[int, str] = {}  # id(fake param) -> canonical name
         self.stands_for: dict[str, tuple[str, ...]] = {}  # fx node -> op nodes it carries
-        self._backward_flops: dict[tuple, int] = {}  # (op signature, inputs needing gradients) -> backward FLOPs
+        self._backward_flops: dict[tuple, int] = {}  # op signature -> backward FLOPs
         self.module_types: dict[str, str] = {}  # module path -> class name
         self.calls: dict[str, OpCall] = {}
         self.canon = canonical_names(model)
@@ -530,9 +530,8 @@ class _Measure(fx.Interpreter):
                 packed = []
         self.saved.packed(n.name, packed, [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)])
         fwd = self.counter.get_total_flops() - before
-        key = (sig, tuple(t.requires_grad for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)))
-        bwd = self._backward_flops.get(key, 0)
-        if key not in self._backward_flops:
+        bwd = self._backward_flops.get(sig, 0)
+        if sig not in self._backward_flops:
             grads_of = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
             if grads_of and leaves:
                 before = self.counter.get_total_flops()
@@ -543,7 +542,7 @@ class _Measure(fx.Interpreter):
                     allow_unused=True,
                 )
                 bwd = self.counter.get_total_flops() - before
-            self._backward_flops[key] = bwd
+            self._backward_flops[sig] = bwd
         self.signature[n.name] = sig
         return out, fwd, bwd, [t for t in tree_flatten((largs, lkwargs))[0] if isinstance(t, torch.Tensor)]
 
@@ -557,11 +556,17 @@ class _Measure(fx.Interpreter):
         return n.target(*args, **kwargs)
 
     def _signature(self, n: fx.Node, module, args, kwargs) -> tuple:
-        """Identity of an op call up to names: target, configuration, shapes, constants."""
+        """Identity of an op call up to names: target, configuration, shapes, constants,
+        and which floating inputs need no gradient (a model input, a table made from
+        buffers: the op's backward computes less, and the profiler measures it apart;
+        marked only then, so that every other op's identity is as before)."""
 
         def norm(x: Any) -> Any:
             if isinstance(x, torch.Tensor):
-                return ("T", tuple(x.shape), str(x.dtype), id(x) in self.param_of)
+                param = id(x) in self.param_of
+                if x.is_floating_point() and not param and not x.requires_grad:
+                    return ("T", tuple(x.shape), str(x.dtype), param, "no grad")
+                return ("T", tuple(x.shape), str(x.dtype), param)
             if isinstance(x, (int, float, bool, str, type(None), torch.dtype, torch.device)):
                 return x
             return type(x).__name__

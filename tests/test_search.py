@@ -30,7 +30,7 @@ from flexsearch.search.ilp import (  # noqa: E402
     solve_assignment,
 )
 from flexsearch.search.mcmc import cost_of, mcmc  # noqa: E402
-from flexsearch.search.planner import REFERENCE_BASELINES, run_baselines  # noqa: E402
+from flexsearch.search.planner import REFERENCE_BASELINES, plan_graph, run_baselines  # noqa: E402
 from flexsearch.sim.context import CostContext  # noqa: E402
 from flexsearch.sim.predict import predict  # noqa: E402
 from flexsearch.sim.simulator import Simulator  # noqa: E402
@@ -482,9 +482,11 @@ def test_mcmc_may_stop_after_the_same_simulated_work_on_a_large_graph(monkeypatc
 
 def test_the_search_makes_no_reference_cycles_and_pauses_the_collector(monkeypatch):
     """The planner pauses Python's cyclic garbage collector (:func:`flexsearch.search.
-    workers.cycles_paused`), which is safe only while a search frees everything it
-    allocates by reference counting: simulations, baselines, MCMC steps and a whole plan
-    leave no unreachable cycle behind. The collector runs again after the plan."""
+    workers.cycles_paused`), which is safe only while a search frees what it allocates
+    by reference counting: simulations, baselines and MCMC steps leave no unreachable
+    cycle behind, and a whole plan a few hundred objects (the ILP's ``CpModel`` and its
+    closures) however many steps it takes, which the collector frees once it runs again
+    after the plan."""
     import gc
 
     g = trace(*zoo.build("gpt_tiny"))
@@ -504,6 +506,10 @@ def test_the_search_makes_no_reference_cycles_and_pauses_the_collector(monkeypat
         seeds = [b.decisions for b in run_baselines(space, sim, cluster.devices_per_node).values()]
         mcmc(space, sim, seeds, max_iters=50, seed=0, early_stop=False)
         assert gc.collect() == 0
+        plan_graph(g, cluster, max_iters=20, workers=1)  # every phase of a plan
+        left = gc.collect()
+        plan_graph(g, cluster, max_iters=400, workers=1)
+        assert gc.collect() == left < 1000
     finally:
         gc.enable()
     monkeypatch.setattr(Simulator, "simulate", spy)

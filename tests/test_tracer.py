@@ -10,8 +10,8 @@ from pydantic import ValidationError
 from torch import nn
 
 from flexsearch import OpGraph, TraceError, trace
-from flexsearch.graph.tracer import trace_calls
 from flexsearch.graph.saved import storage
+from flexsearch.graph.tracer import trace_calls
 
 
 class Block(nn.Module):

@@ -46,7 +46,9 @@ def cycles_paused() -> Iterator[None]:
     forked inside inherits the pause). A search allocates millions of small objects
     (tasks, keys, fragments) that reference counting frees, for they make no reference
     cycles (``gc.collect()`` after 300 delta and 50 full simulations, the baselines and
-    200 MCMC steps of GPT-2 small on 8 devices found none), yet every few hundred
+    200 MCMC steps of GPT-2 small on 8 devices found none; a whole plan leaves the ILP's
+    model, a few hundred objects however long it searches, freed once the collector
+    runs again), yet every few hundred
     allocations start a collection, and the older generations' rescan the traced graph
     and the caches. Paused, GPT-2 small's full simulations on 8 devices ran about 1.5x
     as many per second and its delta simulations about 1.2x (``benchmarks/

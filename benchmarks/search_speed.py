@@ -10,7 +10,7 @@
    Both include ``Space.expand`` and run as the search runs them: without the timeline
    and with Python's cyclic garbage collector paused
    (:func:`flexsearch.search.workers.cycles_paused`; with it running, full simulations
-   lose about a third of their speed to it, delta ones a sixth, and the ratio looks
+   lose a third to a half of their speed to it, delta ones a sixth to a third, and the ratio looks
    better than the planner sees it: ``paused_full_speedup=`` and
    ``paused_delta_speedup=``, the rates paused over the rates with it running, measured
    in rounds of their own after the paused ones). The

@@ -50,8 +50,8 @@ def cycles_paused() -> Iterator[None]:
     model, a few hundred objects however long it searches, freed once the collector
     runs again), yet every few hundred
     allocations start a collection, and the older generations' rescan the traced graph
-    and the caches. Paused, GPT-2 small's full simulations on 8 devices ran about 1.5x
-    as many per second and its delta simulations about 1.2x (``benchmarks/
+    and the caches. Paused, GPT-2 small's full simulations on 8 devices ran 1.5-2.1x
+    as many per second and its delta simulations 1.2-1.4x (``benchmarks/
     search_speed.py``: ``paused_full_speedup=``, ``paused_delta_speedup=``)."""
     was = gc.isenabled()
     gc.disable()

@@ -21,7 +21,8 @@ from flexsearch.cost.profiler import (
     profile_key,
     profile_model,
 )
-from flexsearch.graph.tracer import ArgTensor, trace_calls
+from flexsearch.graph.calls import ArgTensor
+from flexsearch.graph.tracer import trace_calls
 
 
 class Net(nn.Module):

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from flexsearch.graph.tracer import ArgTensor, OpCall
+from flexsearch.graph.calls import ArgTensor, OpCall
 
 
 def _materialize(spec: Any, device: torch.device, leaves: list[torch.Tensor], input_grads: bool = True) -> Any:

@@ -43,8 +43,9 @@ from torch.utils._pytree import tree_map
 from flexsearch.cost.compute import Partition, node_dtype
 from flexsearch.cost.op_timing import call_bytes, measure_call
 from flexsearch.errors import ProfileError
+from flexsearch.graph.calls import ArgTensor, OpCall
 from flexsearch.graph.opgraph import OpGraph, OpNode
-from flexsearch.graph.tracer import ArgTensor, OpCall, trace_calls
+from flexsearch.graph.tracer import trace_calls
 from flexsearch.precision import FP32, TF32
 from flexsearch.precision import precision as precision_of
 

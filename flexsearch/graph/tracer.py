@@ -24,7 +24,6 @@ import contextlib
 import hashlib
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,6 +37,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from flexsearch.errors import TraceError
 from flexsearch.graph import moe, registry
 from flexsearch.graph.blocks import find_blocks
+from flexsearch.graph.calls import ArgTensor, OpCall
 from flexsearch.graph.lift import (
     OWN_DIR,
     TORCH_DIR,
@@ -69,32 +69,6 @@ def trace(model: nn.Module, example_inputs: tuple | Any, *, name: str | None = N
     cast to ``bf16``, so the graph's dtypes, FLOPs and bytes are that precision's.
     """
     return trace_calls(model, example_inputs, name=name, precision=precision)[0]
-
-
-@dataclass(frozen=True)
-class ArgTensor:
-    """A tensor argument of an op call: its shape, dtype, batch dim, the canonical
-    name of the parameter or buffer it is (``None`` for activations), and whether it
-    needs a gradient in the model (``grad``: computed from a parameter)."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    batch: int | None
-    state: str | None
-    grad: bool = True
-
-
-@dataclass(frozen=True)
-class OpCall:
-    """How to call one op node again: the module (``call_module``), the function, or
-    the tensor method name, with its arguments as :class:`ArgTensor` specs."""
-
-    op: str  # "call_module" | "call_function" | "call_method"
-    target: Any
-    module: nn.Module | None
-    module_state: tuple[tuple[str, tuple[int, ...], torch.dtype, bool], ...]  # local name, shape, dtype, is parameter
-    args: tuple
-    kwargs: dict
 
 
 def trace_calls(

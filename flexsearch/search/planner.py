@@ -193,6 +193,7 @@ def flat_baselines(graph: OpGraph, ctx: CostContext, optimizer: str = "adam",
     return out
 
 
+@cycles_paused()  # a search makes (almost) no reference cycles: the collector is overhead
 def plan_graph(
     graph: OpGraph,
     cluster: Cluster,
@@ -216,14 +217,6 @@ def plan_graph(
     factors from ``convergence`` (default: the shipped measurement of the graph's model
     family, :func:`flexsearch.strategy.convergence.constants_for`;
     :func:`flexsearch.api.resolve_convergence` also reads this machine's)."""
-    with cycles_paused():  # a search makes no reference cycles: the collector is pure overhead
-        return _plan_graph(graph, cluster, kinds=kinds, optimizer=optimizer, objective=objective, measured=measured,
-                           calibration=calibration, decentralized=decentralized, batch_norm=batch_norm,
-                           convergence=convergence, **kw)
-
-
-def _plan_graph(graph: OpGraph, cluster: Cluster, *, kinds, optimizer, objective, measured, calibration,
-                decentralized, batch_norm, convergence, **kw) -> Plan:
     t0 = time.perf_counter()
     kinds = check_kinds(kinds)
     default = kinds == DEFAULT_KINDS

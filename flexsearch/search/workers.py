@@ -42,8 +42,8 @@ def worker_count(workers: int | None) -> int:
 
 @contextmanager
 def cycles_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector paused for the block (restored after; a worker
-    forked inside inherits the pause). A search allocates millions of small objects
+    """Python's cyclic garbage collector paused for the block or, as a decorator, the
+    call (restored after; a worker forked inside inherits the pause). A search allocates millions of small objects
     (tasks, keys, fragments) that reference counting frees, for they make no reference
     cycles (``gc.collect()`` after 300 delta and 50 full simulations, the baselines and
     200 MCMC steps of GPT-2 small on 8 devices found none; a whole plan leaves the ILP's

@@ -26,8 +26,8 @@ from flexsearch.strategy.config import Config, legal, parse_config
 from flexsearch.strategy.fsdp import fsdp_units
 from flexsearch.strategy.kinds import DataParallel, Decentralized, Pipelined, Soap, Strategy
 
-PLAN_VERSION = 6
-"""6: ``shard: zero1`` on pipeline and hybrid plans (optimizer state sharded over a
+PLAN_VERSION = 7
+"""7: ``shard: zero2`` on pipeline plans (FSDP2 stages over their replicas); 6: ``shard: zero1`` on pipeline and hybrid plans (optimizer state sharded over a
 stage's replicas); 5: the sharding of a data-parallel plan (``shard``: ``none``, ``zero1``, ``zero2``,
 ``zero3``, ``hsdp``, with ``shard_group``; was ``shard_params``, true reads as ``zero3``); 4: the training precision and model FLOPs, recompute modes (``none``, ``selective``,
 ``full``), gradient accumulation for data-parallel plans; 3: the FSDP units of a sharded data-parallel plan; 2: search curve, notes,
@@ -121,8 +121,9 @@ class Plan(_Frozen):
     (:data:`flexsearch.strategy.kinds.SHARDINGS`): replicated (DDP), ZeRO-1 (DDP and
     ``ZeroRedundancyOptimizer``), ZeRO-2/ZeRO-3 (FSDP2 ``fully_shard`` without/with
     ``reshard_after_forward``), or HSDP (FSDP2 on a ``(replicate, shard)`` mesh). A
-    pipeline or hybrid plan: ``none`` or ``zero1``, its optimizer state sharded over
-    each stage's replicas (:data:`flexsearch.strategy.kinds.PIPELINE_SHARDINGS`)."""
+    pipeline or hybrid plan: ``none``, ``zero1``, its optimizer state sharded over
+    each stage's replicas, or (plain stages under GPipe or 1F1B) ``zero2``, each stage an
+    FSDP2 module over its replicas (:data:`flexsearch.strategy.kinds.PIPELINE_SHARDINGS`)."""
     shard_group: int | None = None
     """``hsdp`` plans: devices per shard group (consecutive devices)."""
     fsdp_units: tuple[str, ...] = ()

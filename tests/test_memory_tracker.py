@@ -28,9 +28,12 @@ memory events (GPipe, 1F1B and interleaved 1F1B on 2 ranks, both precisions), le
 stages' receive buffers (which the model leaves out: :mod:`flexsearch.sim.pipeline_memory`; the
 emitter keeps one per microbatch it may still need, checked here per stage,
 :func:`flexsearch.emit.staged.receive_buffers`): -7.7% to +7.0% but one known miss
-(:data:`PIPELINE_MISSES`); a 1F1B pipeline of 2 replicas on 4 ranks the same way, its
-optimizer state replicated and sharded over the replicas (ZeRO-1): -3.6% to +0.2%, and
-the saving within 25% of the allocator's. SOAP plans (``MemTracker`` registers a
+(:data:`PIPELINE_MISSES`); a 1F1B pipeline of 2 replicas on 4 ranks the same way, both
+precisions, its state replicated, its optimizer state sharded over the replicas
+(ZeRO-1) and its stages FSDP2 modules over them (``zero2``): -8.1% to +7.6%, and each
+sharding's saving within 25% of the allocator's, but one known miss
+(:data:`SHARDED_PIPELINE_MISSES`: FSDP2 stages in bf16-mixed compute in bf16
+throughout, the model over by 18.8% on the last stage). SOAP plans (``MemTracker`` registers a
 post-accumulate-grad hook on every module parameter, and a tied weight the emitter
 moves to another op's layout is not a leaf) are checked the same way on Megatron's
 layout: a known miss, the model 6-20% under the allocator
@@ -313,7 +316,8 @@ def allocated_job(rank: int, world: int, spec: str, plans: list) -> list[tuple[f
                         sets.add(tuple(ptrs))
                 mine.append(len(sets))
             counts.append((stage.stage_index, stage.is_first, stage.is_last, *mine))
-        out.append((allocator_peak(prof) + sum(p.numel() * p.element_size() for p in module.parameters()),
+        local = [getattr(p, "_local_tensor", p) for p in module.parameters()]  # FSDP2's shards: the local bytes
+        out.append((allocator_peak(prof) + sum(p.numel() * p.element_size() for p in local),
                     float(sum(recv.values())), counts))
         del module, opt, prof  # the next plan's build and steps in a process holding none of this one
         gc.collect()
@@ -362,42 +366,70 @@ def test_pipeline_peak_memory_matches_torchs_allocator(precision):
     assert not misses
 
 
-def test_zero1_pipeline_peak_memory_matches_torchs_allocator():
+SAVING_NOISE = 0.15e6
+"""Bytes a sharded pipeline's measured saving may miss by (the allocator's two peaks,
+:func:`test_sharded_pipeline_peak_memory_matches_torchs_allocator`)."""
+SHARDED_PIPELINE_MISSES = {("bf16-mixed", "zero2", 1): 0.25}
+"""Known misses of the sharded pipelines (precision, sharding, stage): bound looser, their
+saving not checked. FSDP2 stages under bf16-mixed hold their parameters in bf16, so every
+op of the stage computes in bf16 (LayerNorm, the residual stream, the embeddings), where
+the model takes the activations autocast keeps with fp32 parameters (the tracer's): the
+model is over, on the last stage by the most (measured +18.8%), as it is, less, for FSDP2
+data plans in bf16-mixed (+6.6% to +6.8%, module docstring)."""
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_sharded_pipeline_peak_memory_matches_torchs_allocator(precision):
     """A 2-stage 1F1B pipeline of 2 replicas on 4 gloo ranks (oversubscribing CI's 2
-    cores: slower, not different), its optimizer state replicated and sharded over the
-    replicas (ZeRO-1): per device the calibrated peak against torch's allocator as in
-    :func:`test_pipeline_peak_memory_matches_torchs_allocator`, and ZeRO-1's saving
-    against the allocator's. Measured: -1.0% / -8.0% (first / last stage) replicated,
-    -2.7% and +0.2% / -11.0% and -8.0% sharded; the last stage (it holds the loss) is
-    short by the same 0.17-0.19 MB either way, a larger share of the smaller sharded
-    total, so it is bounded at 15%."""
+    cores: slower, not different), its state replicated, its optimizer state sharded
+    over the replicas (ZeRO-1) and its stages FSDP2 modules over them (``zero2``): per
+    device the calibrated peak against torch's allocator as in
+    :func:`test_pipeline_peak_memory_matches_torchs_allocator`, and each sharding's
+    saving against the allocator's. Measured: -1.0% / -1.6% (first / last stage)
+    replicated, -2.7% to +0.2% / -3.6% to -0.3% ZeRO-1, -1.1% / -1.8% FSDP2 (its saving,
+    0.17 MB a rank, the allocator's to the 10 kB); the last stage (it holds the loss) is
+    bounded at 15%. Under FSDP2 a rank's peak is one of two, 0.13 MB apart (seen in 5 of 12
+    runs on one or both ranks of a stage), or once 0.33 MB more, the bytes of a gloo
+    collective's buffer the step before left alive (:func:`allocator_peak`): the lesser
+    of a stage's two replicas' peaks (the same program on shards of the same size) is
+    compared, and a saving within 25% or :data:`SAVING_NOISE`. Every other plan's ranks
+    came out the same to the 10 kB in every run."""
     from flexsearch.cost.calibration import load_calibration_file
     from flexsearch.sim.accounting import peak_bytes
     from flexsearch.strategy.kinds import Pipelined
 
     model, x = load(FAMILIES["gpt"])
-    g = trace(model, x, precision="fp32")
+    g = trace(model, x, precision=precision)
     cl = Cluster.resolve("cpu", 4)
     cal = load_calibration_file().devices[cl.device.name]
-    ctx = CostContext(cl, calibration=cal, precision=precision_of("fp32"))
+    ctx = CostContext(cl, calibration=cal, precision=precision_of(precision))
     k = len(g.nodes)
     plans, predicted = [], []
-    for shard in ("none", "zero1"):
+    for shard in ("none", "zero1", "zero2"):
         s = Pipelined(((0, k // 2), (k // 2, k)), tensor=1, replicas=2, schedule="1f1b", microbatches=2, shard=shard)
         sim = predict(g, s, ctx)
         plans.append(plan_from(g, cl, s, sim, baselines={}, lower_bound_s=0.0))
         predicted.append([peak_bytes(m, cal, "pipeline") - cal.runtime("pipeline") for m in sim.memory_terms])
     got = run_ranks(allocated_job, 4, FAMILIES["gpt"], plans, timeout_s=600)
-    have = [[got[r][i][0] - got[r][i][1] for r in range(4)] for i in range(2)]
+    have = [[min(got[q][i][0] - got[q][i][1] for q in (r - r % 2, r - r % 2 + 1)) for r in range(4)]
+            for i in range(3)]  # ranks (0, 1) and (2, 3): a stage's replicas
+    misses = []
     for i, plan in enumerate(plans):
         for rank in range(4):
-            print(f"{plan.shard} rank {rank}: model {predicted[i][rank] / 1e6:.2f} MB, allocator less receive "
-                  f"buffers {have[i][rank] / 1e6:.2f} MB ({predicted[i][rank] / have[i][rank] - 1:+.1%})")
-            bound = ACTIVATION_RTOL if rank < 2 else 0.15
-            assert predicted[i][rank] == pytest.approx(have[i][rank], rel=bound), (plan.shard, rank)
-    for rank in range(4):  # what sharding the optimizer state saves, model against allocator
-        saved = predicted[0][rank] - predicted[1][rank]
-        assert saved > 0 and saved == pytest.approx(have[0][rank] - have[1][rank], rel=0.25), rank
+            print(f"{precision} {plan.shard} rank {rank}: model {predicted[i][rank] / 1e6:.2f} MB, allocator less "
+                  f"receive buffers {have[i][rank] / 1e6:.2f} MB ({predicted[i][rank] / have[i][rank] - 1:+.1%})")
+            bound = SHARDED_PIPELINE_MISSES.get((precision, plan.shard, rank // 2), ACTIVATION_RTOL if rank < 2 else 0.15)
+            if predicted[i][rank] != pytest.approx(have[i][rank], rel=bound):
+                misses.append((plan.shard, rank))
+    for i in (1, 2):
+        for rank in range(4):  # what sharding saves, model against allocator
+            saved, freed = predicted[0][rank] - predicted[i][rank], have[0][rank] - have[i][rank]
+            print(f"{precision} {plans[i].shard} rank {rank}: saves {saved / 1e6:.2f} MB, the allocator "
+                  f"{freed / 1e6:.2f} MB")
+            if (precision, plans[i].shard, rank // 2) not in SHARDED_PIPELINE_MISSES and \
+                    not (saved > 0 and abs(saved - freed) <= max(0.25 * freed, SAVING_NOISE)):
+                misses.append((plans[i].shard, rank, "saving"))
+    assert not misses
 
 
 TENSOR_PARALLEL_MISS = 0.25

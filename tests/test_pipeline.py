@@ -22,6 +22,7 @@ from flexsearch.search.pipeline import (
     cut_bytes,
     microbatch_options,
     pipedream_plan,
+    pipeline_shardings,
     plan_profile,
     search_pipelines,
 )
@@ -281,8 +282,9 @@ def test_one_replica_simulates_all(cl, n, p, t, schedule):
     k = len(g.nodes)
     bounds = tuple((k * i // (p * v), k * (i + 1) // (p * v)) for i in range(p * v))
     for m in (1, 2):  # 8 samples over 4 replicas at most
-        for rc, shard in (("none", "none"), ("full", "none"), ("none", "zero1"), ("full", "zero1")):
-            if shard == "zero1" and n // (p * t) < 2:
+        for rc, shard in (("none", "none"), ("full", "none"), ("none", "zero1"), ("full", "zero1"),
+                          ("none", "zero2"), ("full", "zero2")):
+            if shard != "none" and n // (p * t) < 2 or shard == "zero2" and (t > 1 or v > 1):
                 continue
             strategy = Pipelined(bounds, tensor=t, replicas=n // (p * t), schedule=schedule, microbatches=m,
                                  chunks=v, recompute=rc, shard=shard)
@@ -342,7 +344,7 @@ def test_peak_memory_without_scheduling_is_the_simulations(cl):
             bounds = tuple(zip([0, *cuts], [*cuts, k], strict=True))
             for m in (1, 2):
                 for rc in ("none", "full") if t > 1 else ("none", "selective", "full"):
-                    for shard in ("none", "zero1") if d > 1 else ("none",):
+                    for shard in pipeline_shardings(t, d, schedule):
                         kw = dict(bounds=bounds, tensor=t, replicas=d, schedule=schedule, microbatches=m, chunks=v,
                                   recompute=rc, shard=shard)
                         try:

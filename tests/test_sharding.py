@@ -224,7 +224,7 @@ def test_the_pipeline_search_shards_the_optimizer_state_when_memory_needs_it(gpt
     """The pipeline search tries ZeRO-1 before activation checkpointing on every layout
     with replicas, and simulates its best layout both ways: with memory below what the
     best replicated layout needs, a plan still fits, sharded or checkpointed."""
-    from flexsearch.search.pipeline import search_pipelines
+    from flexsearch.search.pipeline import pipeline_shardings, search_pipelines
 
     cl = Cluster.preset("dgx-h100", 16)
     ctx = CostContext(cl, precision=precision_of("bf16-mixed"))
@@ -233,7 +233,7 @@ def test_the_pipeline_search_shards_the_optimizer_state_when_memory_needs_it(gpt
     twins = [r for r in res if (r.stages, r.schedule, r.microbatches, r.recompute) ==
              (best.stages, best.schedule, best.microbatches, best.recompute)]
     if best.replicas > 1:
-        assert {r.shard for r in twins} == {"none", "zero1"}
+        assert {r.shard for r in twins} == set(pipeline_shardings(best.tensor, best.replicas, best.schedule))
     plain = min((r.simulation.peak_memory_bytes for r in res if r.shard == "none" and r.recompute == "none"
                  and r.replicas > 1), default=None)
     assert plain is not None
@@ -241,18 +241,23 @@ def test_the_pipeline_search_shards_the_optimizer_state_when_memory_needs_it(gpt
     tight = Cluster.from_spec(cl.spec.model_copy(update={"device": dev}), cl.devices)
     got = plan_graph(gpt_small, tight, kinds=("pipeline", "hybrid"), max_iters=0)
     assert got.predicted.peak_memory_bytes <= plain * 0.97
-    assert got.shard == "zero1" or got.recompute != "none"
+    assert got.shard != "none" or got.recompute != "none"
     assert (got.shard == "zero1") == any(n.startswith("sharding zero1: the optimizer state sharded") for n in got.notes)
+    assert (got.shard == "zero2") == any(n.startswith("sharding zero2: each stage an FSDP2 module") for n in got.notes)
 
 
-def zero1_job(rank: int, world: int, spec: str, plans: list) -> list:
+def sharded_job(rank: int, world: int, spec: str, plans: list) -> list:
     """On every rank: each plan verified (loss, gradients, parameters after 3 steps), then
-    the bytes of Adam's state its optimizer holds after a step, and of the weights'
-    local tensors."""
+    the bytes of Adam's state its optimizer holds after a step (``ZeroRedundancyOptimizer``'s
+    share, or the local tensors of FSDP's sharded state), and of the weights' local
+    tensors."""
     import torch
     from emit_cases import mse, with_target
 
     from flexsearch.emit import make_optimizer, parallelize
+
+    def local(v):
+        return v.to_local() if hasattr(v, "to_local") else v
 
     out = check_job(rank, world, spec, plans)
 
@@ -263,11 +268,11 @@ def zero1_job(rank: int, world: int, spec: str, plans: list) -> list:
         opt = make_optimizer(module, torch.optim.Adam, lr=1e-3)
         module.train_step(x, y, mse)
         opt.step()
-        state = sum(v.numel() * v.element_size() for st in opt.optim.state.values() for v in st.values()
+        inner = getattr(opt, "optim", opt)
+        state = sum(local(v).numel() * local(v).element_size() for st in inner.state.values() for v in st.values()
                     if torch.is_tensor(v) and v.dim())
         weights = {id(q): q for q in module.parameters()}.values()
-        local = sum((q.to_local() if hasattr(q, "to_local") else q).numel() * 4 for q in weights)
-        states.append((state, local))
+        states.append((state, sum(local(q).numel() * 4 for q in weights)))
     return [(*o, s) for o, s in zip(out, states, strict=True)]
 
 
@@ -286,7 +291,7 @@ def test_zero1_pipeline_and_hybrid_plans_compute_what_the_model_does():
         s = _pipelined(g, "zero1", **shape)
         sim = predict(g, s, CostContext(cl, precision=precision_of(precision)))
         out[precision] = (plan_from(g, cl, s, sim, baselines={}, lower_bound_s=0.0), sim)
-    results = run_ranks(zero1_job, 4, FAMILIES["gpt"], [p for p, _ in out.values()], timeout_s=600)
+    results = run_ranks(sharded_job, 4, FAMILIES["gpt"], [p for p, _ in out.values()], timeout_s=600)
     for i, (precision, (plan, sim)) in enumerate(out.items()):
         for rank in range(4):
             kind, _, loss, ref, params, (state, local) = results[rank][i]
@@ -304,3 +309,130 @@ def test_zero1_pipeline_and_hybrid_plans_compute_what_the_model_does():
             # ZeroRedundancyOptimizer partitions whole tensors, greedily by size: measured
             # 7-9% over the even share on the pipeline's stages, 0.3% on the hybrid's
             assert max(sa, sb) <= predicted * 1.15
+
+
+# ------------------------------------------------------------------ FSDP2 stages under pipelines
+
+
+def test_fsdp_pipeline_stages_gather_first_and_reduce_scatter_last(gpt_small):
+    """2 plain stages x 8 replicas on 16 H100s under 1F1B, FSDP2 stages (``zero2``): one
+    all-gather of each stage's parameters over its replicas (bf16-mixed: half their
+    bytes) before the stage's first forward, one reduce-scatter of its gradients after
+    its last backward in place of the all-reduce, updates 8 times smaller and nothing
+    gathered after them; per device ``P / d`` at rest with its state, the gathered ``g
+    P`` held as a buffer, the pipeline's held gradients whole (in fp32 against ZeRO-1:
+    ``P / d`` more); under bf16-mixed no autocast weight copies, and each microbatch's
+    bf16 gradients beside the fp32 ones accumulated."""
+    cl = Cluster.preset("dgx-h100", 16)
+    for precision, gather in (("bf16-mixed", 0.5), ("fp32", 1.0)):
+        ctx = CostContext(cl, precision=precision_of(precision))
+        sims = {s: predict(gpt_small, _pipelined(gpt_small, s, p=2, replicas=8), ctx)
+                for s in ("none", "zero1", "zero2")}
+        plain, zero1, fsdp = (sims[s] for s in ("none", "zero1", "zero2"))
+        for d in range(16):
+            a, b = plain.memory_terms[d], fsdp.memory_terms[d]
+            assert b.params == pytest.approx(a.params / 8) and b.grads == pytest.approx(a.grads / 8)
+            assert b.optimizer == pytest.approx(a.optimizer / 8) and b.buffers == pytest.approx(gather * a.params)
+            if precision == "fp32":
+                assert b.held_with_grads == a.held_with_grads and b.activations == a.activations
+                change = zero1.memory_bytes[d] - fsdp.memory_bytes[d]
+                assert change == pytest.approx(-a.params / 8, rel=1e-6)
+            else:  # bf16 weights: no autocast copies kept; each microbatch's bf16 gradients beside the fp32 sums
+                assert b.activations < a.activations
+                assert b.held_with_grads > a.held_with_grads - (a.activations - b.activations)
+        tl = fsdp.timeline
+        assert not [x for x in tl if x.task.name == "zero1 params"]
+        for stage in range(2):
+            devices = set(range(stage * 8, stage * 8 + 8))
+            gathers = [x for x in tl if x.task.name == f"gather stage {stage}"]
+            assert len(gathers) == 1 and " all_gather/" in gathers[0].task.detail
+            assert gathers[0].task.nbytes == pytest.approx(gather * plain.memory_terms[stage * 8].params)
+            fwd = [x for x in tl if x.task.kind == "fwd" and x.task.resources[0] in devices]
+            assert fwd and min(x.start for x in fwd) >= gathers[0].end - 1e-12
+            scatters = [x for x in tl if x.task.name == f"sync stage {stage}"]
+            assert len(scatters) == 1 and " reduce_scatter/" in scatters[0].task.detail
+            bwd = [x for x in tl if x.task.kind == "bwd" and x.task.resources[0] in devices]
+            assert scatters[0].start >= max(x.end for x in bwd) - 1e-12
+        mine = {x.task.resources[0]: x.task.duration for x in tl if x.task.kind == "update"}
+        theirs = {x.task.resources[0]: x.task.duration for x in plain.timeline if x.task.kind == "update"}
+        assert set(mine) == set(range(16)) and all(mine[d] == pytest.approx(theirs[d] / 8) for d in mine)
+        fast = predict(gpt_small, _pipelined(gpt_small, "zero2", p=2, replicas=8), ctx, timeline=False)
+        assert fast.iteration_time_s == fsdp.iteration_time_s and fast.memory_bytes == fsdp.memory_bytes
+
+
+def test_fsdp_pipeline_plans_are_checked_and_saved(gpt_small):
+    """``zero2`` runs on plain stages under GPipe or 1F1B over 2 replicas or more; a zero2
+    plan round-trips through its file, the CLI's table names it, a file claiming it on a
+    hybrid plan is refused."""
+    from flexsearch.errors import PlanFileError
+    from flexsearch.search.pipeline import pipeline_shardings
+    from flexsearch.tables import plan_table
+
+    with pytest.raises(ValueError, match="replicas > 1"):
+        _pipelined(gpt_small, "zero2", p=2, replicas=1)
+    with pytest.raises(ValueError, match="tensor = 1"):
+        _pipelined(gpt_small, "zero2", p=2, replicas=2, tensor=2)
+    k = len(gpt_small.nodes)
+    with pytest.raises(ValueError, match="gpipe or 1f1b"):
+        Pipelined(tuple((k * i // 4, k * (i + 1) // 4) for i in range(4)), tensor=1, replicas=2,
+                  schedule="interleaved", microbatches=2, chunks=2, shard="zero2")
+    assert pipeline_shardings(1, 4, "1f1b") == ("none", "zero1", "zero2")
+    assert pipeline_shardings(2, 4, "1f1b") == pipeline_shardings(1, 4, "interleaved") == ("none", "zero1")
+    assert pipeline_shardings(1, 1, "gpipe") == ("none",)
+    cl = Cluster.preset("dgx-h100", 16)
+    ctx = CostContext(cl, precision=precision_of("bf16-mixed"))
+    s = _pipelined(gpt_small, "zero2", p=2, replicas=8)
+    p = plan_from(gpt_small, cl, s, predict(gpt_small, s, ctx, timeline=False), baselines={}, lower_bound_s=0.0)
+    back = Plan.from_json(p.to_json())
+    assert back.kind == "pipeline" and back.shard == "zero2" and back.strategy(gpt_small) == s
+    rows = dict(zip(*(c._cells for c in plan_table(back, None).columns), strict=True))
+    assert rows["sharding"] == "zero2"
+    hybrid = _pipelined(gpt_small, "zero1", p=2, replicas=4, tensor=2)
+    h = plan_from(gpt_small, cl, hybrid, predict(gpt_small, hybrid, ctx, timeline=False), baselines={},
+                  lower_bound_s=0.0)
+    with pytest.raises(PlanFileError, match="tensor = 1"):
+        Plan.from_json(json.dumps({**json.loads(h.to_json()), "shard": "zero2"})).strategy(gpt_small)
+
+
+def test_the_pipeline_search_runs_fsdp_stages_where_they_are_faster(gpt_small):
+    """GPT-2 small on 16 H100s under 1F1B, bf16-mixed: the best layout is simulated with
+    each sharding it takes, and FSDP2 stages win (a reduce-scatter and a bf16 all-gather
+    move less than ZeRO-1's all-reduce and all-gather, and each device updates 1/8 of its
+    stage); the planner, restricted to that schedule, returns it with its note."""
+    from flexsearch.search.pipeline import search_pipelines
+
+    cl = Cluster.preset("dgx-h100", 16)
+    ctx = CostContext(cl, precision=precision_of("bf16-mixed"))
+    res = search_pipelines(gpt_small, ctx, schedules=("1f1b",))
+    best = res[0]
+    twins = {r.shard: r.simulation.iteration_time_s for r in res
+             if (r.stages, r.microbatches, r.recompute) == (best.stages, best.microbatches, best.recompute)}
+    assert set(twins) == {"none", "zero1", "zero2"}
+    assert best.shard == "zero2" and twins["zero2"] < twins["zero1"] < twins["none"]
+    plan = plan_graph(gpt_small, cl, kinds=("pipeline",), schedules=("1f1b",), max_iters=0)
+    assert plan.shard == "zero2" and plan.predicted.iteration_time_s == pytest.approx(twins["zero2"])
+    assert any(n.startswith("sharding zero2: each stage an FSDP2 module over its 8 replicas") for n in plan.notes)
+
+
+def test_fsdp_pipeline_plans_compute_what_the_model_does():
+    """4 gloo ranks (oversubscribing CI's 2 cores: slower, not different): 2 plain stages
+    of 2 replicas each as FSDP2 modules, fp32 under 1F1B and bf16-mixed under GPipe with
+    full checkpointing: each matches the single-process model, and each replica holds
+    half of its stage's weights and of their Adam state (FSDP2 shards every tensor on
+    its first dimension, padded: within 2% of the model's ``P / d``)."""
+    out = {}
+    for precision, schedule, recompute in (("fp32", "1f1b", "none"), ("bf16-mixed", "gpipe", "full")):
+        model, x = load(FAMILIES["gpt"])
+        g = trace(model, x, precision=precision)
+        cl = Cluster.resolve("cpu", 4)
+        s = dataclasses.replace(_pipelined(g, "zero2", p=2, replicas=2), schedule=schedule, recompute=recompute)
+        sim = predict(g, s, CostContext(cl, precision=precision_of(precision)))
+        out[precision] = (plan_from(g, cl, s, sim, baselines={}, lower_bound_s=0.0), sim)
+    results = run_ranks(sharded_job, 4, FAMILIES["gpt"], [p for p, _ in out.values()], timeout_s=600)
+    for i, (precision, (plan, sim)) in enumerate(out.items()):
+        for rank in range(4):
+            kind, schedule, loss, ref, params, (state, local) = results[rank][i]
+            assert (kind, schedule) == (plan.kind, plan.schedule) and params
+            assert loss == pytest.approx(ref, rel=1e-5 if precision == "fp32" else 1e-2)
+            assert state == OPTIMIZER_STATE["adam"] * local
+            assert local == pytest.approx(sim.memory_terms[rank].params, rel=0.02), (precision, rank)

@@ -24,7 +24,13 @@ This rank (pipeline rank ``r``, replica ``j``, tensor index ``i``) builds:
 - under ``shard: zero1``, :meth:`PipelineModule.make_optimizer` shards the optimizer
   over the ``d`` replicas: ``ZeroRedundancyOptimizer`` on the replica group (each
   replica keeps the state of and updates its share of the weights, then broadcasts
-  them), run on the weights' local tensors (:class:`LocalZero`).
+  them), run on the weights' local tensors (:class:`LocalZero`);
+- under ``shard: zero2`` (plain stages under GPipe or 1F1B), each stage is an FSDP2
+  module over its ``d`` replicas (``fully_shard`` on the replica mesh,
+  ``reshard_after_forward=False``, the precision's ``MixedPrecisionPolicy``): torch's
+  schedule runs its microbatches' backwards without gradient sync and reduce-scatters
+  (averaging over the replicas) after the last, so no all-reduce follows; the optimizer
+  holds and updates each replica's shards.
 
 :meth:`PipelineModule.train_step` takes the global batch on every rank; replica ``j``
 runs slice ``j`` of it through the pipeline (split into microbatches by the schedule).
@@ -62,6 +68,7 @@ from flexsearch.emit.precision import (
     autocast,
     cast_inputs,
     cast_model,
+    fsdp_policy,
     loss_scale,
     unscale,
 )
@@ -73,6 +80,7 @@ from flexsearch.errors import EmitError
 from flexsearch.graph.lift import flat_inputs
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.plan import Plan
+from flexsearch.strategy.kinds import check_pipeline_shard
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 
@@ -162,6 +170,16 @@ class PipelineModule(nn.Module):
                 grp = rt.subgroup(tuple(rt.ranks[rr * g + jj * t + ii] for jj in range(d)))
                 if rr == r and ii == self.tensor_index:
                     self._dp_group = grp
+        self._fsdp = plan.shard == "zero2"
+        if self._fsdp:
+            try:
+                check_pipeline_shard(plan.shard, d, t, plan.schedule)
+            except ValueError as e:
+                raise EmitError(f"{e}; plan again") from None
+            # FSDP2 over each pipeline rank's replicas (plain stages: one device each), every
+            # rank making every mesh in the same order
+            meshes = [rt.mesh([rr * g + jj for jj in range(d)], ("dp",)) for rr in range(p)]
+            self._fsdp_mesh = meshes[r]
         self._tied = self._tie_groups(cuts, ids, rt, p, g)
 
         def runnable(m: nn.Module) -> nn.Module:  # the precision's autocast, inside the recomputed region
@@ -173,7 +191,9 @@ class PipelineModule(nn.Module):
         # fake tensors, on the stages before any is sharded (a tensor-parallel stage takes
         # and returns whole tensors too); torch's own inference runs a stage on uninitialised
         # tensors, which index out of range when token ids cross a boundary
-        examples = _examples([runnable(c) for c in cuts], self._micro_inputs(plan))
+        # (FSDP2 stages compute with their parameters gathered in the policy's dtype)
+        gathered = getattr(torch, rt.precision.autocast) if self._fsdp and rt.precision.autocast else None
+        examples = _examples([runnable(c) for c in cuts], self._micro_inputs(plan), gathered)
         mods = []
         distributed: dict[int, torch.Tensor] = {}  # a weight two of this rank's stages hold: one DTensor
         for k in mine:
@@ -186,12 +206,22 @@ class PipelineModule(nn.Module):
         device = torch.device(rt.device_type, torch.cuda.current_device()) if rt.device_type == "cuda" else \
             torch.device("cpu")
         m_count = plan.microbatches or 1
-        self._pipe_stages = [ReusedBuffersStage(runnable(m), k, nstages, device, group=self._pp_group,
+        self._pipe_stages = [ReusedBuffersStage(self._sharded(runnable(m)), k, nstages, device, group=self._pp_group,
                                                 input_args=examples[k][0], output_args=examples[k][1],
                                                 buffers=receive_buffers(plan.schedule, k, nstages, m_count))
                              for k, m in zip(mine, mods, strict=True)]
         self._schedule = None
         self._loss_fn = None
+
+    def _sharded(self, stage: nn.Module) -> nn.Module:
+        """``stage`` as an FSDP2 module over the replicas under ``zero2`` (module
+        docstring), else itself."""
+        if not self._fsdp:
+            return stage
+        from torch.distributed.fsdp import fully_shard
+
+        kw = {"mp_policy": policy} if (policy := fsdp_policy(self._rt.precision)) is not None else {}
+        return fully_shard(stage, mesh=self._fsdp_mesh, reshard_after_forward=False, **kw)
 
     def _micro_inputs(self, plan: Plan) -> list:
         """Zero tensors of one microbatch's flat inputs, in the precision's dtypes."""
@@ -298,7 +328,7 @@ class PipelineModule(nn.Module):
 
     def _sync_gradients(self) -> None:
         params = dict(self.named_original_parameters())
-        if self.d > 1:
+        if self.d > 1 and not self._fsdp:  # FSDP2 stages: reduce-scattered by the schedule
             for q in self._weights():
                 if q.grad is None:
                     continue
@@ -392,10 +422,12 @@ class LocalZero(ZeroRedundancyOptimizer):
                     q.grad.zero_()
 
 
-def _examples(stages: list[nn.Module], inputs: list) -> list[tuple[tuple, tuple]]:
+def _examples(stages: list[nn.Module], inputs: list,
+              param_dtype: torch.dtype | None = None) -> list[tuple[tuple, tuple]]:
     """Each stage's example inputs and outputs for one microbatch (empty tensors of the
     right shapes, dtypes and ``requires_grad``): the stages run in order on fake tensors,
-    their parameters and buffers replaced by fake ones (nothing real is touched)."""
+    their parameters and buffers replaced by fake ones (nothing real is touched), the
+    floating parameters in ``param_dtype`` when given (FSDP2's gathered dtype)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     def real(t: torch.Tensor) -> torch.Tensor:
@@ -405,14 +437,22 @@ def _examples(stages: list[nn.Module], inputs: list) -> list[tuple[tuple, tuple]
     with mode:
         x = tuple(mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in inputs)
         for m in stages:
-            state = {n: mode.from_tensor(q, static_shapes=True).requires_grad_(q.requires_grad)
-                     if isinstance(q, nn.Parameter) else mode.from_tensor(q, static_shapes=True)
+            state = {n: _fake_param(mode, q, param_dtype) if isinstance(q, nn.Parameter)
+                     else mode.from_tensor(q, static_shapes=True)
                      for n, q in [*m.named_parameters(), *m.named_buffers()]}
             y = functional_call(m, state, x)
             y = y if isinstance(y, tuple) else (y,)
             out.append((x, y))
             x = tuple(v.detach().requires_grad_(v.requires_grad and v.is_floating_point()) for v in y)
     return [(tuple(real(v) for v in a), tuple(real(v) for v in b)) for a, b in out]
+
+
+def _fake_param(mode: FakeTensorMode, q: nn.Parameter, dtype: torch.dtype | None) -> torch.Tensor:
+    """A fake copy of parameter ``q`` (in ``dtype`` when given and ``q`` is floating)."""
+    f = mode.from_tensor(q, static_shapes=True)
+    if dtype is not None and f.is_floating_point():
+        f = f.detach().to(dtype)
+    return f.requires_grad_(q.requires_grad)
 
 
 def pipeline(model: nn.Module, graph: OpGraph, plan: Plan, rt: Runtime) -> PipelineModule:

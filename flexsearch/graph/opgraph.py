@@ -221,6 +221,13 @@ class OpGraph(_Frozen):
         return sum(n.param_bytes for n in self.nodes)
 
     @property
+    def param_dtype(self) -> str:
+        """The dtype the model's parameters are stored in (the first node's that has
+        any; ``float32`` without parameters)."""
+        n = next((n for n in self.nodes if n.num_params), None)
+        return {2: "bfloat16", 8: "float64"}.get(n.param_bytes // n.num_params, "float32") if n else "float32"
+
+    @property
     def flops(self) -> int:
         """Total forward FLOPs."""
         return sum(n.flops for n in self.nodes)

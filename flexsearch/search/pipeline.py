@@ -14,7 +14,10 @@ chunks within ``1 / v`` of its memory) places the cuts. Per layout it takes the
 lightest activation checkpointing (:data:`RECOMPUTE_ORDER`) that fits with the
 optimizer state replicated and, where sharding that state over the stage's replicas
 lets a lighter one fit, that too (``zero1``: the state ``k P / d``, for an all-gather of
-the parameters after the update, which itself shrinks ``d``-fold). The best candidates
+the parameters after the update, which itself shrinks ``d``-fold; ``zero2``, FSDP2
+stages where the emitter runs them: ``(g + 1 + g' + (1 + k) / d) P``, ``g`` the gathered
+bytes per stored byte, ``g'`` the same under mixed precision, else 0,
+:data:`~flexsearch.strategy.kinds.PIPELINE_SHARDINGS`). The best candidates
 by the partitioner's estimate ``(m v + p - 1) / v * bottleneck`` are simulated
 (:mod:`flexsearch.sim.pipeline`), more while none of them fits, each first checked by
 the simulation's own memory model, which needs no scheduling (the partitioner's memory
@@ -22,7 +25,7 @@ rule leaves out what a stage rebuilds under checkpointing, the backward's buffer
 the loss: on GPT 1T over 3,072 A100s it passes layouts that need 900 GB); one that
 does not fit is passed over, and the same layout with the next checkpointing mode the
 partitioner fits joins the queue; then the :data:`ALIGN_TOP` fastest layouts cut at block
-boundaries (:func:`block_bounds`) and the fastest with the other optimizer sharding;
+boundaries (:func:`block_bounds`) and the fastest with each other sharding it takes;
 the fastest that fits wins.
 
 **PipeDream's plan** (a baseline, simulated, not emitted): the hierarchical partitioner
@@ -60,7 +63,7 @@ from flexsearch.sim.stages import (
     stages_peak_memory,
 )
 from flexsearch.strategy.config import Config
-from flexsearch.strategy.kinds import Pipelined
+from flexsearch.strategy.kinds import FSDP_PIPELINE_SCHEDULES, PIPELINE_SHARDINGS, Pipelined
 from flexsearch.strategy.recipes import stage_configs
 from flexsearch.strategy.recompute import Checkpointing, recompute_units
 from flexsearch.strategy.schedules import in_flight, rank_actions
@@ -68,10 +71,11 @@ from flexsearch.strategy.schedules import in_flight, rank_actions
 SYNC_SCHEDULES = ("1f1b", "gpipe", "interleaved")
 RECOMPUTE_ORDER = ("none", "selective", "full")
 """Checkpointing modes tried per layout, cheapest in time first (:mod:`flexsearch.strategy.recompute`)."""
-SAVINGS = tuple((mode, shard) for mode in RECOMPUTE_ORDER for shard in ("none", "zero1"))
-"""(checkpointing, optimizer sharding), cheapest in time first (the candidates' order at
-equal estimates): sharding the optimizer state costs one all-gather of the stage's
-parameters (and saves ``d - 1`` of ``d`` updates), checkpointing a forward pass per
+SAVINGS = tuple((mode, shard) for mode in RECOMPUTE_ORDER for shard in PIPELINE_SHARDINGS)
+"""(checkpointing, sharding), cheapest in time first (the candidates' order at equal
+estimates): sharding the optimizer state costs one all-gather of the stage's parameters
+(and saves ``d - 1`` of ``d`` updates), FSDP2 stages an all-gather before the first
+forward and a reduce-scatter for the all-reduce, checkpointing a forward pass per
 microbatch."""
 SIMULATE_TOP = 6
 """Candidates simulated per search: the partitioner's estimate ranks layouts well but
@@ -237,6 +241,8 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
         return []
     layers = len(graph.nodes)
     copies = param_copies(optimizer)
+    gather = ctx.precision.gather_factor(graph.param_dtype)
+    grads = 1 + gather if gather < 1 else 1.0  # FSDP2 stages: gradient bytes per parameter byte
     cap = cluster.device.memory_capacity.value
     cost_memo: dict[tuple[int, int], tuple[list[NodeCost], dict[str, Config]] | None] = {}
     cut_memo: dict[int, tuple[float, ...]] = {}
@@ -269,8 +275,9 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
         """The first of ``modes`` whose layout the partitioner fits: (estimate, layout...,
         partition, shard)."""
         bw, lat = _link_between(cluster, d * t)
-        # ZeRO-1: the optimizer state's copies over the replicas
-        state = 2 + (copies - 2) / d if shard == "zero1" else copies
+        # ZeRO-1: the optimizer state's copies over the replicas; FSDP2 stages: the gathered
+        # parameters and the whole gradients, the rest over the replicas
+        state = {"zero1": 2 + (copies - 2) / d, "zero2": gather + grads + (copies - 1) / d}.get(shard, copies)
         # a rank holds v chunks: each within its share of the memory
         memory = Memory(cap / v, state, in_flight=lambda r: q)
         for recompute in modes:
@@ -306,10 +313,11 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
                     if plain is not None:
                         estimates.append(plain)
                     lighter = modes[:modes.index(plain[7])] if plain is not None else modes
-                    if d > 1 and lighter:  # ZeRO-1 where it lets the layout checkpoint less
-                        sharded = estimate(t, p, d, m, schedule, v, q, "zero1", lighter)
-                        if sharded is not None:
-                            estimates.append(sharded)
+                    if d > 1 and lighter:  # sharding where it lets the layout checkpoint less
+                        for shard in pipeline_shardings(t, d, schedule)[1:]:
+                            sharded = estimate(t, p, d, m, schedule, v, q, shard, lighter)
+                            if sharded is not None:
+                                estimates.append(sharded)
     # a heap by estimate (ties: cheaper savings, then the order found); a layout found over
     # memory comes back with the next checkpointing mode that the partitioner fits
     queue = [(e[0], SAVINGS.index((e[7], e[9])), i, e) for i, e in enumerate(estimates)]
@@ -378,13 +386,22 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
     best = min((r for r in results if r.simulation.feasible), key=lambda r: r.simulation.iteration_time_s,
                default=None)
     if best is not None and best.replicas > 1 and not past(deadline):
-        # the other optimizer sharding: ZeRO-1 may be the faster (its update is d times
-        # smaller) even where the state fits replicated
-        bounds, other = tuple((a, b) for a, b, _ in best.stages), "none" if best.shard == "zero1" else "zero1"
-        if fits_as(best, bounds, other):
-            results.append(again(best, bounds, other))
+        # each other sharding: ZeRO-1 or FSDP2 stages may be the faster (the update is d
+        # times smaller) even where the state fits replicated
+        bounds = tuple((a, b) for a, b, _ in best.stages)
+        for other in pipeline_shardings(best.tensor, best.replicas, best.schedule):
+            if other != best.shard and fits_as(best, bounds, other):
+                results.append(again(best, bounds, other))
     results.sort(key=lambda r: (not r.simulation.feasible, r.simulation.iteration_time_s))
     return results
+
+
+def pipeline_shardings(tensor: int, replicas: int, schedule: str) -> tuple[str, ...]:
+    """The shardings (:data:`~flexsearch.strategy.kinds.PIPELINE_SHARDINGS`) a layout of
+    ``replicas`` x ``tensor`` devices per stage under ``schedule`` takes, ``none`` first."""
+    if replicas < 2:
+        return ("none",)
+    return ("none", "zero1", "zero2") if tensor == 1 and schedule in FSDP_PIPELINE_SCHEDULES else ("none", "zero1")
 
 
 def block_bounds(graph: OpGraph, stages: int) -> tuple[tuple[int, int], ...] | None:

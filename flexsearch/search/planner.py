@@ -71,7 +71,7 @@ from flexsearch.search.pipeline import (
     search_pipelines,
     tensor_degrees,
 )
-from flexsearch.search.reasons import no_plan_reason, zero1_note
+from flexsearch.search.reasons import no_plan_reason, sharding_note
 from flexsearch.search.results import graph_inputs, plan_from, predicted
 from flexsearch.search.variants import fitting_variant, shardings, splits
 from flexsearch.search.workers import cycles_paused, submit, worker_count
@@ -510,8 +510,8 @@ def plan_synchronous(
                 baselines["soap"] = oplevel[2].iteration_time_s
             plan = plan_from(graph, cluster, pipe.strategy, pipe.simulation, baselines=baselines,
                              configs=pipe.configs, **common)
-            if pipe.shard == "zero1":
-                notes.append(zero1_note(pipe, pipes))
+            if pipe.shard != "none":
+                notes.append(sharding_note(pipe, pipes))
             if notes:
                 plan = plan.model_copy(update={"notes": (*plan.notes, *notes)})
             return plan.with_search_time(time.perf_counter() - t0)

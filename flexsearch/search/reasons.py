@@ -1,4 +1,4 @@
-"""The planner's one-line explanations: why a pipeline plan shards its optimizer state
+"""The planner's one-line explanations: why a pipeline plan shards its state
 (a note in the plan), and why no plan of the asked kinds exists (the message of
 :class:`~flexsearch.errors.PlanKindError`)."""
 
@@ -14,21 +14,26 @@ if TYPE_CHECKING:
     from flexsearch.search.planner import BaselineRun
 
 
-def zero1_note(pipe: PipelineResult, pipes: list[PipelineResult]) -> str:
-    """Why a pipeline plan shards its optimizer state: its layout replicated, as simulated
-    (slower, or over memory), or not simulated (over memory by the simulation's model)."""
+def sharding_note(pipe: PipelineResult, pipes: list[PipelineResult]) -> str:
+    """Why a pipeline plan shards its state (``zero1``, ``zero2``): its layout replicated,
+    as simulated (slower, or over memory), or not simulated (over memory by the
+    simulation's model)."""
     twin = next((r for r in pipes if r.shard == "none" and (r.stages, r.schedule, r.microbatches, r.recompute)
                  == (pipe.stages, pipe.schedule, pipe.microbatches, pipe.recompute)), None)
+    what = "the optimizer state" if pipe.shard == "zero1" else "its state"
     if twin is None:
-        why = ("the same layout with it replicated not simulated (over memory by the simulation's model, "
+        why = (f"the same layout with {what} replicated not simulated (over memory by the simulation's model, "
                "or past the budget)")
     elif not twin.simulation.feasible:
-        why = (f"the same layout with it replicated needs {twin.simulation.peak_memory_bytes / 2**30:.1f} GiB per "
-               "device")
+        why = (f"the same layout with {what} replicated needs {twin.simulation.peak_memory_bytes / 2**30:.1f} GiB "
+               "per device")
     else:
-        why = f"the same layout with it replicated: {twin.simulation.iteration_time_s * 1e3:.3f} ms"
-    return (f"sharding zero1: the optimizer state sharded over each stage's {pipe.replicas} replicas "
-            f"(build the optimizer with flexsearch.make_optimizer); {why}")
+        why = f"the same layout with {what} replicated: {twin.simulation.iteration_time_s * 1e3:.3f} ms"
+    if pipe.shard == "zero1":
+        return (f"sharding zero1: the optimizer state sharded over each stage's {pipe.replicas} replicas "
+                f"(build the optimizer with flexsearch.make_optimizer); {why}")
+    return (f"sharding zero2: each stage an FSDP2 module over its {pipe.replicas} replicas (parameters, gradients "
+            f"and optimizer state sharded at rest; build the optimizer with flexsearch.make_optimizer); {why}")
 
 
 def no_plan_reason(kinds: Sequence[str], base: dict[str, BaselineRun], pipes: list[PipelineResult],

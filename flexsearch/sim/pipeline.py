@@ -28,7 +28,15 @@ the :class:`~flexsearch.sim.pipeline_layout.PipelineLayout`):
   it) each device updates ``1 / d`` of its parameters (and holds ``1 / d`` of the
   optimizer state), then the replicas all-gather the updated parameters, one
   all-gather per tensor-parallel rank (calibrated: with ``ZeroRedundancyOptimizer``'s
-  cost per parameter tensor and per step, the op-level ZeRO-1's terms);
+  cost per parameter tensor and per step, the op-level ZeRO-1's terms). FSDP2 stages
+  (``shard="zero2"``, plain stages under GPipe or 1F1B: :data:`~flexsearch.strategy.kinds.PIPELINE_SHARDINGS`)
+  all-gather each stage's parameters over its replicas (in FSDP's ``param_dtype``,
+  ``PipelineLayout.gather`` bytes per stored byte) before its first forward, which
+  waits for it (the runtime's pre-forward hook; the stage's later microbatches find
+  them gathered), reduce-scatter its gradients in place of the all-reduce, and update
+  ``1 / d`` of its parameters, with nothing gathered after (the next step's first
+  forward gathers); each collective as the op-level simulator's FSDP ones
+  (:func:`~flexsearch.sim.context.fsdp_collective_task`);
 - **memory** (:mod:`flexsearch.sim.pipeline_memory`), per device, from each lane's
   actions.
 
@@ -51,7 +59,7 @@ replicas all-reduce their gradients and update (each replica waits for it). The 
 per minibatch is measured in steady state, over the window's second half.
 
 Dependencies are typed keys (:class:`Step`, :class:`Synced`, :class:`TiedSynced`,
-:class:`Updated`, :class:`Gathered`).
+:class:`Updated`, :class:`Gathered`, :class:`Unsharded`).
 """
 
 from __future__ import annotations
@@ -65,11 +73,12 @@ from flexsearch.sim.accounting import (
     peak_bytes,
     update_s,
 )
-from flexsearch.sim.context import CostContext, collective_task
+from flexsearch.sim.context import CostContext, collective_task, fsdp_collective_task
 from flexsearch.sim.pipeline_layout import PipelineLayout, StageCost, lanes
 from flexsearch.sim.pipeline_memory import occupancy, pipeline_memory
 from flexsearch.sim.result import Simulation
 from flexsearch.sim.tasks import Task, busy_compute, run_tasks
+from flexsearch.strategy.kinds import check_pipeline_shard
 from flexsearch.strategy.schedules import Action
 
 # ----------------------------------------------------------------------------- keys
@@ -112,6 +121,13 @@ class Gathered:
 
     rank: int
     index: int
+
+
+@dataclass(frozen=True, slots=True)
+class Unsharded:
+    """FSDP2 stages (``zero2``): ``stage``'s parameters all-gathered over its replicas."""
+
+    stage: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +182,7 @@ def mirror(ctx: CostContext, layout: PipelineLayout) -> dict[int, int] | None:
 def _stage_sync(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLayout, name: str, stage: int,
                 deps: tuple, key) -> list[Task]:
     """The all-reduce of ``stage``'s gradients over its replicas (one per tensor-parallel
-    rank); a no-op task when there is nothing to reduce."""
+    rank; FSDP2 stages: a reduce-scatter); a no-op task when there is nothing to reduce."""
     reps = layout.replicas(stage)
     nbytes = costs[stage].param_bytes
     if len(reps) < 2 or nbytes <= 0:
@@ -174,6 +190,10 @@ def _stage_sync(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLa
     out = []
     for q in range(len(reps[0])):
         group = tuple(sorted(r[q] for r in reps))
+        if layout.fsdp:  # FSDP2's reduce-scatter of the stage's gradients
+            out.append(fsdp_collective_task(ctx, "reduce_scatter", group, nbytes, name, deps, (key,),
+                                            f"FSDP gradients of stage {stage}"))
+            continue
         cost = ctx.collective("all_reduce", group, nbytes)
         res = tuple(sorted({ctx.links[link.id] for link, _ in cost.loads} | set(ctx.device_resources(group))))
         out.append(Task("coll", name, cost.time_s, res, deps, (key,), nbytes, f"grad sync stage {stage}"))
@@ -206,6 +226,10 @@ def action_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineL
 
     ordered: list[Task] = []
     done: set = set()
+    if layout.fsdp:  # FSDP2 stages: each stage's parameters gathered for its first forward
+        for s in range(layout.stages):
+            ordered.extend(_stage_gathers(ctx, costs, layout, s))
+            done.add(Unsharded(s))
     pos = dict.fromkeys(by_lane, 0)
     waits: dict[tuple[int, int], Synced] = {}  # lane -> the sync its next action waits for
     rounds: dict[tuple[int, int], int] = {}  # PipeDream: (stage, round) -> backwards emitted
@@ -220,6 +244,8 @@ def action_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineL
                 need: list = []
                 if a.kind == "F" and s > 0:
                     need.append(Step("input", s, j, c))
+                if a.kind == "F" and layout.fsdp:
+                    need.append(Unsharded(s))
                 if a.kind == "B":
                     need.append(Step("forward", s, j, c))
                     if s < last:
@@ -272,6 +298,19 @@ def action_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineL
             return ordered
         if not progressed:
             raise ValueError(f"schedule {layout.schedule!r} deadlocks on this layout")
+
+
+def _stage_gathers(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLayout, stage: int) -> list[Task]:
+    """FSDP2 stages: the all-gather of ``stage``'s parameters over its replicas (one per
+    tensor-parallel index), in FSDP's ``param_dtype``."""
+    reps = layout.replicas(stage)
+    nbytes = costs[stage].param_bytes * layout.gather
+    key = Unsharded(stage)
+    if len(reps) < 2 or nbytes <= 0:
+        return [Task("coll", f"gather stage {stage}", 0.0, (), (), (key,))]
+    return [fsdp_collective_task(ctx, "all_gather", tuple(sorted(r[q] for r in reps)), nbytes,
+                                 f"gather stage {stage}", (), (key,), f"FSDP parameters of stage {stage}")
+            for q in range(len(reps[0]))]
 
 
 def held_params(costs: Sequence[StageCost], layout: PipelineLayout, devices: int) -> tuple[list[float], list[int]]:
@@ -351,9 +390,10 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
                       optimizer: str = "adam", timeline: bool = True) -> Simulation:
     """Simulate one iteration of a pipeline plan (module docstring)."""
     check_optimizer(optimizer)
-    if layout.shard not in ("none", "zero1") or (layout.shard == "zero1" and layout.asynchronous):
-        raise ValueError(f"a synchronous pipeline shards its optimizer state with zero1 or not at all "
-                         f"(got {layout.shard!r} under {layout.schedule!r})")
+    if layout.shard != "none" and layout.asynchronous:
+        raise ValueError(f"only a synchronous pipeline shards its state (got {layout.shard!r} under "
+                         f"{layout.schedule!r})")
+    check_pipeline_shard(layout.shard, len(layout.ranks[0]), len(layout.ranks[0][0]), layout.schedule)
     if len(costs) != layout.stages:
         raise ValueError(f"{len(costs)} stage costs for {layout.stages} stages")
     devices = ctx.cluster.devices
@@ -372,7 +412,7 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
         time_s = per_unit * (layout.units or 1)
     else:
         time_s = max(run.free, default=0.0)
-    terms = pipeline_memory(ctx, costs, layout, optimizer, occupancy(acting, costs))
+    terms = pipeline_memory(ctx, costs, layout, optimizer, occupancy(acting, costs, layout.grad_copies))
     compute = busy_compute(ordered, devices)
     if mirrored is not None:  # every replica's figures are replica 0's
         terms = [terms[mirrored.get(d, d)] for d in range(devices)]

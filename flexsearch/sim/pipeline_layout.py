@@ -61,12 +61,30 @@ class PipelineLayout:
     tied: tuple[tuple[int, int, float], ...] = ()
     """(stage a, stage b, gradient bytes per device) of weights both stages hold."""
     shard: str = "none"
-    """``zero1``: optimizer state sharded over each rank's replicas (:mod:`flexsearch.sim.pipeline`)."""
+    """``zero1``: optimizer state sharded over each rank's replicas; ``zero2``: FSDP2
+    stages, parameters, gradients and optimizer state sharded over them
+    (:mod:`flexsearch.sim.pipeline`)."""
+    gather: float = 1.0
+    """``zero2``: bytes FSDP2 gathers per stored parameter byte (its ``param_dtype``:
+    :meth:`flexsearch.precision.Precision.gather_factor`)."""
 
     def shards(self, device_rank: int) -> int:
         """Over how many devices pipeline rank ``device_rank``'s optimizer state is
-        sharded: its replicas under ``zero1``, else 1."""
-        return len(self.ranks[device_rank]) if self.shard == "zero1" else 1
+        sharded: its replicas under ``zero1`` and ``zero2``, else 1."""
+        return len(self.ranks[device_rank]) if self.shard in ("zero1", "zero2") else 1
+
+    @property
+    def fsdp(self) -> bool:
+        """Stages run as FSDP2 modules over their replicas (``zero2``)?"""
+        return self.shard == "zero2"
+
+    @property
+    def grad_copies(self) -> float:
+        """A stage's gradient bytes during a backward, per stored parameter byte: FSDP2
+        stages gathered in a lower precision make each microbatch's gradients in it and
+        add them to the fp32 ones they accumulate (``_fsdp_param.py``:
+        ``accumulate_unsharded_grad_if_needed``), ``1 + gather``; else 1."""
+        return 1.0 + self.gather if self.fsdp and self.gather < 1 else 1.0
 
     @property
     def stages(self) -> int:

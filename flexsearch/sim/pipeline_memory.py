@@ -12,7 +12,13 @@ fp32 copy of a lower-precision output once per microbatch in flight, since torch
 pipelining computes each microbatch's loss in its forward action and keeps it to the
 backward: :func:`microbatch_bytes`), summed into
 :func:`flexsearch.sim.accounting.peak_bytes`; PipeDream adds one weight version per
-extra minibatch in flight, ``P (q - 1)``, as a buffer. Not counted: the stages' receive
+extra minibatch in flight, ``P (q - 1)``, as a buffer. FSDP2 stages (``zero2``) hold
+``P / d`` at rest with their gradients' and optimizer state's shards, and the gathered
+parameters, ``g P``, as a buffer through the step; ``H`` counts their whole gradients,
+which the runtime accumulates unsharded until the reduce-scatter after the last
+backward (:data:`~flexsearch.strategy.kinds.PIPELINE_SHARDINGS`), with, gathered in bf16, each
+microbatch's bf16 gradients beside them, and keep no autocast weight copies
+(:func:`flexsearch.sim.stages.stage_layout`). Not counted: the stages' receive
 buffers, for the activation a stage receives and for its output's gradient. torch 2.13's
 ``PipelineStage`` makes one per microbatch each way and keeps them, memory linear in the
 replica's batch (counted so, they made every layout of GPT-3 175B on 1024 H100s and of
@@ -50,11 +56,12 @@ Occupancy = tuple[Mapping[int, int], float]
 (:func:`held_with_gradients`)."""
 
 
-def occupancy(by_lane: Mapping[tuple[int, int], Sequence[Action]],
-              costs: Sequence[StageCost]) -> dict[tuple[int, int], Occupancy]:
-    """Each lane's :data:`Occupancy`, walking its actions."""
+def occupancy(by_lane: Mapping[tuple[int, int], Sequence[Action]], costs: Sequence[StageCost],
+              grad_copies: float = 1.0) -> dict[tuple[int, int], Occupancy]:
+    """Each lane's :data:`Occupancy`, walking its actions (``grad_copies``: gradient
+    bytes per parameter byte, :attr:`~flexsearch.sim.pipeline_layout.PipelineLayout.grad_copies`)."""
     stash = {s: microbatch_bytes(c) for s, c in enumerate(costs)}
-    stage_grads = {s: c.param_bytes for s, c in enumerate(costs)}
+    stage_grads = {s: c.param_bytes * grad_copies for s, c in enumerate(costs)}
     return {lane: (in_flight(acts), held_with_gradients(acts, stash, stage_grads)) for lane, acts in by_lane.items()}
 
 
@@ -77,7 +84,7 @@ def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: Pipeli
     loss_work = [0.0] * devices
     grads = [0.0] * devices  # one microbatch's backward at a time
     held = [0.0] * devices
-    shards = [1] * devices  # ZeRO-1: the optimizer state over the rank's replicas
+    shards = [1] * devices  # ZeRO-1, FSDP2: the optimizer state over the rank's replicas
     for (r, i), (flight, h) in by_lane.items():
         for d in layout.ranks[r][i]:
             held[d] += h
@@ -94,6 +101,12 @@ def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: Pipeli
                 largest[d] = max(largest[d], stage_largest(c_s.largest_param_bytes, c_s.param_bytes))
                 if layout.asynchronous:
                     buffers[d] += c_s.param_bytes * (q - 1)
+    if layout.fsdp:  # FSDP2 stages: the shard at rest, the gathered parameters held through the step
+        for d in range(devices):
+            buffers[d] += layout.gather * params[d]
+            params[d] /= shards[d]
+            largest[d] /= shards[d]
+        shards = [1] * devices
     return [replace(DeviceMemory.replicated(params[d], acts[d], optimizer, largest=largest[d], buffers=buffers[d],
                                             loss_grad=loss[d], loss_working=loss_work[d]),
                     optimizer=OPTIMIZER_STATE[optimizer] * params[d] / shards[d],
@@ -144,12 +157,12 @@ def peak_memory(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLa
         for r in range(p):
             w = m if layout.schedule == "gpipe" else min(m, p - r)
             kept = w if m > w else w - 1
-            occupied[(r, 0)] = ({r: w}, costs[r].param_bytes + kept * microbatch_bytes(costs[r]))
+            occupied[(r, 0)] = ({r: w}, costs[r].param_bytes * layout.grad_copies + kept * microbatch_bytes(costs[r]))
     else:
         by_lane = lanes(layout)
         if not layout.asynchronous:
             by_lane = {lane: acts for lane, acts in by_lane.items() if lane[1] == 0}
-        occupied = occupancy(by_lane, costs)
+        occupied = occupancy(by_lane, costs, layout.grad_copies)
     terms = pipeline_memory(ctx, costs, layout, optimizer, occupied)
     devices = {d for (r, i) in occupied for d in layout.ranks[r][i]}
     return max(peak_bytes(terms[d], ctx.calibration, "pipeline") for d in devices)

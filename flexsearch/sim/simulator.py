@@ -57,7 +57,7 @@ from flexsearch.sim.accounting import (
     peak_bytes,
     update_s,
 )
-from flexsearch.sim.context import CostContext, collective_task
+from flexsearch.sim.context import CostContext, collective_task, fsdp_collective_task
 from flexsearch.sim.footprint import (
     backward_working,
     kept_bytes,
@@ -313,15 +313,12 @@ class Simulator:
         units = self.unit_nodes(given)
         unit_of = {i: u for u, idx in units.items() for i in idx}
         size = {u: sum(frags[i].params.get(0, 0.0) for i in idx) for u, idx in units.items()}
-        gather = ctx.precision.gather_factor(self._param_dtype())
-        cal = ctx.calibration
-        copy_s = 2 / self.cluster.device.memory_bandwidth.value if cal is not None else 0.0
-        fixed = cal.fsdp_collective_s.value if cal is not None else 0.0
+        gather = ctx.precision.gather_factor(self.graph.param_dtype)
 
         def coll(op: str, u: str, members: list[int], nbytes: float, key: tuple, deps: tuple = ()) -> list[Task]:
             label = u if u != ROOT else "root"
-            t = collective_task(ctx, op, members, nbytes, f"fsdp {label}", deps, (key,), f"FSDP unit {label}")
-            return kept(replica, replace(t, duration=t.duration + copy_s * nbytes + fixed), members)
+            t = fsdp_collective_task(ctx, op, members, nbytes, f"fsdp {label}", deps, (key,), f"FSDP unit {label}")
+            return kept(replica, t, members)
 
         def gathers(u: str, tag: str) -> list[Task]:
             return [t for k, members in enumerate(groups) for t in coll("all_gather", u, members, size[u] * gather,
@@ -376,11 +373,6 @@ class Simulator:
         unsharded = gather * held + (peak[0] if peak else 0.0)
         return self._schedule(frags, ordered, keep_timeline, True, reduced, shards=g,
                               unsharded=unsharded, configs=configs, working=working, replica=replica)
-
-    def _param_dtype(self) -> str:
-        """The dtype the model's parameters are stored in (the first that has any)."""
-        n = next((n for n in self.graph.nodes if n.num_params), None)
-        return {2: "bfloat16", 8: "float64"}.get(n.param_bytes // n.num_params, "float32") if n else "float32"
 
     def _buckets(self, frags: list[Fragment]) -> dict[int, Task]:
         """DDP's gradient buckets (calibration ``ddp_bucket_bytes``): parameters in the

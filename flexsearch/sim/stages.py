@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from flexsearch.cost.hardware import Cluster
 from flexsearch.graph.microbatch import microbatch_graph
@@ -247,7 +247,7 @@ def simulate_stages(graph: OpGraph, ctx: CostContext, *, bounds: Sequence[tuple[
     """Simulate a uniform pipeline on ``ctx``'s cluster: stage ``k`` = nodes
     ``bounds[k]`` (positions), on ``replicas`` x ``tensor`` devices of pipeline rank
     ``k mod (len(bounds) / chunks)``; ``shard``: ``zero1`` shards the optimizer state
-    over the replicas (:mod:`flexsearch.sim.pipeline`). ``costs``, ``cuts``: the node
+    over the replicas, ``zero2`` runs FSDP2 stages over them (:mod:`flexsearch.sim.pipeline`). ``costs``, ``cuts``: the node
     costs of the microbatch graph (default: :func:`stage_node_costs`) and its cut bytes
     (:func:`cut_bytes`). Raises ValueError for a layout
     that does not fit the cluster or a model without that tensor-parallel degree."""
@@ -283,6 +283,8 @@ def stage_layout(graph: OpGraph, ctx: CostContext, *, bounds: Sequence[tuple[int
         if costs is None:
             raise ValueError(f"no tensor-parallel configuration of degree {tensor} for this model")
         cuts = cut_bytes(mg)
+    if shard == "zero2":  # FSDP2 stages gather low-precision weights: autocast makes no copies of them
+        costs = [replace(c, cast_bytes=0.0) for c in costs]
     extra, tied = tied_weights(graph, costs, bounds)
     if tensor > 1 and recompute != "none":  # a tensor-parallel stage is checkpointed whole
         if recompute != "full":
@@ -293,7 +295,8 @@ def stage_layout(graph: OpGraph, ctx: CostContext, *, bounds: Sequence[tuple[int
     stage_costs = [stage_cost(costs, a, b, cuts, extra[k], cp) for k, (a, b) in enumerate(bounds)]
     ranks = tuple(tuple(tuple(range(r * g + i * tensor, r * g + (i + 1) * tensor)) for i in range(replicas))
                   for r in range(p))
-    return stage_costs, PipelineLayout(schedule, microbatches, ranks, chunks=chunks, tied=tied, shard=shard)
+    return stage_costs, PipelineLayout(schedule, microbatches, ranks, chunks=chunks, tied=tied, shard=shard,
+                                       gather=ctx.precision.gather_factor(graph.param_dtype))
 
 
 def stage_node_costs(mg: OpGraph, ctx: CostContext, tensor: int) -> list[NodeCost] | None:

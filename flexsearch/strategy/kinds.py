@@ -39,21 +39,36 @@ stages, Rajbhandari et al. 2020), each as the emitter runs it:
 - ``hsdp``: ``zero3`` within groups of ``shard_group`` devices (a node), replicated across
   the groups (FSDP2 on a 2-D ``(replicate, shard)`` mesh): the gradient shards are
   all-reduced across the groups."""
-FSDP_SHARDINGS = ("zero2", "zero3", "hsdp")
-PIPELINE_SHARDINGS = ("none", "zero1")
+PIPELINE_SHARDINGS = ("none", "zero1", "zero2")
 """How a pipeline or hybrid plan shards its training state over a stage's data-parallel
-replicas: ``zero1``, the optimizer state (what Megatron-LM's distributed optimizer and
-DeepSpeed's pipeline engine, which takes ZeRO stage 1 only, shard). Gradient and
-parameter sharding under a pipeline (FSDP2 stages, torchtitan's FSDP x PP) is not
-modelled: torch 2.13's pipeline runtime runs every microbatch's backward of an FSDP
-stage without gradient sync and without resharding
-(``torch/distributed/pipelining/stage.py``, ``backward_maybe_with_nosync``), and
-reduce-scatters once after the last (``perform_reduce_grad``), so the stage holds its
-gathered parameters and its whole gradients (accumulated in fp32 under mixed precision:
-``_fsdp_param.py``, ``to_accumulated_grad_if_needed``) through the step: a peak of
-``(g + 1 + (1 + k) / d) P`` against ZeRO-1's ``(2 + k / d) P`` (``g`` the gathered
-dtype's share of fp32, ``k`` the optimizer's state): under bf16-mixed a saving of
-``(1/2 - 1/d) P``, in fp32 a loss."""
+replicas:
+
+- ``zero1``, the optimizer state (what Megatron-LM's distributed optimizer and
+  DeepSpeed's pipeline engine, which takes ZeRO stage 1 only, shard);
+- ``zero2``, FSDP2 stages (torchtitan's FSDP x PP): each stage ``fully_shard`` over its
+  replicas with ``reshard_after_forward=False``, plain stages (``tensor = 1``) under
+  GPipe or 1F1B. torch 2.13's pipeline runtime runs every microbatch's backward of an
+  FSDP stage without gradient sync and without resharding
+  (``torch/distributed/pipelining/stage.py``, ``backward_maybe_with_nosync``) and
+  reduce-scatters once after the last (``perform_reduce_grad``), so the stage gathers
+  its parameters at its first forward and holds them, with its whole gradients
+  (accumulated in fp32 under mixed precision, each microbatch's made in bf16 first:
+  ``_fsdp_param.py``, ``to_accumulated_grad_if_needed``), through the step. Per device
+  ``(1 + k) P / d`` at rest (``k`` the optimizer's state), ``g P`` gathered (``g`` the
+  gathered dtype's share of the stored one) and ``(1 + g') P`` of gradients (``g' = g``
+  under mixed precision, else 0), but no autocast weight copies, which the other
+  pipelines keep per microbatch in flight (``q``): against ZeRO-1 it saves ``(1 - 1/d)
+  P`` of parameters and ``q g P`` of copies for ``(g + g') P``, in bf16-mixed
+  ``(q / 2 - 1 / d) P``, in fp32 a loss of ``P / d``. Its traffic, a reduce-scatter and
+  an all-gather (in ``g``), is ZeRO-1's all-reduce and all-gather less one pass. Not run: ``zero3`` (under the
+  runtime a resharding stage gathers its parameters again for microbatches' forwards
+  and backwards while its whole gradients stay: more traffic to save at most the
+  gathered parameters), and FSDP under the interleaved
+  schedule, whose runtime never calls ``perform_reduce_grad``, nor on tensor-parallel
+  stages."""
+FSDP_PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+"""The schedules whose runtime reduce-scatters an FSDP stage's gradients (``zero2``)."""
+FSDP_SHARDINGS = ("zero2", "zero3", "hsdp")
 """The shardings FSDP2 runs (parameters sharded at rest, over FSDP units)."""
 
 
@@ -110,6 +125,18 @@ class Soap:
         return "soap"
 
 
+def check_pipeline_shard(shard: str, replicas: int, tensor: int, schedule: str) -> None:
+    """ValueError unless a pipeline of ``replicas`` x ``tensor`` devices per stage under
+    ``schedule`` can shard its state with ``shard`` (:data:`PIPELINE_SHARDINGS`)."""
+    if shard not in PIPELINE_SHARDINGS:
+        raise ValueError(f"a pipeline shards its state with one of {', '.join(PIPELINE_SHARDINGS)}, not {shard!r}")
+    if shard != "none" and replicas < 2:
+        raise ValueError(f"{shard} shards the state over a stage's replicas: it needs replicas > 1")
+    if shard == "zero2" and (tensor > 1 or schedule not in FSDP_PIPELINE_SCHEDULES):
+        raise ValueError(f"zero2 (FSDP2 stages) runs on plain stages (tensor = 1) under "
+                         f"{' or '.join(FSDP_PIPELINE_SCHEDULES)}, not tensor = {tensor} under {schedule!r}")
+
+
 @dataclass(frozen=True)
 class Pipelined:
     """A pipeline: stage ``k`` holds the nodes at positions ``bounds[k]`` and runs on
@@ -128,17 +155,16 @@ class Pipelined:
     shard: str = "none"
     """:data:`PIPELINE_SHARDINGS`: ``zero1`` shards each stage's optimizer state over its
     ``replicas`` (each replica updates its share of the stage's parameters, then the
-    replicas all-gather them: ``ZeroRedundancyOptimizer`` over the replica group)."""
+    replicas all-gather them: ``ZeroRedundancyOptimizer`` over the replica group);
+    ``zero2`` runs each stage as an FSDP2 module over its replicas (parameters,
+    gradients and optimizer state sharded at rest)."""
 
     def __post_init__(self) -> None:
         check_mode(self.recompute)
         if self.chunks < 1 or len(self.bounds) % self.chunks:
             raise ValueError(f"{len(self.bounds)} stages do not split into {self.chunks} chunks per rank")
-        if self.shard not in PIPELINE_SHARDINGS:
-            raise ValueError(f"a pipeline shards its optimizer state with one of {', '.join(PIPELINE_SHARDINGS)}, "
-                             f"not {self.shard!r}")
-        if self.shard != "none" and self.replicas < 2:
-            raise ValueError("zero1 shards the optimizer state over a stage's replicas: it needs replicas > 1")
+        check_pipeline_shard(self.shard, self.replicas, self.tensor, self.schedule)
+
 
     @property
     def kind(self) -> str:

@@ -22,7 +22,14 @@ from flexsearch.sim.predict import predict
 from flexsearch.sim.simulator import Simulator
 from flexsearch.strategy.fsdp import ROOT as ROOT_UNIT
 from flexsearch.strategy.fsdp import fsdp_units, node_units
-from flexsearch.strategy.kinds import KINDS, DataParallel, Decentralized, Pipelined, Soap
+from flexsearch.strategy.kinds import (
+    KINDS,
+    PIPELINE_SHARDINGS,
+    DataParallel,
+    Decentralized,
+    Pipelined,
+    Soap,
+)
 
 GPT = str(ROOT / "benchmarks/models/gpt.py:gpt_tiny")
 MLP = str(ROOT / "benchmarks/models/mlp.py:mlp_tiny")
@@ -44,8 +51,11 @@ def test_each_kind_gives_a_plan_of_that_kind(gpt, kind):
     cl = Cluster.resolve("cpu", 4)
     plan = plan_graph(gpt, cl, kinds=(kind,), max_iters=20)
     assert plan.kind == {"fsdp": "data"}.get(kind, kind)
-    assert (plan.shard != "none") == (kind == "fsdp")
-    if plan.shard in ("zero2", "zero3", "hsdp"):
+    if kind in ("pipeline", "hybrid"):  # a pipeline may shard over a stage's replicas
+        assert plan.shard in PIPELINE_SHARDINGS
+    else:
+        assert (plan.shard != "none") == (kind == "fsdp")
+    if plan.kind == "data" and plan.shard in ("zero2", "zero3", "hsdp"):
         assert plan.fsdp_units == fsdp_units(gpt.modules)
     # the plan re-predicts to the number it records (one entry point, same context)
     again = flexsearch.simulate(gpt, plan, calibration=None)

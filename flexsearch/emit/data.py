@@ -141,12 +141,15 @@ class DataParallelModule(nn.Module):
         return total / n
 
     def _sync(self, last: bool):
-        """No gradient synchronisation before the last microbatch (DDP's ``no_sync``,
-        FSDP2's ``set_requires_gradient_sync``)."""
+        """No gradient synchronisation before the last microbatch (DDP's ``no_sync``;
+        FSDP2's ``set_requires_gradient_sync``, and ``set_reshard_after_backward``: the
+        gathered parameters kept until the last microbatch's backward, as
+        :data:`~flexsearch.strategy.kinds.ACCUMULATING_SHARDINGS` models it)."""
         if self.microbatches == 1:
             return contextlib.nullcontext()
         if self.sharded:
             self.module.set_requires_gradient_sync(last)
+            self.module.set_reshard_after_backward(last)
             return contextlib.nullcontext()
         return contextlib.nullcontext() if last else self.module.no_sync()
 

@@ -525,9 +525,9 @@ def plan_synchronous(
         if isinstance(strategy, DataParallel) and (strategy.recompute != "none" or strategy.microbatches > 1):
             how = [f"{strategy.recompute} activation checkpointing"] if strategy.recompute != "none" else []
             how += [f"{strategy.microbatches} accumulated microbatches"] if strategy.microbatches > 1 else []
-            plain = "data" if strategy.shard == "none" else strategy.shard
+            plain = "data parallelism" if strategy.shard == "none" else f"{strategy.shard} data parallelism"
             plan = plan.model_copy(update={"notes": (*plan.notes, (
-                f"{' and '.join(how)}: {plain} parallelism without them does not fit in memory"),)})
+                f"{' and '.join(how)}: {plain} without them does not fit in memory"),)})
         if isinstance(strategy, DataParallel) and strategy.shard != "none":
             others = [f"{c[1].shard} {c[2].iteration_time_s * 1e3:.3f} ms" for c in candidates
                       if c[0] == "fsdp" and c[1] is not strategy]

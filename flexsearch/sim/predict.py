@@ -10,7 +10,8 @@ plan kinds are costed by one cost model under one explicit context
 - :class:`~flexsearch.strategy.kinds.DataParallel`: as the emitter runs it: sharded
   (``zero1``: the op-level simulation with DDP and a sharded update; ``zero2``, ``zero3``,
   ``hsdp``: with FSDP2 over its units); with gradient accumulation as one stage on every device
-  running its microbatches, then one gradient synchronisation; with DDP otherwise,
+  running its microbatches, then one gradient synchronisation (ZeRO-1 and ZeRO-2 as such
+  a pipeline stage shards: :data:`~flexsearch.strategy.kinds.ACCUMULATING_SHARDINGS`); with DDP otherwise,
   which is the op-level simulation with DDP's buckets when calibrated, and else the
   faster of the op-level simulation
   (every layer's gradients all-reduced as the backward produces them, each collective
@@ -63,10 +64,11 @@ def predict(graph: OpGraph, strategy: Strategy, ctx: CostContext, *, optimizer: 
         raise TypeError(f"not a strategy: {type(strategy).__name__}")
     whole = ((0, len(graph.nodes)),)
     if strategy.microbatches > 1:  # accumulation: every replica runs m microbatches, then one sync
-        # one stage under 1F1B: each microbatch's backward right after its forward
+        # one stage under 1F1B: each microbatch's backward right after its forward; sharded
+        # as the stage of a pipeline (ZeRO-1, FSDP2)
         return predict(graph, Pipelined(whole, tensor=1, replicas=ctx.cluster.devices, schedule="1f1b",
-                                        microbatches=strategy.microbatches, recompute=strategy.recompute),
-                       ctx, optimizer=optimizer, timeline=timeline)
+                                        microbatches=strategy.microbatches, recompute=strategy.recompute,
+                                        shard=strategy.shard), ctx, optimizer=optimizer, timeline=timeline)
     if strategy.shard != "none":
         return sim.simulate(strategy.configs, timeline=timeline, shard=strategy.shard,
                             shard_group=strategy.shard_group, fsdp_units=strategy.fsdp_units,

@@ -66,6 +66,15 @@ replicas:
   gathered parameters), and FSDP under the interleaved
   schedule, whose runtime never calls ``perform_reduce_grad``, nor on tensor-parallel
   stages."""
+ACCUMULATING_SHARDINGS = ("none", "zero1", "zero2")
+"""The data-parallel shardings that accumulate gradients over microbatches, each as one
+pipeline stage on every device runs them (:func:`flexsearch.sim.predict.predict`): DDP
+under ``no_sync``; ZeRO-1 the same, then its sharded update; ZeRO-2 as FSDP2 stages
+under a pipeline run (:data:`PIPELINE_SHARDINGS`): the parameters gathered at the
+first microbatch and kept, the gradients accumulated whole, reduce-scattered after the
+last (the emitter turns FSDP2's gradient sync and its resharding after the backward
+off until the last microbatch). ZeRO-3 and HSDP, which gather again for every
+microbatch, do not."""
 FSDP_PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 """The schedules whose runtime reduce-scatters an FSDP stage's gradients (``zero2``)."""
 FSDP_SHARDINGS = ("zero2", "zero3", "hsdp")
@@ -87,7 +96,7 @@ class DataParallel:
     """``hsdp``: devices per shard group (consecutive devices; the groups replicate)."""
     microbatches: int = 1
     """Gradient accumulation: the per-device batch runs as this many microbatches, one
-    gradient synchronisation after the last."""
+    gradient synchronisation after the last (:data:`ACCUMULATING_SHARDINGS`)."""
     recompute: str = "none"
     """Activation checkpointing (:mod:`flexsearch.strategy.recompute`)."""
 
@@ -99,8 +108,9 @@ class DataParallel:
             raise ValueError(f"unknown sharding {self.shard!r}; use one of {', '.join(SHARDINGS)}")
         if (self.shard == "hsdp") != (self.shard_group > 1):
             raise ValueError("an hsdp plan needs shard_group > 1 devices per group, and only hsdp has one")
-        if self.shard != "none" and self.microbatches > 1:
-            raise ValueError("gradient accumulation is modelled and emitted for unsharded data parallelism only")
+        if self.shard not in ACCUMULATING_SHARDINGS and self.microbatches > 1:
+            raise ValueError(f"gradient accumulation is modelled and emitted with sharding "
+                             f"{', '.join(ACCUMULATING_SHARDINGS)}, not {self.shard}")
 
     @property
     def kind(self) -> str:

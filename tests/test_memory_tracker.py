@@ -432,6 +432,46 @@ def test_sharded_pipeline_peak_memory_matches_torchs_allocator(precision):
     assert not misses
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_accumulation_peak_memory_matches_torchs_allocator(precision):
+    """Data parallelism with 2 accumulated microbatches on 2 gloo ranks, replicated (DDP),
+    ZeRO-1 and ZeRO-2 (FSDP2, gathered once and kept until the last microbatch, a stage
+    of :func:`test_sharded_pipeline_peak_memory_matches_torchs_allocator` on every
+    device): the calibrated peak per device against torch's allocator's (``MemTracker``
+    refuses a module run twice a step). Measured: -0.1% (DDP, ZeRO-1) and -0.1% or -4.5% (ZeRO-2, the
+    allocator's two peaks)
+    in fp32, +4.1% to +5.0% in bf16-mixed; ZeRO-2 in bf16-mixed is the known miss of
+    :data:`SHARDED_PIPELINE_MISSES` (+18.7%: FSDP2's bf16 weights make every op compute
+    in bf16)."""
+    from flexsearch.cost.calibration import load_calibration_file
+    from flexsearch.sim.accounting import peak_bytes
+
+    model, x = load(FAMILIES["gpt"])
+    g = trace(model, x, precision=precision)
+    cl = Cluster.resolve("cpu", 2)
+    cal = load_calibration_file().devices[cl.device.name]
+    ctx = CostContext(cl, calibration=cal, precision=precision_of(precision))
+    base = plan_graph(g, cl, kinds=("data",), max_iters=0).strategy(g)
+    plans, predicted = [], []
+    for shard in ("none", "zero1", "zero2"):
+        units = fsdp_units(g.modules) if shard in FSDP_SHARDINGS else ()
+        s = dataclasses.replace(base, shard=shard, fsdp_units=units, microbatches=2)
+        sim = predict(g, s, ctx)
+        plans.append(plan_from(g, cl, s, sim, baselines={}, lower_bound_s=0.0))
+        predicted.append([peak_bytes(m, cal, "pipeline") - cal.runtime("pipeline") for m in sim.memory_terms])
+    got = run_ranks(allocated_job, 2, FAMILIES["gpt"], plans, timeout_s=600)
+    misses = []
+    for i, plan in enumerate(plans):
+        for rank in range(2):
+            want, have = predicted[i][rank], got[rank][i][0]
+            print(f"{precision} {plan.shard} m2 rank {rank}: model {want / 1e6:.2f} MB, allocator {have / 1e6:.2f} MB "
+                  f"({want / have - 1:+.1%})")
+            bound = 0.25 if (precision, plan.shard) == ("bf16-mixed", "zero2") else ACTIVATION_RTOL
+            if want != pytest.approx(have, rel=bound):
+                misses.append((plan.shard, rank))
+    assert not misses
+
+
 TENSOR_PARALLEL_MISS = 0.25
 """A known miss: the memory model under-predicts tensor-parallel (SOAP) plans (module
 docstring)."""

@@ -19,7 +19,8 @@ D-PSGD on the best gossip topology for the rank count), every plan made by
 ``plan_graph(kinds=...)``; and the data-parallel plan changed in one field
 (:func:`variant_of`): ``zero1`` (ZeroRedundancyOptimizer), ``zero2`` / ``zero3``
 (FSDP2 without / with resharding after the forward), ``recompute`` (DDP with every
-block checkpointed); and ``bf16``: the data-parallel plan of the model traced, profiled
+block checkpointed), ``accum`` and ``zero2-accum`` (DDP and ZeRO-2 with 2 accumulated
+microbatches); and ``bf16``: the data-parallel plan of the model traced, profiled
 (ops under ``torch.autocast``) and planned in ``bf16-mixed`` precision, run under
 autocast (where this CPU runs bf16 natively, AVX512-BF16 or AMX; elsewhere the row
 says so):
@@ -98,13 +99,15 @@ from flexsearch.strategy.fsdp import fsdp_units  # noqa: E402
 from flexsearch.strategy.kinds import FSDP_SHARDINGS  # noqa: E402
 
 KINDS = ("data", "fsdp", "soap", "gpipe", "1f1b", "interleaved", "hybrid", "dpsgd", "zero1", "zero2", "zero3",
-         "recompute", "bf16")
+         "recompute", "accum", "zero2-accum", "bf16")
 PRECISIONS = {"bf16": ("bf16-mixed", "data")}
 """Kinds in another precision than fp32: (precision, the plan kind)."""
 VARIANTS = {"zero1": {"shard": "zero1"}, "zero2": {"shard": "zero2"}, "zero3": {"shard": "zero3"},
-            "recompute": {"recompute": "full"}}
-"""Kinds made from the data-parallel plan by changing one field: a ZeRO stage, or full
-activation checkpointing of every block (DDP)."""
+            "recompute": {"recompute": "full"}, "accum": {"microbatches": 2},
+            "zero2-accum": {"shard": "zero2", "microbatches": 2}}
+"""Kinds made from the data-parallel plan by changing a field or two: a ZeRO stage, full
+activation checkpointing of every block (DDP), or 2 accumulated microbatches (DDP, and
+ZeRO-2)."""
 CLUSTER = "cpu"
 PROFILE = user_dir() / "profiles" / "fidelity-cpu-1t.json"
 """The op profile's cache: this machine's (op times do not travel between machines)."""
@@ -235,6 +238,7 @@ def describe(plan: Plan) -> str:
     if plan.kind == "data":
         name = {"none": "ddp", "zero3": "fsdp"}.get(plan.shard, plan.shard)
         return name + (f" rc={plan.recompute}" if plan.recompute != "none" else "") + \
+            (f" m{plan.microbatches}" if (plan.microbatches or 1) > 1 else "") + \
             (f" {plan.precision}" if plan.precision != "fp32" else "")
     if plan.kind == "decentralized":
         return f"dpsgd {plan.topology}"

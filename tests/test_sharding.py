@@ -443,9 +443,13 @@ def test_fsdp_pipeline_plans_compute_what_the_model_does():
 
 def test_zero1_and_zero2_accumulate_as_one_sharded_stage(gpt_small):
     """Gradient accumulation under ZeRO-1 and ZeRO-2 is the one-stage pipeline of that
-    sharding on every device (one gradient synchronisation after the last microbatch);
+    sharding on every device (one gradient synchronisation after the last microbatch),
+    run by FSDP2 (a gather and a reduce-scatter per FSDP unit and the root, the update
+    on DTensors) or, calibrated, by DDP (its gradient buckets held, its cost per step);
     ZeRO-2 gathers once, at the first microbatch, and reduce-scatters once; each
     microbatch holds half the activations; ZeRO-3 and HSDP do not accumulate."""
+    from flexsearch.sim.stages import simulate_stages
+
     cl = Cluster.preset("dgx-h100", 16)
     ctx = CostContext(cl, precision=precision_of("bf16-mixed"))
     base = plan_graph(gpt_small, cl, kinds=("data",), max_iters=0).strategy(gpt_small)
@@ -454,13 +458,31 @@ def test_zero1_and_zero2_accumulate_as_one_sharded_stage(gpt_small):
         one = sharded(gpt_small, base, shard)
         two = dataclasses.replace(one, microbatches=2)
         got = predict(gpt_small, two, ctx)
-        stage = predict(gpt_small, Pipelined(whole, tensor=1, replicas=16, schedule="1f1b", microbatches=2,
-                                             shard=shard), ctx)
+        runtime = "fsdp" if shard == "zero2" else "pipeline"  # uncalibrated: no DDP terms
+        stage = simulate_stages(gpt_small, ctx, bounds=whole, tensor=1, replicas=16, schedule="1f1b", microbatches=2,
+                                shard=shard, runtime=runtime, fsdp_calls=len(two.fsdp_units) + 1)
         assert got.iteration_time_s == stage.iteration_time_s and got.memory_bytes == stage.memory_bytes
+        plain = predict(gpt_small, Pipelined(whole, tensor=1, replicas=16, schedule="1f1b", microbatches=2,
+                                             shard=shard), ctx)
+        assert got.iteration_time_s >= plain.iteration_time_s  # the runtime's own costs (calibrated)
+        assert not got.memory_terms[0].grad_buckets  # uncalibrated: as the op-level simulation, no DDP terms
         assert got.memory_terms[0].activations < predict(gpt_small, one, ctx).memory_terms[0].activations
         names = [x.task.name for x in got.timeline if x.task.kind == "coll"]
         assert names.count("sync stage 0") == 1
         assert names.count("gather stage 0") == (shard == "zero2")
+    from flexsearch.cost.calibration import load_calibration
+
+    cpu = Cluster.resolve("cpu", 2)
+    cal = load_calibration(cpu.device.name)
+    cctx = CostContext(cpu, calibration=cal)
+    for shard in ("none", "zero1"):
+        two = dataclasses.replace(sharded(gpt_small, base, shard) if shard != "none" else base, microbatches=2)
+        got = predict(gpt_small, two, cctx, timeline=False)
+        terms = got.memory_terms[0]
+        assert terms.grad_buckets == terms.params > 0  # DDP's flat copy of the gradients
+        plain = simulate_stages(gpt_small, cctx, bounds=whole, tensor=1, replicas=2, schedule="1f1b", microbatches=2,
+                                shard=shard, timeline=False)
+        assert got.iteration_time_s >= plain.iteration_time_s + cal.step("ddp") - 1e-12
     for shard in ("zero3", "hsdp"):
         with pytest.raises(ValueError, match="accumulation"):
             dataclasses.replace(sharded(gpt_small, base, shard, 8 if shard == "hsdp" else 0), microbatches=2)

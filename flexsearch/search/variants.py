@@ -69,7 +69,8 @@ def fitting_variant(graph: OpGraph, strategy: DataParallel, ctx: CostContext, op
                 flat = Pipelined(((0, len(graph.nodes)),), tensor=1, replicas=ctx.cluster.devices, schedule="1f1b",
                                  microbatches=m, recompute=mode,
                                  shard=strategy.shard if strategy.shard in ACCUMULATING_SHARDINGS else "none")
-                got = predict(graph, variant if sim is not None else flat, ctx, optimizer=optimizer, timeline=False,
+                got = predict(graph, variant if sim is not None or m > 1 else flat, ctx, optimizer=optimizer,
+                              timeline=False,
                               simulator=sim if m == 1 else None)
             except ValueError:
                 continue

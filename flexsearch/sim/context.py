@@ -184,19 +184,20 @@ def collective_task(ctx: CostContext, op: str, group: list[int] | tuple[int, ...
 
 
 def fsdp_collective_task(ctx: CostContext, op: str, group: list[int] | tuple[int, ...], nbytes: float, name: str,
-                         deps: tuple[Key, ...], defines: tuple[Key, ...], detail: str) -> Task:
+                         deps: tuple[Key, ...], defines: tuple[Key, ...], detail: str, calls: int = 1) -> Task:
     """One of FSDP2's collectives over ``group`` (an all-gather of a unit's parameters, a
-    reduce-scatter or all-reduce of its gradients): :func:`collective_task` under
-    ``ctx``'s DDP-mode context, calibrated with the copies in and out of its flat buffer
-    (two passes over ``nbytes`` at the device's memory bandwidth) and the calibration's
-    fixed cost per FSDP collective (``fsdp_collective_s``)."""
+    reduce-scatter or all-reduce of its gradients; ``calls`` units' of ``nbytes`` in all,
+    one after the other): :func:`collective_task` under ``ctx``'s DDP-mode context,
+    calibrated with the copies in and out of its flat buffer (two passes over ``nbytes``
+    at the device's memory bandwidth) and the calibration's fixed cost per FSDP
+    collective (``fsdp_collective_s``)."""
     ddp = ctx.as_ddp()
-    t = collective_task(ddp, op, group, nbytes, name, deps, defines, detail)
+    t = collective_task(ddp, op, group, nbytes, name, deps, defines, detail, calls=calls)
     cal = ddp.calibration
     if cal is None:
         return t
     copy_s = 2 / ddp.cluster.device.memory_bandwidth.value
-    return replace(t, duration=t.duration + copy_s * nbytes + cal.fsdp_collective_s.value)
+    return replace(t, duration=t.duration + copy_s * nbytes + cal.fsdp_collective_s.value * calls)
 
 
 def transfer_task(ctx: CostContext, src: int, dst: int, nbytes: float, name: str,

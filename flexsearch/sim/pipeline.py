@@ -192,19 +192,25 @@ def _stage_sync(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLa
         group = tuple(sorted(r[q] for r in reps))
         if layout.fsdp:  # FSDP2's reduce-scatter of the stage's gradients
             out.append(fsdp_collective_task(ctx, "reduce_scatter", group, nbytes, name, deps, (key,),
-                                            f"FSDP gradients of stage {stage}"))
+                                            f"FSDP gradients of stage {stage}", calls=layout.fsdp_calls))
             continue
         cost = ctx.collective("all_reduce", group, nbytes)
         res = tuple(sorted({ctx.links[link.id] for link, _ in cost.loads} | set(ctx.device_resources(group))))
-        out.append(Task("coll", name, cost.time_s, res, deps, (key,), nbytes, f"grad sync stage {stage}"))
+        extra = 0.0
+        cal = ctx.calibration
+        if layout.runtime == "ddp" and cal is not None:  # DDP's hooks per tensor, its buckets' copies in and out
+            extra = cal.ddp_per_tensor_s.value * costs[stage].tensors \
+                + 4 * nbytes / ctx.cluster.device.memory_bandwidth.value
+        out.append(Task("coll", name, cost.time_s + extra, res, deps, (key,), nbytes, f"grad sync stage {stage}"))
     return out
 
 
 def _updates(ctx: CostContext, layout: PipelineLayout, optimizer: str, devs: tuple[int, ...], nbytes: float,
              tensors: float, deps: tuple, key, copies: int = 1) -> list[Task]:
-    """One optimizer update on each of ``devs`` (stages on DTensors when tensor parallel)."""
-    sharded = len(layout.ranks[0][0]) > 1
-    dur = update_s(ctx, optimizer, nbytes, tensors, "pipeline", sharded=sharded)
+    """One optimizer update on each of ``devs`` (stages on DTensors when tensor parallel or
+    FSDP2's), with the runtime's fixed cost per step (:attr:`PipelineLayout.runtime`)."""
+    sharded = len(layout.ranks[0][0]) > 1 or layout.fsdp
+    dur = update_s(ctx, optimizer, nbytes, tensors, layout.runtime, sharded=sharded)
     return [Task("update", "optimizer", dur, (d,), deps, (key,), copies=copies) for d in devs]
 
 
@@ -309,7 +315,8 @@ def _stage_gathers(ctx: CostContext, costs: Sequence[StageCost], layout: Pipelin
     if len(reps) < 2 or nbytes <= 0:
         return [Task("coll", f"gather stage {stage}", 0.0, (), (), (key,))]
     return [fsdp_collective_task(ctx, "all_gather", tuple(sorted(r[q] for r in reps)), nbytes,
-                                 f"gather stage {stage}", (), (key,), f"FSDP parameters of stage {stage}")
+                                 f"gather stage {stage}", (), (key,), f"FSDP parameters of stage {stage}",
+                                 calls=layout.fsdp_calls)
             for q in range(len(reps[0]))]
 
 
@@ -419,7 +426,7 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
         compute = [compute[mirrored.get(d, d)] for d in range(devices)]
     return Simulation(
         iteration_time_s=time_s,
-        memory_bytes=tuple(peak_bytes(m, ctx.calibration, "pipeline") for m in terms),
+        memory_bytes=tuple(peak_bytes(m, ctx.calibration, layout.runtime) for m in terms),
         capacity_bytes=ctx.cluster.device.memory_capacity.value,
         compute_s=tuple(compute),
         timeline=tuple(run.timeline) if timeline else (),

@@ -67,6 +67,16 @@ class PipelineLayout:
     gather: float = 1.0
     """``zero2``: bytes FSDP2 gathers per stored parameter byte (its ``param_dtype``:
     :meth:`flexsearch.precision.Precision.gather_factor`)."""
+    runtime: str = "pipeline"
+    """The emitter's runtime that runs the stages (a calibration ``Mode``): ``pipeline``;
+    for a data-parallel plan accumulating gradients, simulated as one stage on every
+    device (:func:`flexsearch.sim.predict.predict`), ``ddp`` (DDP, with ZeRO-1 too: its
+    gradient buckets and their all-reduce's cost per tensor) or ``fsdp``; its fixed cost
+    per step is the update's, its allocation the runtime term of the memory."""
+    fsdp_calls: int = 1
+    """FSDP2 stages: the FSDP units a stage's parameters are gathered and its gradients
+    reduce-scattered in, one collective each (a pipeline's stage is one unit; a
+    data-parallel plan's, its FSDP units and the root)."""
 
     def shards(self, device_rank: int) -> int:
         """Over how many devices pipeline rank ``device_rank``'s optimizer state is

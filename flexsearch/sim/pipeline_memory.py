@@ -107,8 +107,10 @@ def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: Pipeli
             params[d] /= shards[d]
             largest[d] /= shards[d]
         shards = [1] * devices
+    ddp = layout.runtime == "ddp"  # DDP's gradient buckets: a flat copy of the gradients
     return [replace(DeviceMemory.replicated(params[d], acts[d], optimizer, largest=largest[d], buffers=buffers[d],
-                                            loss_grad=loss[d], loss_working=loss_work[d]),
+                                            loss_grad=loss[d], loss_working=loss_work[d],
+                                            grad_buckets=params[d] if ddp else 0.0),
                     optimizer=OPTIMIZER_STATE[optimizer] * params[d] / shards[d],
                     update_working=UPDATE_WORKING[optimizer] * params[d] / shards[d],
                     rebuilt=rebuilt[d], grad_working=grads[d], held_with_grads=held[d]) for d in range(devices)]
@@ -165,4 +167,4 @@ def peak_memory(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLa
         occupied = occupancy(by_lane, costs, layout.grad_copies)
     terms = pipeline_memory(ctx, costs, layout, optimizer, occupied)
     devices = {d for (r, i) in occupied for d in layout.ranks[r][i]}
-    return max(peak_bytes(terms[d], ctx.calibration, "pipeline") for d in devices)
+    return max(peak_bytes(terms[d], ctx.calibration, layout.runtime) for d in devices)

@@ -65,10 +65,14 @@ def predict(graph: OpGraph, strategy: Strategy, ctx: CostContext, *, optimizer: 
     whole = ((0, len(graph.nodes)),)
     if strategy.microbatches > 1:  # accumulation: every replica runs m microbatches, then one sync
         # one stage under 1F1B: each microbatch's backward right after its forward; sharded
-        # as the stage of a pipeline (ZeRO-1, FSDP2)
-        return predict(graph, Pipelined(whole, tensor=1, replicas=ctx.cluster.devices, schedule="1f1b",
-                                        microbatches=strategy.microbatches, recompute=strategy.recompute,
-                                        shard=strategy.shard), ctx, optimizer=optimizer, timeline=timeline)
+        # as the stage of a pipeline (ZeRO-1, FSDP2), run by FSDP2 over its units (and the
+        # root) or, calibrated, by DDP (uncalibrated, as the op-level simulation, without
+        # DDP's terms)
+        runtime = "fsdp" if strategy.fsdp else "ddp" if ctx.calibration is not None else "pipeline"
+        return simulate_stages(graph, ctx, bounds=whole, tensor=1, replicas=ctx.cluster.devices, schedule="1f1b",
+                               microbatches=strategy.microbatches, recompute=strategy.recompute, optimizer=optimizer,
+                               timeline=timeline, shard=strategy.shard, runtime=runtime,
+                               fsdp_calls=len(strategy.fsdp_units) + 1)
     if strategy.shard != "none":
         return sim.simulate(strategy.configs, timeline=timeline, shard=strategy.shard,
                             shard_group=strategy.shard_group, fsdp_units=strategy.fsdp_units,

@@ -243,17 +243,21 @@ def simulate_stages(graph: OpGraph, ctx: CostContext, *, bounds: Sequence[tuple[
                     replicas: int, schedule: str, microbatches: int, chunks: int = 1,
                     recompute: str = "none", optimizer: str = "adam", timeline: bool = True,
                     costs: Sequence[NodeCost] | None = None, shard: str = "none",
-                    cuts: Sequence[float] | None = None) -> Simulation:
+                    cuts: Sequence[float] | None = None, runtime: str = "pipeline",
+                    fsdp_calls: int = 1) -> Simulation:
     """Simulate a uniform pipeline on ``ctx``'s cluster: stage ``k`` = nodes
     ``bounds[k]`` (positions), on ``replicas`` x ``tensor`` devices of pipeline rank
     ``k mod (len(bounds) / chunks)``; ``shard``: ``zero1`` shards the optimizer state
-    over the replicas, ``zero2`` runs FSDP2 stages over them (:mod:`flexsearch.sim.pipeline`). ``costs``, ``cuts``: the node
+    over the replicas, ``zero2`` runs FSDP2 stages over them (:mod:`flexsearch.sim.pipeline`);
+    ``runtime`` and ``fsdp_calls``: the runtime that runs the stages and the FSDP units of a
+    stage (:class:`~flexsearch.sim.pipeline_layout.PipelineLayout`). ``costs``, ``cuts``: the node
     costs of the microbatch graph (default: :func:`stage_node_costs`) and its cut bytes
     (:func:`cut_bytes`). Raises ValueError for a layout
     that does not fit the cluster or a model without that tensor-parallel degree."""
     stage_costs, layout = stage_layout(graph, ctx, bounds=bounds, tensor=tensor, replicas=replicas,
                                        schedule=schedule, microbatches=microbatches, chunks=chunks,
-                                       recompute=recompute, costs=costs, shard=shard, cuts=cuts)
+                                       recompute=recompute, costs=costs, shard=shard, cuts=cuts, runtime=runtime,
+                                       fsdp_calls=fsdp_calls)
     return simulate_pipeline(ctx, stage_costs, layout, optimizer=optimizer, timeline=timeline)
 
 
@@ -268,7 +272,8 @@ def stages_peak_memory(graph: OpGraph, ctx: CostContext, *, optimizer: str = "ad
 def stage_layout(graph: OpGraph, ctx: CostContext, *, bounds: Sequence[tuple[int, int]], tensor: int,
                  replicas: int, schedule: str, microbatches: int, chunks: int = 1, recompute: str = "none",
                  costs: Sequence[NodeCost] | None = None, shard: str = "none",
-                 cuts: Sequence[float] | None = None) -> tuple[list[StageCost], PipelineLayout]:
+                 cuts: Sequence[float] | None = None, runtime: str = "pipeline",
+                 fsdp_calls: int = 1) -> tuple[list[StageCost], PipelineLayout]:
     """The stage costs and the device layout of :func:`simulate_stages`'s pipeline
     (``costs`` and ``cuts``: the microbatch graph's node costs and cut bytes, when the
     caller has them)."""
@@ -296,7 +301,8 @@ def stage_layout(graph: OpGraph, ctx: CostContext, *, bounds: Sequence[tuple[int
     ranks = tuple(tuple(tuple(range(r * g + i * tensor, r * g + (i + 1) * tensor)) for i in range(replicas))
                   for r in range(p))
     return stage_costs, PipelineLayout(schedule, microbatches, ranks, chunks=chunks, tied=tied, shard=shard,
-                                       gather=ctx.precision.gather_factor(graph.param_dtype))
+                                       gather=ctx.precision.gather_factor(graph.param_dtype), runtime=runtime,
+                                       fsdp_calls=fsdp_calls)
 
 
 def stage_node_costs(mg: OpGraph, ctx: CostContext, tensor: int) -> list[NodeCost] | None:

@@ -27,7 +27,8 @@ from flexsearch.strategy.fsdp import fsdp_units
 from flexsearch.strategy.kinds import DataParallel, Decentralized, Pipelined, Soap, Strategy
 
 PLAN_VERSION = 7
-"""7: ``shard: zero2`` on pipeline plans (FSDP2 stages over their replicas); 6: ``shard: zero1`` on pipeline and hybrid plans (optimizer state sharded over a
+"""7: ``shard: zero2`` on pipeline plans (FSDP2 stages over their replicas), and
+``microbatches`` on ``zero1`` and ``zero2`` data-parallel plans (accumulation); 6: ``shard: zero1`` on pipeline and hybrid plans (optimizer state sharded over a
 stage's replicas); 5: the sharding of a data-parallel plan (``shard``: ``none``, ``zero1``, ``zero2``,
 ``zero3``, ``hsdp``, with ``shard_group``; was ``shard_params``, true reads as ``zero3``); 4: the training precision and model FLOPs, recompute modes (``none``, ``selective``,
 ``full``), gradient accumulation for data-parallel plans; 3: the FSDP units of a sharded data-parallel plan; 2: search curve, notes,

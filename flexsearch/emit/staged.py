@@ -316,7 +316,8 @@ class PipelineModule(nn.Module):
 
     def make_optimizer(self, cls: type[torch.optim.Optimizer], **kwargs: Any) -> torch.optim.Optimizer:
         """The optimizer the plan trains with: ``cls`` over this rank's weights, sharded
-        over the stage's replicas under ``zero1`` (:class:`LocalZero`)."""
+        over the stage's replicas under ``zero1`` (:class:`LocalZero`); under ``zero2``
+        the weights are FSDP2's shards, so ``cls`` holds and updates this replica's."""
         weights = [q for q in self._weights() if q.requires_grad]
         if self._plan.shard != "zero1":
             return cls(weights, **kwargs)

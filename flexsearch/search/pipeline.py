@@ -39,7 +39,7 @@ import functools
 import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from flexsearch.cost.hardware import Cluster
 from flexsearch.graph.microbatch import batch_size, microbatch_graph
@@ -49,7 +49,7 @@ from flexsearch.search.partition import Chain, Level, Memory, partition
 from flexsearch.sim.accounting import param_copies
 from flexsearch.sim.context import CostContext
 from flexsearch.sim.pipeline import simulate_pipeline
-from flexsearch.sim.pipeline_layout import PipelineLayout
+from flexsearch.sim.pipeline_layout import PipelineLayout, fsdp_grad_copies
 from flexsearch.sim.predict import predict
 from flexsearch.sim.result import Simulation
 from flexsearch.sim.stages import (
@@ -63,7 +63,7 @@ from flexsearch.sim.stages import (
     stages_peak_memory,
 )
 from flexsearch.strategy.config import Config
-from flexsearch.strategy.kinds import FSDP_PIPELINE_SCHEDULES, PIPELINE_SHARDINGS, Pipelined
+from flexsearch.strategy.kinds import PIPELINE_SHARDINGS, Pipelined, check_pipeline_shard
 from flexsearch.strategy.recipes import stage_configs
 from flexsearch.strategy.recompute import Checkpointing, recompute_units
 from flexsearch.strategy.schedules import in_flight, rank_actions
@@ -242,7 +242,7 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
     layers = len(graph.nodes)
     copies = param_copies(optimizer)
     gather = ctx.precision.gather_factor(graph.param_dtype)
-    grads = 1 + gather if gather < 1 else 1.0  # FSDP2 stages: gradient bytes per parameter byte
+    grads = fsdp_grad_copies(gather)  # FSDP2 stages: gradient bytes per parameter byte
     cap = cluster.device.memory_capacity.value
     cost_memo: dict[tuple[int, int], tuple[list[NodeCost], dict[str, Config]] | None] = {}
     cut_memo: dict[int, tuple[float, ...]] = {}
@@ -258,17 +258,21 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
         return cost_memo[(k, t)]
 
     cps = {mode: Checkpointing.of(graph, mode) for mode in RECOMPUTE_ORDER}
-    chain_memo: dict[tuple[int, int, str], Chain] = {}
+    chain_memo: dict[tuple[int, int, str, bool], Chain] = {}
 
     def modes_of(t: int) -> tuple[str, ...]:
         return RECOMPUTE_ORDER if t == 1 else ("none", "full")  # tensor-parallel stages: whole
 
-    def chain_for(k: int, t: int, mode: str) -> Chain:
-        if (k, t, mode) not in chain_memo:
-            chain_memo[k, t, mode] = stage_chain(cost_memo[(k, t)][0], cut_memo[k],
-                                                 cps[mode] if t == 1 or mode == "none" else None,
-                                                 whole=t > 1 and mode == "full")
-        return chain_memo[k, t, mode]
+    def chain_for(k: int, t: int, mode: str, fsdp: bool = False) -> Chain:
+        """The partitioner's chain; ``fsdp``: of FSDP2 stages, whose bf16 weights autocast
+        copies not (:func:`flexsearch.sim.stages.stage_layout`)."""
+        if (k, t, mode, fsdp) not in chain_memo:
+            costs = cost_memo[(k, t)][0]
+            if fsdp:
+                costs = [replace(c, cast_bytes=0.0) for c in costs]
+            chain_memo[k, t, mode, fsdp] = stage_chain(costs, cut_memo[k], cps[mode] if t == 1 or mode == "none"
+                                                       else None, whole=t > 1 and mode == "full")
+        return chain_memo[k, t, mode, fsdp]
 
     def estimate(t: int, p: int, d: int, m: int, schedule: str, v: int, q: int, shard: str,
                  modes: Sequence[str]) -> tuple | None:
@@ -281,7 +285,7 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
         # a rank holds v chunks: each within its share of the memory
         memory = Memory(cap / v, state, in_flight=lambda r: q)
         for recompute in modes:
-            part = partition(chain_for(d * m, t, recompute), [Level(p * v, bw, lat)], memory=memory,
+            part = partition(chain_for(d * m, t, recompute, shard == "zero2"), [Level(p * v, bw, lat)], memory=memory,
                              replicate=False)
             if part is not None and len(part.stages) == p * v:
                 return (m * v + p - 1) / v * part.bottleneck_s, t, p, d, m, schedule, v, recompute, part, shard, q
@@ -398,10 +402,16 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
 
 def pipeline_shardings(tensor: int, replicas: int, schedule: str) -> tuple[str, ...]:
     """The shardings (:data:`~flexsearch.strategy.kinds.PIPELINE_SHARDINGS`) a layout of
-    ``replicas`` x ``tensor`` devices per stage under ``schedule`` takes, ``none`` first."""
-    if replicas < 2:
-        return ("none",)
-    return ("none", "zero1", "zero2") if tensor == 1 and schedule in FSDP_PIPELINE_SCHEDULES else ("none", "zero1")
+    ``replicas`` x ``tensor`` devices per stage under ``schedule`` takes
+    (:func:`~flexsearch.strategy.kinds.check_pipeline_shard`), ``none`` first."""
+    out = []
+    for shard in PIPELINE_SHARDINGS:
+        try:
+            check_pipeline_shard(shard, replicas, tensor, schedule)
+        except ValueError:
+            continue
+        out.append(shard)
+    return tuple(out)
 
 
 def block_bounds(graph: OpGraph, stages: int) -> tuple[tuple[int, int], ...] | None:

@@ -12,10 +12,10 @@ from flexsearch.graph.opgraph import OpGraph
 from flexsearch.search.clock import past
 from flexsearch.search.pipeline import RECOMPUTE_ORDER, microbatch_options
 from flexsearch.sim.context import CostContext
-from flexsearch.sim.predict import predict
+from flexsearch.sim.predict import data_stage, predict
 from flexsearch.sim.result import Simulation
 from flexsearch.sim.simulator import Simulator
-from flexsearch.strategy.kinds import ACCUMULATING_SHARDINGS, DataParallel, Pipelined
+from flexsearch.strategy.kinds import ACCUMULATING_SHARDINGS, DataParallel
 
 
 def shardings(cluster: Cluster) -> list[tuple[str, int]]:
@@ -49,8 +49,8 @@ def fitting_variant(graph: OpGraph, strategy: DataParallel, ctx: CostContext, op
     without accumulating: GPT-2 small on 16 H100s under ZeRO-2, 2 microbatches cost 2%
     where full checkpointing costs 27%, ``tests/test_sharding.py``). Past
     ``deadline``, the first variant that fits. Without an op-level simulator (``sim``
-    None: a graph too large for it) DDP's variants are simulated as one pipeline stage
-    on every device, as :func:`flat_baselines` simulates data parallelism."""
+    None: a graph too large for it) every variant is simulated as one pipeline stage on
+    every device (:func:`flexsearch.sim.predict.data_stage`), as accumulation always is."""
     try:
         per_device = batch_size(graph) // ctx.cluster.devices
     except ValueError:
@@ -66,12 +66,10 @@ def fitting_variant(graph: OpGraph, strategy: DataParallel, ctx: CostContext, op
             if variant == strategy:
                 continue
             try:
-                flat = Pipelined(((0, len(graph.nodes)),), tensor=1, replicas=ctx.cluster.devices, schedule="1f1b",
-                                 microbatches=m, recompute=mode,
-                                 shard=strategy.shard if strategy.shard in ACCUMULATING_SHARDINGS else "none")
-                got = predict(graph, variant if sim is not None or m > 1 else flat, ctx, optimizer=optimizer,
-                              timeline=False,
-                              simulator=sim if m == 1 else None)
+                if sim is None or m > 1:
+                    got = data_stage(graph, variant, ctx, optimizer=optimizer, timeline=False)
+                else:
+                    got = predict(graph, variant, ctx, optimizer=optimizer, timeline=False, simulator=sim)
             except ValueError:
                 continue
             if got.feasible:

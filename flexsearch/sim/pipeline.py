@@ -31,10 +31,11 @@ the :class:`~flexsearch.sim.pipeline_layout.PipelineLayout`):
   cost per parameter tensor and per step, the op-level ZeRO-1's terms). FSDP2 stages
   (``shard="zero2"``, plain stages under GPipe or 1F1B: :data:`~flexsearch.strategy.kinds.PIPELINE_SHARDINGS`)
   all-gather each stage's parameters over its replicas (in FSDP's ``param_dtype``,
-  ``PipelineLayout.gather`` bytes per stored byte) before its first forward, which
-  waits for it (the runtime's pre-forward hook; the stage's later microbatches find
-  them gathered), reduce-scatter its gradients in place of the all-reduce, and update
-  ``1 / d`` of its parameters, with nothing gathered after (the next step's first
+  ``PipelineLayout.gather`` bytes per stored byte) once the replicas' first inputs are
+  in, and its first forward waits for it (the runtime's pre-forward hook; the stage's
+  later microbatches find them gathered), reduce-scatter its gradients in place of the
+  all-reduce, and update ``1 / d`` of its parameters (a shard of every tensor), with
+  nothing gathered after (the next step's first
   forward gathers); each collective as the op-level simulator's FSDP ones
   (:func:`~flexsearch.sim.context.fsdp_collective_task`);
 - **memory** (:mod:`flexsearch.sim.pipeline_memory`), per device, from each lane's
@@ -232,10 +233,7 @@ def action_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineL
 
     ordered: list[Task] = []
     done: set = set()
-    if layout.fsdp:  # FSDP2 stages: each stage's parameters gathered for its first forward
-        for s in range(layout.stages):
-            ordered.extend(_stage_gathers(ctx, costs, layout, s))
-            done.add(Unsharded(s))
+    chains = {r: [i for (rr, i) in by_lane if rr == r] for r in range(len(layout.ranks))}
     pos = dict.fromkeys(by_lane, 0)
     waits: dict[tuple[int, int], Synced] = {}  # lane -> the sync its next action waits for
     rounds: dict[tuple[int, int], int] = {}  # PipeDream: (stage, round) -> backwards emitted
@@ -252,6 +250,11 @@ def action_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineL
                     need.append(Step("input", s, j, c))
                 if a.kind == "F" and layout.fsdp:
                     need.append(Unsharded(s))
+                    if Unsharded(s) not in done:  # the pre-forward hook's gather, once every replica's input is in
+                        inputs = tuple(Step("input", s, j, cc) for cc in chains[r]) if s > 0 else ()
+                        if all(k in done for k in inputs):
+                            ordered.extend(_stage_gathers(ctx, costs, layout, s, inputs))
+                            done.add(Unsharded(s))
                 if a.kind == "B":
                     need.append(Step("forward", s, j, c))
                     if s < last:
@@ -306,16 +309,18 @@ def action_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineL
             raise ValueError(f"schedule {layout.schedule!r} deadlocks on this layout")
 
 
-def _stage_gathers(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLayout, stage: int) -> list[Task]:
+def _stage_gathers(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLayout, stage: int,
+                   deps: tuple = ()) -> list[Task]:
     """FSDP2 stages: the all-gather of ``stage``'s parameters over its replicas (one per
-    tensor-parallel index), in FSDP's ``param_dtype``."""
+    tensor-parallel index), in FSDP's ``param_dtype``, after ``deps`` (the replicas'
+    first inputs: FSDP2 gathers in the stage's pre-forward hook)."""
     reps = layout.replicas(stage)
     nbytes = costs[stage].param_bytes * layout.gather
     key = Unsharded(stage)
     if len(reps) < 2 or nbytes <= 0:
-        return [Task("coll", f"gather stage {stage}", 0.0, (), (), (key,))]
+        return [Task("coll", f"gather stage {stage}", 0.0, (), deps, (key,))]
     return [fsdp_collective_task(ctx, "all_gather", tuple(sorted(r[q] for r in reps)), nbytes,
-                                 f"gather stage {stage}", (), (key,), f"FSDP parameters of stage {stage}",
+                                 f"gather stage {stage}", deps, (key,), f"FSDP parameters of stage {stage}",
                                  calls=layout.fsdp_calls)
             for q in range(len(reps[0]))]
 
@@ -364,7 +369,8 @@ def sync_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLay
     for d, deps in sorted(after.items()):
         if held[d] and (mirrored is None or mirrored[d] == d):
             k = layout.shards(rank_of[d])
-            ordered.extend(_updates(ctx, layout, optimizer, (d,), held[d] / k, tensors[d] / k, tuple(deps),
+            owned = k if layout.shard == "zero1" else 1  # FSDP2: a shard of every tensor
+            ordered.extend(_updates(ctx, layout, optimizer, (d,), held[d] / k, tensors[d] / owned, tuple(deps),
                                     Updated(d), copies))
     if layout.shard == "zero1":
         ordered.extend(_zero1_gathers(ctx, layout, held, tensors, mirrored))

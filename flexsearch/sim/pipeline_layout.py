@@ -90,11 +90,14 @@ class PipelineLayout:
 
     @property
     def grad_copies(self) -> float:
-        """A stage's gradient bytes during a backward, per stored parameter byte: FSDP2
-        stages gathered in a lower precision make each microbatch's gradients in it and
-        add them to the fp32 ones they accumulate (``_fsdp_param.py``:
-        ``accumulate_unsharded_grad_if_needed``), ``1 + gather``; else 1."""
-        return 1.0 + self.gather if self.fsdp and self.gather < 1 else 1.0
+        """A stage's gradient bytes during a backward, per stored parameter byte
+        (:func:`fsdp_grad_copies` for FSDP2 stages, else 1)."""
+        return fsdp_grad_copies(self.gather) if self.fsdp else 1.0
+
+    def __post_init__(self) -> None:
+        if self.runtime not in RUNTIMES or (self.runtime == "fsdp") != self.fsdp and self.runtime != "pipeline":
+            raise ValueError(f"runtime {self.runtime!r} does not run {self.shard!r} stages; use one of "
+                             f"{', '.join(RUNTIMES)} (fsdp for zero2 only)")
 
     @property
     def stages(self) -> int:
@@ -110,6 +113,18 @@ class PipelineLayout:
     def replicas(self, stage: int) -> tuple[tuple[int, ...], ...]:
         """The device groups of ``stage``'s replicas."""
         return self.ranks[self.rank_of(stage)]
+
+
+RUNTIMES = ("pipeline", "ddp", "fsdp")
+"""The runtimes that run a pipeline layout's stages (:attr:`PipelineLayout.runtime`)."""
+
+
+def fsdp_grad_copies(gather: float) -> float:
+    """An FSDP2 stage's gradient bytes during a backward, per stored parameter byte: gathered
+    in a lower precision it makes each microbatch's gradients in it and adds them to the
+    fp32 ones it accumulates (``_fsdp_param.py``: ``accumulate_unsharded_grad_if_needed``),
+    ``1 + gather``; else 1."""
+    return 1.0 + gather if gather < 1 else 1.0
 
 
 def lanes(layout: PipelineLayout) -> dict[tuple[int, int], tuple[Action, ...]]:

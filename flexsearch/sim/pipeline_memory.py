@@ -78,7 +78,7 @@ def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: Pipeli
     params = [0.0] * devices
     acts = [0.0] * devices
     largest = [0.0] * devices
-    buffers = [0.0] * devices  # PipeDream's weight versions
+    buffers = [0.0] * devices  # PipeDream's weight versions; FSDP2's gathered parameters
     rebuilt = [0.0] * devices
     loss = [0.0] * devices  # one microbatch's loss at a time
     loss_work = [0.0] * devices

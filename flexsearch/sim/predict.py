@@ -34,7 +34,15 @@ from flexsearch.sim.decentralized import simulate_gossip
 from flexsearch.sim.result import Simulation
 from flexsearch.sim.simulator import Simulator
 from flexsearch.sim.stages import replica_cost, simulate_stages
-from flexsearch.strategy.kinds import DataParallel, Decentralized, Pipelined, Soap, Strategy
+from flexsearch.strategy.fsdp import fsdp_units, node_units
+from flexsearch.strategy.kinds import (
+    ACCUMULATING_SHARDINGS,
+    DataParallel,
+    Decentralized,
+    Pipelined,
+    Soap,
+    Strategy,
+)
 
 
 def predict(graph: OpGraph, strategy: Strategy, ctx: CostContext, *, optimizer: str = "adam",
@@ -55,6 +63,8 @@ def predict(graph: OpGraph, strategy: Strategy, ctx: CostContext, *, optimizer: 
     if isinstance(strategy, Decentralized):
         return simulate_gossip(ctx, replica_cost(graph, ctx), strategy.topology, optimizer=optimizer,
                                timeline=timeline)
+    if isinstance(strategy, DataParallel) and strategy.microbatches > 1:
+        return data_stage(graph, strategy, ctx, optimizer=optimizer, timeline=timeline)
     sim = simulator if simulator is not None else Simulator(graph, ctx, optimizer=optimizer)
     if sim.optimizer != optimizer:
         raise ValueError(f"the simulator given to predict() costs {sim.optimizer!r}, not {optimizer!r}")
@@ -63,16 +73,6 @@ def predict(graph: OpGraph, strategy: Strategy, ctx: CostContext, *, optimizer: 
     if not isinstance(strategy, DataParallel):
         raise TypeError(f"not a strategy: {type(strategy).__name__}")
     whole = ((0, len(graph.nodes)),)
-    if strategy.microbatches > 1:  # accumulation: every replica runs m microbatches, then one sync
-        # one stage under 1F1B: each microbatch's backward right after its forward; sharded
-        # as the stage of a pipeline (ZeRO-1, FSDP2), run by FSDP2 over its units (and the
-        # root) or, calibrated, by DDP (uncalibrated, as the op-level simulation, without
-        # DDP's terms)
-        runtime = "fsdp" if strategy.fsdp else "ddp" if ctx.calibration is not None else "pipeline"
-        return simulate_stages(graph, ctx, bounds=whole, tensor=1, replicas=ctx.cluster.devices, schedule="1f1b",
-                               microbatches=strategy.microbatches, recompute=strategy.recompute, optimizer=optimizer,
-                               timeline=timeline, shard=strategy.shard, runtime=runtime,
-                               fsdp_calls=len(strategy.fsdp_units) + 1)
     if strategy.shard != "none":
         return sim.simulate(strategy.configs, timeline=timeline, shard=strategy.shard,
                             shard_group=strategy.shard_group, fsdp_units=strategy.fsdp_units,
@@ -87,6 +87,27 @@ def predict(graph: OpGraph, strategy: Strategy, ctx: CostContext, *, optimizer: 
     except ValueError:  # the batch does not split over the devices
         return oplevel
     return flat if better(flat, oplevel) else oplevel
+
+
+def data_stage(graph: OpGraph, strategy: DataParallel, ctx: CostContext, *, optimizer: str = "adam",
+               timeline: bool = True) -> Simulation:
+    """A data-parallel plan as one pipeline stage on every device running its
+    microbatches under 1F1B (each microbatch's backward right after its forward), one
+    gradient synchronisation after the last: how accumulation is simulated, and a data
+    plan too large for the op-level simulator. Sharded as a pipeline stage shards
+    (:data:`~flexsearch.strategy.kinds.ACCUMULATING_SHARDINGS`: ZeRO-1, FSDP2 stages;
+    ZeRO-3 and HSDP as replicated), run by FSDP2 over its units holding parameters (the
+    root among them) or, calibrated, by DDP (uncalibrated, as the op-level simulation:
+    without DDP's terms)."""
+    shard = strategy.shard if strategy.shard in ACCUMULATING_SHARDINGS else "none"
+    runtime = "fsdp" if shard == "zero2" else "ddp" if ctx.calibration is not None else "pipeline"
+    calls = 1
+    if shard == "zero2":
+        of = node_units(graph, strategy.fsdp_units or fsdp_units(graph.modules))
+        calls = max(1, len({of[n.name] for n in graph.nodes if n.param_bytes}))
+    return simulate_stages(graph, ctx, bounds=((0, len(graph.nodes)),), tensor=1, replicas=ctx.cluster.devices,
+                           schedule="1f1b", microbatches=strategy.microbatches, recompute=strategy.recompute,
+                           optimizer=optimizer, timeline=timeline, shard=shard, runtime=runtime, fsdp_calls=calls)
 
 
 def better(a: Simulation, b: Simulation) -> bool:

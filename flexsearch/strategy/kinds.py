@@ -175,7 +175,6 @@ class Pipelined:
             raise ValueError(f"{len(self.bounds)} stages do not split into {self.chunks} chunks per rank")
         check_pipeline_shard(self.shard, self.replicas, self.tensor, self.schedule)
 
-
     @property
     def kind(self) -> str:
         return "hybrid" if self.tensor > 1 else "pipeline"

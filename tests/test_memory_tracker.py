@@ -388,12 +388,16 @@ def test_sharded_pipeline_peak_memory_matches_torchs_allocator(precision):
     saving against the allocator's. Measured: -1.0% / -1.6% (first / last stage)
     replicated, -2.7% to +0.2% / -3.6% to -0.3% ZeRO-1, -1.1% / -1.8% FSDP2 (its saving,
     0.17 MB a rank, the allocator's to the 10 kB); the last stage (it holds the loss) is
-    bounded at 15%. Under FSDP2 a rank's peak is one of two, 0.13 MB apart (seen in 5 of 12
-    runs on one or both ranks of a stage), or once 0.33 MB more, the bytes of a gloo
-    collective's buffer the step before left alive (:func:`allocator_peak`): the lesser
-    of a stage's two replicas' peaks (the same program on shards of the same size) is
-    compared, and a saving within 25% or :data:`SAVING_NOISE`. Every other plan's ranks
-    came out the same to the 10 kB in every run."""
+    bounded at 15%. Under FSDP2 the profiler's running total drifts: the level a step
+    starts at (:func:`allocator_peak` counts the first step's) is 0.13-0.68 MB above the
+    state the ranks hold in about a third of the builds, on either stage (per step, the
+    rise above that level is the same in 34 of 36 steps; FSDP2 frees on gloo's threads
+    what the profiler saw allocated), so the FSDP2 plan is built and measured three times
+    and the least of its six peaks per stage (three builds x two replicas, the same
+    program on shards of the same size) is compared, a saving within 25% or
+    :data:`SAVING_NOISE`. Over 12 builds in 4 processes the least of three was the
+    plain value every time; the other plans' ranks came out the same to the 10 kB in
+    every run."""
     from flexsearch.cost.calibration import load_calibration_file
     from flexsearch.sim.accounting import peak_bytes
     from flexsearch.strategy.kinds import Pipelined
@@ -410,9 +414,10 @@ def test_sharded_pipeline_peak_memory_matches_torchs_allocator(precision):
         sim = predict(g, s, ctx)
         plans.append(plan_from(g, cl, s, sim, baselines={}, lower_bound_s=0.0))
         predicted.append([peak_bytes(m, cal, "pipeline") - cal.runtime("pipeline") for m in sim.memory_terms])
-    got = run_ranks(allocated_job, 4, FAMILIES["gpt"], plans, timeout_s=600)
-    have = [[min(got[q][i][0] - got[q][i][1] for q in (r - r % 2, r - r % 2 + 1)) for r in range(4)]
-            for i in range(3)]  # ranks (0, 1) and (2, 3): a stage's replicas
+    got = run_ranks(allocated_job, 4, FAMILIES["gpt"], plans + plans[2:] * 2, timeout_s=600)
+    builds = {0: [0], 1: [1], 2: [2, 3, 4]}  # the FSDP2 plan's three builds
+    have = [[min(got[q][b][0] - got[q][b][1] for q in (r - r % 2, r - r % 2 + 1) for b in builds[i])
+             for r in range(4)] for i in range(3)]  # ranks (0, 1) and (2, 3): a stage's replicas
     misses = []
     for i, plan in enumerate(plans):
         for rank in range(4):
@@ -444,7 +449,8 @@ def test_accumulation_peak_memory_matches_torchs_allocator(precision):
     allocator's two peaks)
     in fp32, +4.1% to +5.0% in bf16-mixed; ZeRO-2 in bf16-mixed is the known miss of
     :data:`SHARDED_PIPELINE_MISSES` (+18.7%: FSDP2's bf16 weights make every op compute
-    in bf16)."""
+    in bf16). ZeRO-2's peak is the least of three builds on either rank (the profiler's
+    drift under FSDP2: :func:`test_sharded_pipeline_peak_memory_matches_torchs_allocator`)."""
     from flexsearch.cost.calibration import load_calibration_file
     from flexsearch.sim.accounting import peak_bytes
 
@@ -464,11 +470,12 @@ def test_accumulation_peak_memory_matches_torchs_allocator(precision):
         # starts: the allocator's count leaves them out (the parameters it adds back)
         mode = "fsdp" if shard in FSDP_SHARDINGS else "ddp"
         predicted.append([peak_bytes(m, cal, mode) - cal.runtime(mode) - m.grad_buckets for m in sim.memory_terms])
-    got = run_ranks(allocated_job, 2, FAMILIES["gpt"], plans, timeout_s=600)
+    got = run_ranks(allocated_job, 2, FAMILIES["gpt"], plans + plans[2:] * 2, timeout_s=600)
+    builds = {0: [0], 1: [1], 2: [2, 3, 4]}  # FSDP2: the least of three builds' peaks
     misses = []
     for i, plan in enumerate(plans):
         for rank in range(2):
-            want, have = predicted[i][rank], got[rank][i][0]
+            want, have = predicted[i][rank], min(got[q][b][0] for q in range(2) for b in builds[i])
             print(f"{precision} {plan.shard} m2 rank {rank}: model {want / 1e6:.2f} MB, allocator {have / 1e6:.2f} MB "
                   f"({want / have - 1:+.1%})")
             bound = 0.25 if (precision, plan.shard) == ("bf16-mixed", "zero2") else ACTIVATION_RTOL

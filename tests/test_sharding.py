@@ -515,11 +515,13 @@ def test_short_of_memory_the_planner_accumulates_where_that_beats_checkpointing(
     assert f"2 accumulated microbatches: {plan.shard} data parallelism without them does not fit in memory" in plan.notes
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16-mixed", marks=pytest.mark.slow)])
 def test_sharded_accumulation_computes_what_the_model_does(precision):
     """ZeRO-1 and ZeRO-2 with 2 accumulated microbatches on 2 gloo ranks (FSDP2's
     gradient sync and resharding after the backward off until the last microbatch):
-    loss, gradients and parameters over 3 steps equal the single-process model's."""
+    loss, gradients and parameters over 3 steps equal the single-process model's
+    (bf16-mixed under the ``slow`` marker, for the default suite's time: FSDP2 in
+    bf16-mixed is emitted and checked by the pipeline test above)."""
     plans = []
     for p in _plans("gpt", 2, [("zero1", 0), ("zero2", 0)], precision):
         s = dataclasses.replace(p.strategy(_graph("gpt", precision)), microbatches=2)

@@ -246,6 +246,16 @@ def test_the_pipeline_search_shards_the_optimizer_state_when_memory_needs_it(gpt
     assert (got.shard == "zero2") == any(n.startswith("sharding zero2: each stage an FSDP2 module") for n in got.notes)
 
 
+def _tiny_gpt_plan(precision: str, strategy_of, world: int = 4) -> tuple[Plan, object]:
+    """The zoo's tiny GPT traced in ``precision``, ``strategy_of(graph)`` as a plan on
+    ``world`` CPU devices, with its simulation."""
+    g = _graph("gpt", precision)
+    cl = Cluster.resolve("cpu", world)
+    s = strategy_of(g)
+    sim = predict(g, s, CostContext(cl, precision=precision_of(precision)))
+    return plan_from(g, cl, s, sim, baselines={}, lower_bound_s=0.0), sim
+
+
 def sharded_job(rank: int, world: int, spec: str, plans: list) -> list:
     """On every rank: each plan verified (loss, gradients, parameters after 3 steps), then
     the bytes of Adam's state its optimizer holds after a step (``ZeroRedundancyOptimizer``'s
@@ -283,14 +293,8 @@ def test_zero1_pipeline_and_hybrid_plans_compute_what_the_model_does():
     single-process model, and the replicas of a stage split Adam's state between them
     (each holds its share of whole tensors, within 15% of the model's ``k P / d``;
     together exactly the state of one copy)."""
-    out = {}
-    for precision, shape in (("fp32", dict(p=2, replicas=2)), ("bf16-mixed", dict(p=1, replicas=2, tensor=2))):
-        model, x = load(FAMILIES["gpt"])
-        g = trace(model, x, precision=precision)
-        cl = Cluster.resolve("cpu", 4)
-        s = _pipelined(g, "zero1", **shape)
-        sim = predict(g, s, CostContext(cl, precision=precision_of(precision)))
-        out[precision] = (plan_from(g, cl, s, sim, baselines={}, lower_bound_s=0.0), sim)
+    out = {precision: _tiny_gpt_plan(precision, lambda g, shape=shape: _pipelined(g, "zero1", **shape))
+           for precision, shape in (("fp32", dict(p=2, replicas=2)), ("bf16-mixed", dict(p=1, replicas=2, tensor=2)))}
     results = run_ranks(sharded_job, 4, FAMILIES["gpt"], [p for p, _ in out.values()], timeout_s=600)
     for i, (precision, (plan, sim)) in enumerate(out.items()):
         for rank in range(4):
@@ -420,14 +424,9 @@ def test_fsdp_pipeline_plans_compute_what_the_model_does():
     full checkpointing: each matches the single-process model, and each replica holds
     half of its stage's weights and of their Adam state (FSDP2 shards every tensor on
     its first dimension, padded: within 2% of the model's ``P / d``)."""
-    out = {}
-    for precision, schedule, recompute in (("fp32", "1f1b", "none"), ("bf16-mixed", "gpipe", "full")):
-        model, x = load(FAMILIES["gpt"])
-        g = trace(model, x, precision=precision)
-        cl = Cluster.resolve("cpu", 4)
-        s = dataclasses.replace(_pipelined(g, "zero2", p=2, replicas=2), schedule=schedule, recompute=recompute)
-        sim = predict(g, s, CostContext(cl, precision=precision_of(precision)))
-        out[precision] = (plan_from(g, cl, s, sim, baselines={}, lower_bound_s=0.0), sim)
+    out = {precision: _tiny_gpt_plan(precision, lambda g, sched=schedule, rc=recompute: dataclasses.replace(
+        _pipelined(g, "zero2", p=2, replicas=2), schedule=sched, recompute=rc))
+        for precision, schedule, recompute in (("fp32", "1f1b", "none"), ("bf16-mixed", "gpipe", "full"))}
     results = run_ranks(sharded_job, 4, FAMILIES["gpt"], [p for p, _ in out.values()], timeout_s=600)
     for i, (precision, (plan, sim)) in enumerate(out.items()):
         for rank in range(4):

@@ -39,7 +39,7 @@ import functools
 import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from flexsearch.cost.hardware import Cluster
 from flexsearch.graph.microbatch import batch_size, microbatch_graph
@@ -56,6 +56,7 @@ from flexsearch.sim.stages import (
     NodeCost,
     crossing_bytes,
     cut_bytes,
+    fsdp_stage_costs,
     kept_bytes,
     simulate_stages,
     stage_cost,
@@ -269,7 +270,7 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
         if (k, t, mode, fsdp) not in chain_memo:
             costs = cost_memo[(k, t)][0]
             if fsdp:
-                costs = [replace(c, cast_bytes=0.0) for c in costs]
+                costs = fsdp_stage_costs(costs)
             chain_memo[k, t, mode, fsdp] = stage_chain(costs, cut_memo[k], cps[mode] if t == 1 or mode == "none"
                                                        else None, whole=t > 1 and mode == "full")
         return chain_memo[k, t, mode, fsdp]

@@ -34,7 +34,7 @@ from flexsearch.sim.decentralized import simulate_gossip
 from flexsearch.sim.result import Simulation
 from flexsearch.sim.simulator import Simulator
 from flexsearch.sim.stages import replica_cost, simulate_stages
-from flexsearch.strategy.fsdp import fsdp_units, node_units
+from flexsearch.strategy.fsdp import param_units
 from flexsearch.strategy.kinds import (
     ACCUMULATING_SHARDINGS,
     DataParallel,
@@ -101,10 +101,7 @@ def data_stage(graph: OpGraph, strategy: DataParallel, ctx: CostContext, *, opti
     without DDP's terms)."""
     shard = strategy.shard if strategy.shard in ACCUMULATING_SHARDINGS else "none"
     runtime = "fsdp" if shard == "zero2" else "ddp" if ctx.calibration is not None else "pipeline"
-    calls = 1
-    if shard == "zero2":
-        of = node_units(graph, strategy.fsdp_units or fsdp_units(graph.modules))
-        calls = max(1, len({of[n.name] for n in graph.nodes if n.param_bytes}))
+    calls = max(1, len(param_units(graph, strategy.fsdp_units or None))) if shard == "zero2" else 1
     return simulate_stages(graph, ctx, bounds=((0, len(graph.nodes)),), tensor=1, replicas=ctx.cluster.devices,
                            schedule="1f1b", microbatches=strategy.microbatches, recompute=strategy.recompute,
                            optimizer=optimizer, timeline=timeline, shard=shard, runtime=runtime, fsdp_calls=calls)

@@ -77,7 +77,7 @@ from flexsearch.sim.taskgraph import (
 )
 from flexsearch.sim.tasks import Scheduled, Task, run_tasks
 from flexsearch.strategy.config import Config, is_source
-from flexsearch.strategy.fsdp import ROOT, fsdp_units, node_units
+from flexsearch.strategy.fsdp import ROOT, param_units
 from flexsearch.strategy.kinds import FSDP_SHARDINGS
 from flexsearch.strategy.recompute import Checkpointing
 
@@ -274,23 +274,12 @@ class Simulator:
                 working[d] = max(working.get(d, 0.0), b)
         return out, working
 
-    def unit_nodes(self, units: tuple[str, ...] | None = None) -> dict[str, list[int]]:
-        """FSDP unit -> indexes of its nodes that own parameters (``units``: the unit
-        paths, default :func:`~flexsearch.strategy.fsdp.fsdp_units` of the graph)."""
-        units = fsdp_units(self.graph.modules) if units is None else units
-        of = node_units(self.graph, units)
-        out: dict[str, list[int]] = {}
-        for i, n in enumerate(self.graph.nodes):
-            if n.param_bytes:
-                out.setdefault(of[n.name], []).append(i)
-        return out
-
     def _fsdp(self, configs: Mapping[str, Config], keep_timeline: bool,
               given: tuple[str, ...] | None = None, recompute: str = "none", *, reshard: bool = True,
               group: int = 0, replica: Replica | None = None) -> Simulation:
         """A data-parallel plan run by FSDP2, parameters, gradients and optimizer state
         sharded over groups of ``g`` devices (``group``, default all ``n``; HSDP when
-        ``g < n``: the groups are replicas). Per unit of :meth:`unit_nodes` (``P_u``
+        ``g < n``: the groups are replicas). Per unit of :func:`~flexsearch.strategy.fsdp.param_units` (``P_u``
         bytes), in each group: an all-gather of ``P_u`` before its first forward, another
         before its backward when ``reshard`` (``reshard_after_forward``: ZeRO-3; without
         it, ZeRO-2, the gathered parameters stay until the unit's backward), a
@@ -310,7 +299,7 @@ class Simulator:
         group_of = {d: k for k, members in enumerate(groups) for d in members}
         frags, working = self._checkpoint(self.fragments(configs, ddp=True, replica=replica), configs, recompute)
         ctx = self.ctx.as_ddp()
-        units = self.unit_nodes(given)
+        units = param_units(self.graph, given)
         unit_of = {i: u for u, idx in units.items() for i in idx}
         size = {u: sum(frags[i].params.get(0, 0.0) for i in idx) for u, idx in units.items()}
         gather = ctx.precision.gather_factor(self.graph.param_dtype)

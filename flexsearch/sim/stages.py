@@ -167,6 +167,12 @@ def shared_params(graph: OpGraph) -> dict[str, tuple[int, ...]]:
     return {p: tuple(v) for p, v in uses.items() if len(v) > 1}
 
 
+def fsdp_stage_costs(costs: Sequence[NodeCost]) -> list[NodeCost]:
+    """The node costs in an FSDP2 stage, which gathers its weights in the low precision:
+    autocast makes no copies of them (``cast_bytes`` 0)."""
+    return [replace(c, cast_bytes=0.0) for c in costs]
+
+
 def kept_bytes(c: NodeCost, i: int, cp: Checkpointing) -> float:
     """Bytes node ``i`` keeps per microbatch under checkpointing ``cp``: what autograd
     saves and autocast's weight copies when it is not dropped; its output when it is
@@ -288,8 +294,8 @@ def stage_layout(graph: OpGraph, ctx: CostContext, *, bounds: Sequence[tuple[int
         if costs is None:
             raise ValueError(f"no tensor-parallel configuration of degree {tensor} for this model")
         cuts = cut_bytes(mg)
-    if shard == "zero2":  # FSDP2 stages gather low-precision weights: autocast makes no copies of them
-        costs = [replace(c, cast_bytes=0.0) for c in costs]
+    if shard == "zero2":
+        costs = fsdp_stage_costs(costs)
     extra, tied = tied_weights(graph, costs, bounds)
     if tensor > 1 and recompute != "none":  # a tensor-parallel stage is checkpointed whole
         if recompute != "full":

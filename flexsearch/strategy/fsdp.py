@@ -51,3 +51,16 @@ def node_units(graph: OpGraph, units: Sequence[str]) -> dict[str, str]:
     """Graph node name -> the FSDP unit whose parameters it uses (:data:`ROOT` when
     none: a node of the root module, or one using a weight the root keeps)."""
     return {n.name: unit_of(n.module, units) for n in graph.nodes}
+
+
+def param_units(graph: OpGraph, units: Sequence[str] | None = None) -> dict[str, list[int]]:
+    """FSDP unit -> indexes of its nodes that own parameters, for the units FSDP2 gathers
+    and reduce-scatters (``units``: the unit paths, default :func:`fsdp_units` of the
+    graph; a unit without parameters, the root among them, is left out)."""
+    units = fsdp_units(graph.modules) if units is None else units
+    of = node_units(graph, units)
+    out: dict[str, list[int]] = {}
+    for i, n in enumerate(graph.nodes):
+        if n.param_bytes:
+            out.setdefault(of[n.name], []).append(i)
+    return out

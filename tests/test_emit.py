@@ -31,13 +31,13 @@ def _matrix(world: int) -> list[tuple[str, str]]:
 _RESULTS: dict = {}
 
 
-def _run(family: str, world: int) -> dict:
-    """Every kind's plan for ``family`` on ``world`` ranks, checked in one spawn per plan
-    group; result per kind: the rank-0 report, None (no such plan), or the error."""
-    key = (family, world)
+def _run(family: str, world: int, kinds: tuple[str, ...]) -> dict:
+    """The plans of ``kinds`` for ``family`` on ``world`` ranks, checked in one spawn per
+    plan group; result per kind: the rank-0 report, None (no such plan), or the error."""
+    key = (family, world, kinds)
     if key not in _RESULTS:
         spec = FAMILIES[family]
-        plans = {k: make_plan(spec, world, k) for k in KINDS}
+        plans = {k: make_plan(spec, world, k) for k in kinds}
         out: dict = {}
         good = [k for k, p in plans.items() if p is not None and (family, k) not in KNOWN_FAILURES]
         try:
@@ -52,6 +52,15 @@ def _run(family: str, world: int) -> dict:
                 out[k] = plans[k]
         _RESULTS[key] = (plans, out)
     return _RESULTS[key]
+
+
+def _selected(session, family: str, world: int) -> tuple[str, ...]:
+    """The kinds of :func:`test_emitted_plan_matches_single_process` this session runs for
+    ``family`` on ``world`` ranks (a spawn checks those, not the deselected ``slow`` ones)."""
+    kinds = {item.callspec.params["kind"] for item in session.items
+             if getattr(item, "originalname", "") == "test_emitted_plan_matches_single_process"
+             and item.callspec.params["family"] == family and item.callspec.params["world"] == world}
+    return tuple(k for k in KINDS if k in kinds)
 
 
 def _cases() -> list:
@@ -72,10 +81,10 @@ def _cases() -> list:
 
 
 @pytest.mark.parametrize("family,kind,world", _cases())
-def test_emitted_plan_matches_single_process(family: str, kind: str, world: int) -> None:
+def test_emitted_plan_matches_single_process(family: str, kind: str, world: int, request) -> None:
     if (family, kind) in KNOWN_FAILURES:
         pytest.xfail(KNOWN_FAILURES[family, kind])
-    plans, out = _run(family, world)
+    plans, out = _run(family, world, _selected(request.session, family, world) or (kind,))
     if plans[kind] is None:
         pytest.skip(f"no {kind} plan for {family} on {world} devices")
     got = out[kind]
@@ -223,9 +232,9 @@ def test_a_hung_job_reports_where_its_ranks_stood() -> None:
     """A job past its timeout is killed, and the error names what the running ranks
     were doing (so a hang in CI says where it hung)."""
     with pytest.raises(RanksFailed) as e:
-        run_ranks(hang_job, 2, timeout_s=12)
+        run_ranks(hang_job, 2, timeout_s=6)
     msg = str(e.value)
-    assert msg.startswith("ranks [1] still running after 12 s (killed)"), msg
+    assert msg.startswith("ranks [1] still running after 6 s (killed)"), msg
     assert "rank 1 stood at:" in msg and "hang_job" in msg, msg
 
 

@@ -19,7 +19,11 @@
    ``delta_bound=``: a full simulation's time over the time a delta simulation spends
    building the fragments it changes (``delta_rebuilt=`` per move), measured apart
    (:func:`delta_build`): the most ``delta_over_full`` could reach if assembling and
-   scheduling the tasks took no time.
+   scheduling the tasks took no time. ``delta_retimed=``: the median share of the
+   scheduled tasks a move retimes or rebuilds (:func:`retimed`), what an incremental
+   schedule would still visit; ``delta_incremental_bound=``: a full simulation's time
+   over the builds plus that share of the list schedule's time, the most such a
+   schedule could reach with everything else free.
 
    And MCMC iterations per second on the same graph and cluster, from the baselines'
    seeds, ``--mcmc-iters`` iterations (seeded) with one fragment kept per node against
@@ -54,7 +58,7 @@
     python benchmarks/search_speed.py --quick        # budgets 2 s and 3 s, one round (a smoke run)
 
 Last line: ``full_sims_per_s=... delta_sims_per_s=... delta_over_full=... delta_rebuilt=...
-delta_bound=... mcmc_rebuilt_one=...
+delta_bound=... delta_retimed=... delta_incremental_bound=... mcmc_rebuilt_one=...
 mcmc_rebuilt_kept=... mcmc_kept_speedup=... converge_xl8_s=...
 converge_xl64_s=...`` (plus tracing, seeding and speedup-over-data figures) and the
 plan times of part 3.
@@ -134,11 +138,12 @@ def sim_rates(
     return full, delta
 
 
-def delta_build(graph, cluster: Cluster, moves: int, seed: int = 0) -> tuple[float, float]:
-    """Seconds per delta simulation spent building fragments, and fragments built per
-    move, over ``moves`` random moves (as :func:`sim_rates`' delta rounds). A delta
-    simulation cannot take less than its builds: a full simulation's time over this is
-    the most ``delta_over_full`` could reach with assembly and scheduling free."""
+def delta_build(graph, cluster: Cluster, moves: int, seed: int = 0) -> tuple[float, float, float]:
+    """Seconds per delta simulation spent building fragments, fragments built per move,
+    and seconds per delta simulation spent in the list schedule (``run_tasks``), over
+    ``moves`` random moves (as :func:`sim_rates`' delta rounds). A delta simulation
+    cannot take less than its builds: a full simulation's time over this is the most
+    ``delta_over_full`` could reach with assembly and scheduling free."""
     import flexsearch.sim.simulator as simulator
 
     space = Space(graph, cluster.devices)
@@ -148,24 +153,48 @@ def delta_build(graph, cluster: Cluster, moves: int, seed: int = 0) -> tuple[flo
     dec = {u.name: rng.choice(cands[u.name]) for u in units}
     sim = Simulator(graph, CostContext(cluster))
     sim.simulate(space.expand(dec), timeline=False)
-    build, spent = simulator.build_fragment, [0.0]
+    build, schedule, spent = simulator.build_fragment, simulator.run_tasks, {"build": 0.0, "schedule": 0.0}
 
-    def timed(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return build(*args, **kwargs)
-        finally:
-            spent[0] += time.perf_counter() - t0
+    def timed(fn, what):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[what] += time.perf_counter() - t0
+        return run
 
     before = sim.rebuilt
-    simulator.build_fragment = timed
+    simulator.build_fragment, simulator.run_tasks = timed(build, "build"), timed(schedule, "schedule")
     try:
         for _ in range(moves):
             move(rng, units, cands, dec)
             sim.simulate(space.expand(dec), timeline=False)
     finally:
-        simulator.build_fragment = build
-    return spent[0] / moves, (sim.rebuilt - before) / moves
+        simulator.build_fragment, simulator.run_tasks = build, schedule
+    return spent["build"] / moves, (sim.rebuilt - before) / moves, spent["schedule"] / moves
+
+
+def retimed(graph, cluster: Cluster, moves: int, seed: int = 0) -> list[float]:
+    """Per random move (as :func:`sim_rates`' delta rounds), the share of the scheduled
+    tasks whose start or end time differs from the simulation before the move, or that
+    the move rebuilt: what an incremental schedule, rescheduling only the tasks a move
+    affects, would still have to visit."""
+    space = Space(graph, cluster.devices)
+    units = [u for u in space.units if len(space.candidates(u)) > 1]
+    cands = {u.name: space.candidates(u) for u in units}
+    rng = random.Random(seed + 2)
+    dec = {u.name: rng.choice(cands[u.name]) for u in units}
+    sim = Simulator(graph, CostContext(cluster))
+    before = {id(s.task): (s.start, s.end) for s in sim.simulate(space.expand(dec)).timeline}
+    shares = []
+    for _ in range(moves):
+        move(rng, units, cands, dec)
+        timeline = sim.simulate(space.expand(dec)).timeline  # the same tasks as without the timeline
+        now = {id(s.task): (s.start, s.end) for s in timeline}
+        shares.append(sum(before.get(k) != v for k, v in now.items()) / len(now))
+        before = now
+    return shares
 
 
 def mcmc_rates(graph, cluster: Cluster, iters: int, seed: int = 0) -> dict[str, float]:
@@ -303,10 +332,17 @@ def main() -> None:
     print(f"  with the cyclic collector running: full {fg:.1f}, delta {dg:.1f} sims/s ({dg / fg:.1f}x); the pause "
           f"gains {f / fg:.2f}x and {d / dg:.2f}x")
     with cycles_paused():
-        build_s, rebuilt = delta_build(graph, cluster, 60 if q else 300, args.seed)
+        build_s, rebuilt, schedule_s = delta_build(graph, cluster, 60 if q else 300, args.seed)
+        shares = retimed(graph, cluster, 30 if q else 200, args.seed)
+    share = statistics.median(shares)
     print(f"  a delta simulation builds {rebuilt:.1f} of {len(graph.nodes)} fragments in {build_s * 1e3:.2f} ms: "
           f"a full simulation ({1e3 / f:.2f} ms) over that, {1 / (f * build_s):.1f}x, is the most delta / full "
           f"could reach with assembly and scheduling free")
+    q1, _, q3 = statistics.quantiles(shares, n=4)
+    print(f"  its list schedule takes {schedule_s * 1e3:.2f} ms; a move retimes or rebuilds {share:.1%} of the tasks "
+          f"(median over {len(shares)} moves; quartiles {q1:.1%}, {q3:.1%}): an incremental schedule that visits "
+          f"only those, with everything else but the builds free, would reach "
+          f"{1 / (f * (build_s + share * schedule_s)):.1f}x")
     figures = [
         f"full_sims_per_s={f:.1f}",
         f"delta_sims_per_s={d:.1f}",
@@ -315,6 +351,8 @@ def main() -> None:
         f"paused_delta_speedup={d / dg:.2f}",
         f"delta_rebuilt={rebuilt:.1f}",
         f"delta_bound={1 / (f * build_s):.2f}",
+        f"delta_retimed={share:.3f}",
+        f"delta_incremental_bound={1 / (f * (build_s + share * schedule_s)):.2f}",
     ]
     with cycles_paused():
         kept = mcmc_rates(graph, cluster, args.mcmc_iters or (60 if q else 400), args.seed)

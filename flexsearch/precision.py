@@ -12,7 +12,11 @@ Mixed precision is torch's (Micikevicius et al. 2018 as ``torch.autocast``): the
 stays fp32 and is its own master copy; autocast casts the weights a lowered op uses to
 the low dtype once per forward and autograd keeps that copy for the backward. FSDP2
 plans gather their units in the low dtype (``MixedPrecisionPolicy(param_dtype=...)``)
-and reduce-scatter gradients in fp32 (``reduce_dtype``).
+and reduce-scatter gradients in fp32 (``reduce_dtype``); with bf16 parameters the ops
+autocast leaves alone compute in bf16 too (an embedding's output, the residual stream
+after it), so the tracer measures the graph a second time so
+(:attr:`flexsearch.graph.opgraph.OpGraph.low_param_graph`) and FSDP2 plans are
+predicted on that (:func:`flexsearch.sim.predict.runtime_graph`).
 
 The tracer runs the model under the precision (:func:`flexsearch.graph.tracer.trace`),
 so every node's dtype, FLOPs and bytes are what that precision really computes; the cost

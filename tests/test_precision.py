@@ -48,6 +48,40 @@ def test_the_graph_has_the_precisions_dtypes(gpt):
     assert sum(n.output_bytes for n in mixed.nodes) < sum(n.output_bytes for n in fp32.nodes)
 
 
+def test_fsdp2_under_mixed_precision_computes_with_low_precision_parameters(gpt):
+    """FSDP2 gathers the parameters in bf16 (``MixedPrecisionPolicy``), so ops autocast
+    leaves alone compute in bf16 too: the embeddings' outputs and the residual stream
+    after them, where the model's fp32 parameters give fp32 (the graph's
+    ``low_param_graph``); the same ops, parameters and fingerprint, fewer bytes kept.
+    Plans FSDP2 runs are predicted on it (``runtime_graph``), others on the graph."""
+    import dataclasses
+
+    from flexsearch.sim.footprint import kept_bytes
+    from flexsearch.sim.predict import runtime_graph
+    from flexsearch.strategy.fsdp import fsdp_units
+
+    model, x = gpt
+    fp32, mixed = trace(model, x, precision="fp32"), trace(model, x, precision="bf16-mixed")
+    assert fp32.low_param_graph is fp32 and not fp32.low_param_nodes
+    low = mixed.low_param_graph
+    assert low is not mixed and low.fingerprint == mixed.fingerprint and low.param_bytes == mixed.param_bytes
+    assert [n.name for n in low.nodes] == [n.name for n in mixed.nodes]
+    assert [n.signature for n in low.nodes] == [n.signature for n in mixed.nodes]  # profiles apply
+    dtype = {n.name: n.outputs[0].dtype for n in mixed.nodes if n.outputs}
+    low_dtype = {n.name: n.outputs[0].dtype for n in low.nodes if n.outputs}
+    adds = [n.name for n in mixed.nodes if n.kind == "elementwise" and n.target.endswith("add")]
+    assert adds and all(dtype[a] == "float32" and low_dtype[a] == "bfloat16" for a in adds)
+    assert all(low_dtype[n.name] == "bfloat16" for n in mixed.nodes if n.kind == "embedding")
+    assert sum(kept_bytes(n) for n in low.nodes) < sum(kept_bytes(n) for n in mixed.nodes)
+    cl = Cluster.preset("dgx-h100", 2)
+    ctx = CostContext(cl, precision=precision("bf16-mixed"))
+    data = plan_graph(mixed, cl, kinds=("data",), max_iters=0).strategy(mixed)
+    for shard, runs in (("none", mixed), ("zero1", mixed), ("zero2", low), ("zero3", low)):
+        strategy = dataclasses.replace(data, shard=shard, fsdp_units=fsdp_units(mixed.modules) if runs is low else ())
+        assert runtime_graph(mixed, strategy, ctx) is runs, shard
+    assert runtime_graph(fp32, dataclasses.replace(data, shard="zero3"), CostContext(cl)) is fp32
+
+
 def test_auto_precision_follows_the_device():
     h100 = Cluster.preset("dgx-h100", 8).device
     p, why = resolve("auto", h100)

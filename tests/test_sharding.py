@@ -25,7 +25,7 @@ from flexsearch.search.planner import plan_graph, shardings
 from flexsearch.search.results import plan_from
 from flexsearch.sim.accounting import OPTIMIZER_STATE
 from flexsearch.sim.context import CostContext
-from flexsearch.sim.predict import predict
+from flexsearch.sim.predict import predict, runtime_graph
 from flexsearch.strategy.fsdp import fsdp_units
 from flexsearch.strategy.kinds import FSDP_SHARDINGS, DataParallel, Pipelined
 
@@ -458,7 +458,9 @@ def test_zero1_and_zero2_accumulate_as_one_sharded_stage(gpt_small):
         two = dataclasses.replace(one, microbatches=2)
         got = predict(gpt_small, two, ctx)
         runtime = "fsdp" if shard == "zero2" else "pipeline"  # uncalibrated: no DDP terms
-        stage = simulate_stages(gpt_small, ctx, bounds=whole, tensor=1, replicas=16, schedule="1f1b", microbatches=2,
+        runs = runtime_graph(gpt_small, two, ctx)  # FSDP2 computes with bf16 parameters
+        assert (runs is not gpt_small) == (shard == "zero2")
+        stage = simulate_stages(runs, ctx, bounds=whole, tensor=1, replicas=16, schedule="1f1b", microbatches=2,
                                 shard=shard, runtime=runtime, fsdp_calls=len(two.fsdp_units) + 1)
         assert got.iteration_time_s == stage.iteration_time_s and got.memory_bytes == stage.memory_bytes
         plain = predict(gpt_small, Pipelined(whole, tensor=1, replicas=16, schedule="1f1b", microbatches=2,

@@ -196,6 +196,14 @@ class OpGraph(_Frozen):
     notes: tuple[str, ...] = ()
     """What the tracer changed or assumed to trace the model (one line each; the plan
     repeats them)."""
+    low_param_nodes: tuple[OpNode, ...] = ()
+    """Under mixed precision, ``nodes`` as a runtime that holds the parameters in
+    autocast's dtype computes them: FSDP2 with ``MixedPrecisionPolicy(param_dtype=...)``
+    gathers them so, and then ops autocast leaves alone compute in that dtype too (an
+    embedding's output, and the residual stream after it), where the model's fp32
+    parameters give fp32. The same ops, parameters and signatures; other output dtypes,
+    bytes moved and saved (:func:`flexsearch.graph.tracer.trace`). Empty otherwise, or
+    when the model did not trace so (a note says)."""
 
     @cached_property
     def by_name(self) -> dict[str, OpNode]:
@@ -211,6 +219,15 @@ class OpGraph(_Frozen):
             for i in n.inputs:
                 out[i].append(n.name)
         return {k: tuple(v) for k, v in out.items()}
+
+    @cached_property
+    def low_param_graph(self) -> OpGraph:
+        """The graph of :attr:`low_param_nodes` (this graph when there are none): what a
+        plan run by FSDP2 under mixed precision computes (:func:`flexsearch.sim.predict.runtime_graph`)."""
+        if not self.low_param_nodes:
+            return self
+        fields = {k: getattr(self, k) for k in type(self).model_fields}
+        return type(self)(**{**fields, "nodes": self.low_param_nodes, "low_param_nodes": ()})
 
     @property
     def num_params(self) -> int:
@@ -250,7 +267,8 @@ class OpGraph(_Frozen):
         return h.hexdigest()[:16]
 
     def to_json(self, indent: int | None = None) -> str:
-        return self.model_dump_json(indent=indent, exclude={"by_name", "consumers", "fingerprint"})
+        return self.model_dump_json(indent=indent, exclude={"by_name", "consumers", "fingerprint",
+                                                            "low_param_graph"})
 
     @classmethod
     def from_json(cls, text: str) -> OpGraph:

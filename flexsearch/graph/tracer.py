@@ -12,7 +12,9 @@
    outputs; an output that aliases an input (a view) moves no bytes. What autograd
    saves for the backward is recorded too (``saved_tensors_hooks`` around each op's
    forward): each node is given the saved storages it created
-   (:mod:`flexsearch.graph.saved`; ``OpNode.saved_bytes``).
+   (:mod:`flexsearch.graph.saved`; ``OpNode.saved_bytes``). Under mixed precision the
+   graph is measured a second time with the parameters in autocast's dtype, as FSDP2
+   computes it (``OpGraph.low_param_nodes``).
 3. Label: the op registry gives each node its kind and SOAP dims; the batch dim is
    followed from the inputs (dim 0 of every example input).
 4. Find repeated blocks (:mod:`flexsearch.graph.blocks`).
@@ -102,12 +104,10 @@ def trace_calls(
         with fake_mode:
             fake_inputs = [_fake_like(x, prec.cast) for x in inputs]
         measure.run_all(fake_inputs, autocast=prec.autocast)
+        nodes = _with_saved(measure, model)
+        low_params = _low_param_nodes(gm, model, inputs, prec, nodes, notes) if prec.autocast is not None else ()
     finally:
         model.train(was_training)
-    saved = measure.saved.saved_bytes()
-    saved.update(fused_rnn_saves(model, measure.nodes))
-    nodes = tuple(n.model_copy(update={"saved_bytes": 0 if n.kind == "input" else saved.get(n.name, 0)})
-                  for n in measure.nodes)
     used = set(measure.owner_of)
     unused = sum(p.numel() for n, p in model.named_parameters() if n not in used)
     if any(moe.is_grouped_mm(n.target) for n in nodes):
@@ -118,6 +118,8 @@ def trace_calls(
         via=via,
         family=type(model).__name__,
         nodes=tuple(n.model_copy(update={"block": refs[n.name]}) if n.name in refs else n for n in nodes),
+        low_param_nodes=tuple(n.model_copy(update={"block": refs[n.name]}) if n.name in refs else n
+                              for n in low_params),
         blocks=blocks,
         unused_params=unused,
         modules=module_facts(model),
@@ -126,6 +128,44 @@ def trace_calls(
         input_names=_input_names(inputs, args, kwargs),
     )
     return graph, measure.calls
+
+
+def _with_saved(measure: _Measure, model: nn.Module) -> tuple[OpNode, ...]:
+    """The measured nodes, each with the bytes autograd saves that it created."""
+    saved = measure.saved.saved_bytes()
+    saved.update(fused_rnn_saves(model, measure.nodes))
+    return tuple(n.model_copy(update={"saved_bytes": 0 if n.kind == "input" else saved.get(n.name, 0)})
+                 for n in measure.nodes)
+
+
+def _low_param_nodes(gm: fx.GraphModule, model: nn.Module, inputs: list, prec: Precision,
+                     nodes: tuple[OpNode, ...], notes: list[str]) -> tuple[OpNode, ...]:
+    """The nodes as FSDP2 under mixed precision computes them
+    (:attr:`OpGraph.low_param_nodes`): the graph measured again under autocast with the
+    parameters in autocast's dtype (``MixedPrecisionPolicy(param_dtype=...)`` gathers
+    them so; buffers and inputs as they are, ``cast_forward_inputs=False``). Each keeps
+    the model's node but for what the dtypes change: its outputs, the bytes it moves and
+    what autograd saves (its parameters stay the model's: FSDP2 stores them, and their
+    gradients and the optimizer's state, in fp32). Empty, with a note, when the model does
+    not run so."""
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    measure = _Measure(gm, model, fake_mode, cast=prec.autocast, cast_buffers=False)
+    try:
+        with fake_mode:
+            fake_inputs = [_fake_like(x) for x in inputs]
+        measure.run_all(fake_inputs, autocast=prec.autocast)
+    except TraceError as e:
+        notes.append(f"not traced with {prec.autocast} parameters (FSDP2 under {prec.name}): {e}; FSDP plans are "
+                     "costed with autocast's dtypes")
+        return ()
+    low = _with_saved(measure, model)
+    if [n.name for n in low] != [n.name for n in nodes]:
+        notes.append(f"with {prec.autocast} parameters (FSDP2 under {prec.name}) the model traced to other ops; "
+                     "FSDP plans are costed with autocast's dtypes")
+        return ()
+    return tuple(n.model_copy(update={"outputs": v.outputs, "bytes_read": v.bytes_read,
+                                      "bytes_written": v.bytes_written, "saved_bytes": v.saved_bytes})
+                 for n, v in zip(nodes, low, strict=True))
 
 
 def _input_names(values: list, args: tuple, kwargs: dict) -> tuple[str, ...]:
@@ -225,7 +265,8 @@ def _native_rnn() -> Iterator[None]:
 class _Measure(fx.Interpreter):
     """Runs the graph on fake tensors and records one :class:`OpNode` per op."""
 
-    def __init__(self, gm: fx.GraphModule, model: nn.Module, fake_mode: FakeTensorMode, cast: str | None = None):
+    def __init__(self, gm: fx.GraphModule, model: nn.Module, fake_mode: FakeTensorMode, cast: str | None = None,
+                 cast_buffers: bool = True):
         super().__init__(gm, garbage_collect_values=False)
         self.fake_mode = fake_mode
         self.nodes: list[OpNode] = []
@@ -247,7 +288,7 @@ class _Measure(fx.Interpreter):
                 self.is_param[n] = True
                 self.param_of[id(f)] = n
             for n, b in model.named_buffers():
-                f = _fake_like(b, cast)
+                f = _fake_like(b, cast if cast_buffers else None)
                 self.fakes[n] = f
                 self.is_param[n] = False
                 self.param_of[id(f)] = n

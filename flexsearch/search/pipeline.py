@@ -64,7 +64,12 @@ from flexsearch.sim.stages import (
     stages_peak_memory,
 )
 from flexsearch.strategy.config import Config
-from flexsearch.strategy.kinds import PIPELINE_SHARDINGS, Pipelined, check_pipeline_shard
+from flexsearch.strategy.kinds import (
+    FSDP_SHARDINGS,
+    PIPELINE_SHARDINGS,
+    Pipelined,
+    check_pipeline_shard,
+)
 from flexsearch.strategy.recipes import stage_configs
 from flexsearch.strategy.recompute import Checkpointing, recompute_units
 from flexsearch.strategy.schedules import in_flight, rank_actions
@@ -245,18 +250,24 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
     gather = ctx.precision.gather_factor(graph.param_dtype)
     grads = fsdp_grad_copies(gather)  # FSDP2 stages: gradient bytes per parameter byte
     cap = cluster.device.memory_capacity.value
-    cost_memo: dict[tuple[int, int], tuple[list[NodeCost], dict[str, Config]] | None] = {}
-    cut_memo: dict[int, tuple[float, ...]] = {}
+    cost_memo: dict[tuple[int, int, bool], tuple[list[NodeCost], dict[str, Config]] | None] = {}
+    cut_memo: dict[tuple[int, bool], tuple[float, ...]] = {}
+    low = graph.low_param_graph if ctx.precision.autocast is not None else graph  # what FSDP2 stages compute
 
-    def costs_for(k: int, t: int):
-        """(node costs, stage configurations) of microbatches of B / k on t devices."""
-        if (k, t) not in cost_memo:
-            mg = microbatch_graph(graph, k)
+    def graph_of(shard: str) -> OpGraph:
+        return low if shard in FSDP_SHARDINGS else graph
+
+    def costs_for(k: int, t: int, shard: str = "none"):
+        """(node costs, stage configurations) of microbatches of B / k on t devices, as
+        ``shard``'s stages compute them (:func:`flexsearch.sim.predict.runtime_graph`)."""
+        key = (k, t, shard in FSDP_SHARDINGS)
+        if key not in cost_memo:
+            mg = microbatch_graph(graph_of(shard), k)
             configs = stage_configs(mg, t)
             costs = stage_node_costs(mg, ctx, t) if configs is not None else None
-            cost_memo[(k, t)] = None if costs is None else (costs, configs)
-            cut_memo[k] = cut_bytes(mg)
-        return cost_memo[(k, t)]
+            cost_memo[key] = None if costs is None else (costs, configs)
+            cut_memo[k, key[2]] = cut_bytes(mg)
+        return cost_memo[key]
 
     cps = {mode: Checkpointing.of(graph, mode) for mode in RECOMPUTE_ORDER}
     chain_memo: dict[tuple[int, int, str, bool], Chain] = {}
@@ -268,10 +279,10 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
         """The partitioner's chain; ``fsdp``: of FSDP2 stages, whose bf16 weights autocast
         copies not (:func:`flexsearch.sim.stages.stage_layout`)."""
         if (k, t, mode, fsdp) not in chain_memo:
-            costs = cost_memo[(k, t)][0]
+            costs = costs_for(k, t, "zero2" if fsdp else "none")[0]
             if fsdp:
                 costs = fsdp_stage_costs(costs)
-            chain_memo[k, t, mode, fsdp] = stage_chain(costs, cut_memo[k], cps[mode] if t == 1 or mode == "none"
+            chain_memo[k, t, mode, fsdp] = stage_chain(costs, cut_memo[k, fsdp], cps[mode] if t == 1 or mode == "none"
                                                        else None, whole=t > 1 and mode == "full")
         return chain_memo[k, t, mode, fsdp]
 
@@ -330,10 +341,10 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
 
     def simulated(bounds, t: int, p: int, d: int, m: int, schedule: str, v: int, recompute: str,
                   shard: str) -> PipelineResult:
-        costs, local = costs_for(d * m, t)
-        sim = simulate_stages(graph, ctx, bounds=bounds, tensor=t, replicas=d, schedule=schedule,
+        costs, local = costs_for(d * m, t, shard)
+        sim = simulate_stages(graph_of(shard), ctx, bounds=bounds, tensor=t, replicas=d, schedule=schedule,
                               microbatches=m, chunks=v, recompute=recompute, optimizer=optimizer,
-                              timeline=False, costs=costs, shard=shard, cuts=cut_memo[d * m])
+                              timeline=False, costs=costs, shard=shard, cuts=cut_memo[d * m, shard in FSDP_SHARDINGS])
         stages = tuple((a, b, tuple(range((k % p) * d * t, (k % p + 1) * d * t)))
                        for k, (a, b) in enumerate(bounds))
         return PipelineResult("hybrid" if t > 1 else "pipeline", schedule, m, v, recompute, t, d,
@@ -345,10 +356,10 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
 
     def fits(bounds, t: int, p: int, d: int, m: int, schedule: str, v: int, recompute: str, shard: str) -> bool:
         """Does the layout fit by the simulation's own memory model (no scheduling)?"""
-        costs, _ = costs_for(d * m, t)
-        return stages_peak_memory(graph, ctx, optimizer=optimizer, bounds=bounds, tensor=t, replicas=d,
+        costs, _ = costs_for(d * m, t, shard)
+        return stages_peak_memory(graph_of(shard), ctx, optimizer=optimizer, bounds=bounds, tensor=t, replicas=d,
                                   schedule=schedule, microbatches=m, chunks=v, recompute=recompute, costs=costs,
-                                  shard=shard, cuts=cut_memo[d * m]) <= cap
+                                  shard=shard, cuts=cut_memo[d * m, shard in FSDP_SHARDINGS]) <= cap
 
     results = []
     skipped = None  # the first candidate left out as over memory (simulated when nothing fits)

@@ -77,7 +77,7 @@ from flexsearch.search.variants import fitting_variant, shardings, splits
 from flexsearch.search.workers import cycles_paused, submit, worker_count
 from flexsearch.search.workers import pool as worker_pool
 from flexsearch.sim.context import CostContext
-from flexsearch.sim.predict import better, predict
+from flexsearch.sim.predict import better, predict, runtime_graph
 from flexsearch.sim.result import Simulation
 from flexsearch.sim.simulator import Simulator
 from flexsearch.strategy import recipes as bl
@@ -144,11 +144,15 @@ def check_kinds(kinds: Iterable[str] | None) -> tuple[str, ...]:
 
 
 def lower_bound(graph: OpGraph, ctx: CostContext, optimizer: str = "adam") -> float:
-    """Single-device iteration time (memory ignored) divided by the device count."""
+    """Single-device iteration time (memory ignored) divided by the device count; under
+    mixed precision, of the faster of the graph and what FSDP2 computes
+    (:func:`flexsearch.sim.predict.runtime_graph`: parameters in autocast's dtype)."""
     one = ctx.on(Cluster.from_spec(ctx.cluster.spec, 1))
     space = Space(graph, 1)
-    sim = Simulator(graph, one, optimizer=optimizer).simulate(space.expand({}), timeline=False)
-    return sim.iteration_time_s / ctx.cluster.devices
+    configs = space.expand({})
+    low = graph.low_param_graph if ctx.precision.autocast is not None else graph
+    return min(Simulator(g, one, optimizer=optimizer).simulate(configs, timeline=False).iteration_time_s
+               for g in ((graph,) if low is graph else (graph, low))) / ctx.cluster.devices
 
 
 def run_baselines(space: Space, sim: Simulator, devices_per_node: int,
@@ -416,7 +420,7 @@ def plan_synchronous(
             notes.append(f"sharded data parallelism not simulated: {len(graph.nodes)} ops x {cluster.devices} devices "
                          f"> {FSDP_MAX_TASKS}, beyond what the op-level simulator that costs it holds in memory")
         elif "fsdp" in kinds and splits(graph, cluster.devices):
-            shared = sim if sim is not None else Simulator(graph, ctx, optimizer=optimizer)
+            simulators = {id(graph): sim} if sim is not None else {}  # per runtime graph (predict.runtime_graph)
             units = fsdp_units(graph.modules)
             for shard, group in shardings(cluster):
                 if past(deadline):
@@ -424,6 +428,10 @@ def plan_synchronous(
                     break
                 sharded = dataclasses.replace(data_strategy, shard=shard, shard_group=group,
                                               fsdp_units=units if shard in FSDP_SHARDINGS else ())
+                runs = runtime_graph(graph, sharded, ctx)
+                shared = simulators.get(id(runs))
+                if shared is None:
+                    shared = simulators[id(runs)] = Simulator(runs, ctx, optimizer=optimizer)
                 fsdp_sim = predict(graph, sharded, ctx, optimizer=optimizer, timeline=False, simulator=shared)
                 if fsdp_sim.feasible:
                     candidates.append(("fsdp", sharded, fsdp_sim))

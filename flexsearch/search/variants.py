@@ -21,7 +21,11 @@ from flexsearch.strategy.kinds import ACCUMULATING_SHARDINGS, DataParallel
 def shardings(cluster: Cluster) -> list[tuple[str, int]]:
     """The sharded data-parallel layouts the search tries on ``cluster`` (``shard``,
     ``shard_group``): ZeRO-1, ZeRO-2 and ZeRO-3 over every device, and HSDP sharded
-    within a node and replicated across nodes when there is more than one whole node."""
+    within a node and replicated across nodes when there is more than one whole node;
+    none on one device (nothing to shard over: FSDP2 there would only change the
+    parameters' compute dtype, :func:`flexsearch.sim.predict.runtime_graph`)."""
+    if cluster.devices < 2:
+        return []
     out = [("zero1", 0), ("zero2", 0), ("zero3", 0)]
     per_node = cluster.devices_per_node
     if 1 < per_node < cluster.devices and cluster.devices % per_node == 0:

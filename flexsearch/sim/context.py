@@ -110,7 +110,8 @@ class CostContext:
         """(forward, backward) seconds of one task of ``node`` under ``c`` (with the
         calibrated per-op overhead of its execution mode). ``first``: its inputs are the
         model's (no input gradient): measured as such when the profile has it."""
-        key = (node.name, c.s, c.kind, c.t, first)
+        key = (node.name, node.bytes_read, node.bytes_written, c.s, c.kind, c.t, first)  # the bytes: dtypes
+        # differ between a graph and its low_param_graph (the same node names)
         hit = self._ops.get(key)
         if hit is None:
             if node.kind in FREE_KINDS:

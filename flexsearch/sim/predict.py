@@ -37,6 +37,7 @@ from flexsearch.sim.stages import replica_cost, simulate_stages
 from flexsearch.strategy.fsdp import param_units
 from flexsearch.strategy.kinds import (
     ACCUMULATING_SHARDINGS,
+    FSDP_SHARDINGS,
     DataParallel,
     Decentralized,
     Pipelined,
@@ -52,8 +53,10 @@ def predict(graph: OpGraph, strategy: Strategy, ctx: CostContext, *, optimizer: 
     whose fragment cache to reuse (a search's). Raises ValueError for a strategy that
     does not fit the cluster or the model (a pipeline layout that does not make the
     devices, a batch that does not split)."""
+    graph = runtime_graph(graph, strategy, ctx)
     if simulator is not None and (simulator.graph is not graph or simulator.ctx is not ctx):
-        raise ValueError("the simulator given to predict() was made for another graph or cost context")
+        raise ValueError("the simulator given to predict() was made for another graph or cost context "
+                         "(a plan FSDP2 runs under mixed precision is simulated on runtime_graph(...))")
     if isinstance(strategy, Pipelined):
         return simulate_stages(graph, ctx, bounds=strategy.bounds, tensor=strategy.tensor,
                                replicas=strategy.replicas, schedule=strategy.schedule,
@@ -89,6 +92,25 @@ def predict(graph: OpGraph, strategy: Strategy, ctx: CostContext, *, optimizer: 
     return flat if better(flat, oplevel) else oplevel
 
 
+def runs_fsdp(strategy: Strategy) -> bool:
+    """Does the emitter run ``strategy`` with FSDP2 (sharded data parallelism over FSDP
+    units, with or without accumulation; FSDP2 pipeline stages)?"""
+    if isinstance(strategy, DataParallel):
+        return strategy.shard in FSDP_SHARDINGS
+    return isinstance(strategy, Pipelined) and strategy.shard in FSDP_SHARDINGS
+
+
+def runtime_graph(graph: OpGraph, strategy: Strategy, ctx: CostContext) -> OpGraph:
+    """The graph as the emitted module computes ``strategy``: under mixed precision, a
+    plan FSDP2 runs computes with its parameters gathered in autocast's dtype
+    (:attr:`~flexsearch.graph.opgraph.OpGraph.low_param_graph`: an embedding's output and
+    the residual stream after it in bf16, where autocast over fp32 parameters keeps
+    them fp32), every other plan as traced."""
+    if ctx.precision.autocast is not None and runs_fsdp(strategy):
+        return graph.low_param_graph
+    return graph
+
+
 def data_stage(graph: OpGraph, strategy: DataParallel, ctx: CostContext, *, optimizer: str = "adam",
                timeline: bool = True) -> Simulation:
     """A data-parallel plan as one pipeline stage on every device running its
@@ -99,6 +121,7 @@ def data_stage(graph: OpGraph, strategy: DataParallel, ctx: CostContext, *, opti
     ZeRO-3 and HSDP as replicated), run by FSDP2 over its units holding parameters (the
     root among them) or, calibrated, by DDP (uncalibrated, as the op-level simulation:
     without DDP's terms)."""
+    graph = runtime_graph(graph, strategy, ctx)
     shard = strategy.shard if strategy.shard in ACCUMULATING_SHARDINGS else "none"
     runtime = "fsdp" if shard == "zero2" else "ddp" if ctx.calibration is not None else "pipeline"
     calls = max(1, len(param_units(graph, strategy.fsdp_units or None))) if shard == "zero2" else 1

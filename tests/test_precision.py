@@ -66,7 +66,7 @@ def test_fsdp2_under_mixed_precision_computes_with_low_precision_parameters(gpt)
     low = mixed.low_param_graph
     assert low is not mixed and low.fingerprint == mixed.fingerprint and low.param_bytes == mixed.param_bytes
     assert [n.name for n in low.nodes] == [n.name for n in mixed.nodes]
-    assert [n.signature for n in low.nodes] == [n.signature for n in mixed.nodes]  # profiles apply
+    assert [n.signature for n in low.nodes] == [n.signature for n in mixed.nodes]
     dtype = {n.name: n.outputs[0].dtype for n in mixed.nodes if n.outputs}
     low_dtype = {n.name: n.outputs[0].dtype for n in low.nodes if n.outputs}
     adds = [n.name for n in mixed.nodes if n.kind == "elementwise" and n.target.endswith("add")]
@@ -80,6 +80,18 @@ def test_fsdp2_under_mixed_precision_computes_with_low_precision_parameters(gpt)
         strategy = dataclasses.replace(data, shard=shard, fsdp_units=fsdp_units(mixed.modules) if runs is low else ())
         assert runtime_graph(mixed, strategy, ctx) is runs, shard
     assert runtime_graph(fp32, dataclasses.replace(data, shard="zero3"), CostContext(cl)) is fp32
+
+    class Unmeasured:  # a measured profile (empty): it measured the graph's ops, keyed by their dtypes
+        def lookup(self, *args):
+            return None
+
+    profiled = CostContext(cl, measured=Unmeasured(), precision=precision("bf16-mixed"))
+    assert runtime_graph(mixed, dataclasses.replace(data, shard="zero3"), profiled) is mixed
+    # the parameters' reads priced at their stored size, as the model's node's (the
+    # cost model splits a node's bytes by OpNode.param_bytes): the activations' moved less
+    for n, v in zip(mixed.nodes, low.nodes, strict=True):
+        if n.kind == "linear":
+            assert v.bytes_read - min(v.param_bytes, v.bytes_read) <= n.bytes_read - min(n.param_bytes, n.bytes_read)
 
 
 def test_auto_precision_follows_the_device():

@@ -148,24 +148,36 @@ def _low_param_nodes(gm: fx.GraphModule, model: nn.Module, inputs: list, prec: P
     what autograd saves (its parameters stay the model's: FSDP2 stores them, and their
     gradients and the optimizer's state, in fp32). Empty, with a note, when the model does
     not run so."""
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    measure = _Measure(gm, model, fake_mode, cast=prec.autocast, cast_buffers=False)
     try:
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        measure = _Measure(gm, model, fake_mode, cast=prec.autocast, cast_buffers=False)
         with fake_mode:
             fake_inputs = [_fake_like(x) for x in inputs]
         measure.run_all(fake_inputs, autocast=prec.autocast)
-    except TraceError as e:
-        notes.append(f"not traced with {prec.autocast} parameters (FSDP2 under {prec.name}): {e}; FSDP plans are "
-                     "costed with autocast's dtypes")
+        low = _with_saved(measure, model)
+    except Exception as e:  # the model as traced stands: the second pass only refines FSDP's costs
+        notes.append(f"not traced with {prec.autocast} parameters (FSDP2 under {prec.name}): {short_reason(e)}; "
+                     "FSDP plans are costed with autocast's dtypes")
         return ()
-    low = _with_saved(measure, model)
     if [n.name for n in low] != [n.name for n in nodes]:
         notes.append(f"with {prec.autocast} parameters (FSDP2 under {prec.name}) the model traced to other ops; "
                      "FSDP plans are costed with autocast's dtypes")
         return ()
-    return tuple(n.model_copy(update={"outputs": v.outputs, "bytes_read": v.bytes_read,
+    return tuple(n.model_copy(update={"outputs": v.outputs, "bytes_read": _reads(n, v),
                                       "bytes_written": v.bytes_written, "saved_bytes": v.saved_bytes})
                  for n, v in zip(nodes, low, strict=True))
+
+
+def _reads(n: OpNode, v: OpNode) -> int:
+    """The low-precision node ``v``'s bytes read, its parameters counted at the model's
+    node ``n``'s size (the cost model tells a node's parameter reads, which a split of
+    the batch does not divide, from its activations' by ``OpNode.param_bytes``, which
+    stays the stored fp32 size): FSDP2's bf16 weight reads priced at fp32, the
+    activations' at what they are. A lookup (an embedding reads the rows it gathers,
+    fewer than its parameters) as measured."""
+    if v.bytes_read < v.used_param_bytes:
+        return v.bytes_read
+    return v.bytes_read + n.used_param_bytes - v.used_param_bytes
 
 
 def _input_names(values: list, args: tuple, kwargs: dict) -> tuple[str, ...]:

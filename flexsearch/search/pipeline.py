@@ -50,7 +50,7 @@ from flexsearch.sim.accounting import param_copies
 from flexsearch.sim.context import CostContext
 from flexsearch.sim.pipeline import simulate_pipeline
 from flexsearch.sim.pipeline_layout import PipelineLayout, fsdp_grad_copies
-from flexsearch.sim.predict import predict
+from flexsearch.sim.predict import fsdp_graph, predict
 from flexsearch.sim.result import Simulation
 from flexsearch.sim.stages import (
     NodeCost,
@@ -252,7 +252,7 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
     cap = cluster.device.memory_capacity.value
     cost_memo: dict[tuple[int, int, bool], tuple[list[NodeCost], dict[str, Config]] | None] = {}
     cut_memo: dict[tuple[int, bool], tuple[float, ...]] = {}
-    low = graph.low_param_graph if ctx.precision.autocast is not None else graph  # what FSDP2 stages compute
+    low = fsdp_graph(graph, ctx)  # what FSDP2 stages compute
 
     def graph_of(shard: str) -> OpGraph:
         return low if shard in FSDP_SHARDINGS else graph

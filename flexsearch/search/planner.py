@@ -77,7 +77,7 @@ from flexsearch.search.variants import fitting_variant, shardings, splits
 from flexsearch.search.workers import cycles_paused, submit, worker_count
 from flexsearch.search.workers import pool as worker_pool
 from flexsearch.sim.context import CostContext
-from flexsearch.sim.predict import better, predict, runtime_graph
+from flexsearch.sim.predict import better, fsdp_graph, predict, runtime_graph
 from flexsearch.sim.result import Simulation
 from flexsearch.sim.simulator import Simulator
 from flexsearch.strategy import recipes as bl
@@ -146,11 +146,11 @@ def check_kinds(kinds: Iterable[str] | None) -> tuple[str, ...]:
 def lower_bound(graph: OpGraph, ctx: CostContext, optimizer: str = "adam") -> float:
     """Single-device iteration time (memory ignored) divided by the device count; under
     mixed precision, of the faster of the graph and what FSDP2 computes
-    (:func:`flexsearch.sim.predict.runtime_graph`: parameters in autocast's dtype)."""
+    (:func:`flexsearch.sim.predict.fsdp_graph`: parameters in autocast's dtype)."""
     one = ctx.on(Cluster.from_spec(ctx.cluster.spec, 1))
     space = Space(graph, 1)
     configs = space.expand({})
-    low = graph.low_param_graph if ctx.precision.autocast is not None else graph
+    low = fsdp_graph(graph, ctx)
     return min(Simulator(g, one, optimizer=optimizer).simulate(configs, timeline=False).iteration_time_s
                for g in ((graph,) if low is graph else (graph, low))) / ctx.cluster.devices
 

@@ -55,6 +55,8 @@ def no_plan_reason(kinds: Sequence[str], base: dict[str, BaselineRun], pipes: li
     if "soap" in kinds:
         return ("no soap plan other than data parallelism fits: every op's other configurations do not fit in "
                 "memory or do not exist on this device count; use --kind data")
+    if set(kinds) == {"fsdp"} and cluster.devices < 2:
+        return "no fsdp plan on one device: sharded data parallelism needs 2 or more; use --kind data or more devices"
     lean = base["data"].simulation if "data" in base else None
     need = f" (it needs {lean.peak_memory_bytes / 2**30:.1f} GiB per device)" if lean is not None else ""
     return f"no {what} plan fits in memory on {cluster.devices} x {cluster.device.name}{need}; use more devices"

@@ -100,15 +100,23 @@ def runs_fsdp(strategy: Strategy) -> bool:
     return isinstance(strategy, Pipelined) and strategy.shard in FSDP_SHARDINGS
 
 
-def runtime_graph(graph: OpGraph, strategy: Strategy, ctx: CostContext) -> OpGraph:
-    """The graph as the emitted module computes ``strategy``: under mixed precision, a
-    plan FSDP2 runs computes with its parameters gathered in autocast's dtype
+def fsdp_graph(graph: OpGraph, ctx: CostContext) -> OpGraph:
+    """What FSDP2 computes under ``ctx``'s precision: under mixed precision, with the
+    parameters gathered in autocast's dtype
     (:attr:`~flexsearch.graph.opgraph.OpGraph.low_param_graph`: an embedding's output and
     the residual stream after it in bf16, where autocast over fp32 parameters keeps
-    them fp32), every other plan as traced."""
-    if ctx.precision.autocast is not None and runs_fsdp(strategy):
-        return graph.low_param_graph
-    return graph
+    them fp32); else the graph. Also the graph when ``ctx`` prices ops by a measured
+    profile: the profiler measured the graph's ops, keyed by their dtypes, so the other
+    graph's would miss it and mix roofline prices into measured ones."""
+    if ctx.precision.autocast is None or ctx.measured is not None:
+        return graph
+    return graph.low_param_graph
+
+
+def runtime_graph(graph: OpGraph, strategy: Strategy, ctx: CostContext) -> OpGraph:
+    """The graph as the emitted module computes ``strategy``: :func:`fsdp_graph` for a
+    plan FSDP2 runs, the graph as traced for every other."""
+    return fsdp_graph(graph, ctx) if runs_fsdp(strategy) else graph
 
 
 def data_stage(graph: OpGraph, strategy: DataParallel, ctx: CostContext, *, optimizer: str = "adam",

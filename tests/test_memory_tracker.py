@@ -565,9 +565,12 @@ def test_accumulation_peak_memory_matches_torchs_allocator(precision):
     benchmark's ``accum`` rows measure them), against torch's allocator's (``MemTracker``
     refuses a module run twice a step). Measured: -0.1% (DDP, ZeRO-1) and -0.1% or -4.5% (ZeRO-2, the
     allocator's two peaks)
-    in fp32, +4.1% to +5.0% in bf16-mixed; ZeRO-2 in bf16-mixed is the known miss of
-    :data:`SHARDED_PIPELINE_MISSES`: +16.9% (+18.7% before FSDP2 plans were predicted on
-    the graph FSDP2 computes). ZeRO-2's peak is the least of three builds on either rank (the profiler's
+    in fp32, +4.1% to +5.0% in bf16-mixed; ZeRO-2 in bf16-mixed a known miss, bounded at
+    15%: +9.7%. It was +18.7% while FSDP2 plans were predicted on autocast's graph, +16.9%
+    on the graph FSDP2 computes while the model held every microbatch's bf16 gradients
+    beside the fp32 ones accumulated, where FSDP2 turns each unit's into fp32 at the
+    unit's post-backward (:func:`flexsearch.sim.pipeline_layout.fsdp_grad_copies`: one
+    unit's at a time). ZeRO-2's peak is the least of three builds on either rank (the profiler's
     drift under FSDP2: :func:`test_sharded_pipeline_peak_memory_matches_torchs_allocator`).
     bf16-mixed runs under the ``slow`` marker (the default suite's time)."""
     from flexsearch.cost.calibration import load_calibration_file
@@ -597,7 +600,7 @@ def test_accumulation_peak_memory_matches_torchs_allocator(precision):
             want, have = predicted[i][rank], min(got[q][b][0] for q in range(2) for b in builds[i])
             print(f"{precision} {plan.shard} m2 rank {rank}: model {want / 1e6:.2f} MB, allocator {have / 1e6:.2f} MB "
                   f"({want / have - 1:+.1%})")
-            bound = 0.25 if (precision, plan.shard) == ("bf16-mixed", "zero2") else ACTIVATION_RTOL
+            bound = 0.15 if (precision, plan.shard) == ("bf16-mixed", "zero2") else ACTIVATION_RTOL
             if want != pytest.approx(have, rel=bound):
                 misses.append((plan.shard, rank))
     assert not misses

@@ -26,7 +26,7 @@ from flexsearch.search.results import plan_from
 from flexsearch.sim.accounting import OPTIMIZER_STATE
 from flexsearch.sim.context import CostContext
 from flexsearch.sim.predict import predict, runtime_graph
-from flexsearch.strategy.fsdp import fsdp_units
+from flexsearch.strategy.fsdp import fsdp_units, param_units
 from flexsearch.strategy.kinds import FSDP_SHARDINGS, DataParallel, Pipelined
 
 
@@ -460,9 +460,21 @@ def test_zero1_and_zero2_accumulate_as_one_sharded_stage(gpt_small):
         runtime = "fsdp" if shard == "zero2" else "pipeline"  # uncalibrated: no DDP terms
         runs = runtime_graph(gpt_small, two, ctx)  # FSDP2 computes with bf16 parameters
         assert (runs is not gpt_small) == (shard == "zero2")
+        share = 1.0
+        if shard == "zero2":  # the largest unit's: its bf16 gradients beside the fp32 ones accumulated
+            held = [sum(runs.nodes[i].param_bytes for i in idx) for idx in param_units(runs, two.fsdp_units).values()]
+            share = max(held) / sum(held)
+            assert 0 < share < 0.5
         stage = simulate_stages(runs, ctx, bounds=whole, tensor=1, replicas=16, schedule="1f1b", microbatches=2,
-                                shard=shard, runtime=runtime, fsdp_calls=len(two.fsdp_units) + 1)
+                                shard=shard, runtime=runtime, fsdp_calls=len(two.fsdp_units) + 1,
+                                fsdp_unit_share=share)
         assert got.iteration_time_s == stage.iteration_time_s and got.memory_bytes == stage.memory_bytes
+        if shard == "zero2":  # every unit's bf16 gradients at once: more memory, the same time
+            whole_unit = simulate_stages(runs, ctx, bounds=whole, tensor=1, replicas=16, schedule="1f1b",
+                                         microbatches=2, shard=shard, runtime=runtime,
+                                         fsdp_calls=len(two.fsdp_units) + 1)
+            assert whole_unit.iteration_time_s == got.iteration_time_s
+            assert whole_unit.memory_terms[0].held_with_grads > got.memory_terms[0].held_with_grads
         plain = predict(gpt_small, Pipelined(whole, tensor=1, replicas=16, schedule="1f1b", microbatches=2,
                                              shard=shard), ctx)
         assert got.iteration_time_s >= plain.iteration_time_s  # the runtime's own costs (calibrated)

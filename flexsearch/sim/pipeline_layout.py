@@ -77,6 +77,9 @@ class PipelineLayout:
     """FSDP2 stages: the FSDP units a stage's parameters are gathered and its gradients
     reduce-scattered in, one collective each (a pipeline's stage is one unit; a
     data-parallel plan's, its FSDP units and the root)."""
+    fsdp_unit_share: float = 1.0
+    """FSDP2 stages: the largest of those units' share of a stage's parameters (1: a
+    pipeline's stage), what :attr:`grad_copies` holds in the gathered dtype at a time."""
 
     def shards(self, device_rank: int) -> int:
         """Over how many devices pipeline rank ``device_rank``'s optimizer state is
@@ -92,7 +95,7 @@ class PipelineLayout:
     def grad_copies(self) -> float:
         """A stage's gradient bytes during a backward, per stored parameter byte
         (:func:`fsdp_grad_copies` for FSDP2 stages, else 1)."""
-        return fsdp_grad_copies(self.gather) if self.fsdp else 1.0
+        return fsdp_grad_copies(self.gather, self.fsdp_unit_share) if self.fsdp else 1.0
 
     def __post_init__(self) -> None:
         if self.runtime not in RUNTIMES or (self.runtime == "fsdp") != self.fsdp and self.runtime != "pipeline":
@@ -119,12 +122,15 @@ RUNTIMES = ("pipeline", "ddp", "fsdp")
 """The runtimes that run a pipeline layout's stages (:attr:`PipelineLayout.runtime`)."""
 
 
-def fsdp_grad_copies(gather: float) -> float:
+def fsdp_grad_copies(gather: float, unit_share: float = 1.0) -> float:
     """An FSDP2 stage's gradient bytes during a backward, per stored parameter byte: gathered
-    in a lower precision it makes each microbatch's gradients in it and adds them to the
-    fp32 ones it accumulates (``_fsdp_param.py``: ``accumulate_unsharded_grad_if_needed``),
-    ``1 + gather``; else 1."""
-    return 1.0 + gather if gather < 1 else 1.0
+    in a lower precision it makes each microbatch's gradients in it and, at each FSDP
+    unit's post-backward, adds them to the fp32 ones it accumulates or turns them into
+    those (torch's ``_fsdp_param_group.py: post_backward``,
+    ``accumulate_unsharded_grad_if_needed``, ``to_accumulated_grad_if_needed``), so the
+    low-precision gradients of one unit (``unit_share`` of the stage's parameters) are
+    alive beside the fp32 ones at a time: ``1 + gather x unit_share``; else 1."""
+    return 1.0 + gather * unit_share if gather < 1 else 1.0
 
 
 def lanes(layout: PipelineLayout) -> dict[tuple[int, int], tuple[Action, ...]]:

@@ -132,10 +132,13 @@ def data_stage(graph: OpGraph, strategy: DataParallel, ctx: CostContext, *, opti
     graph = runtime_graph(graph, strategy, ctx)
     shard = strategy.shard if strategy.shard in ACCUMULATING_SHARDINGS else "none"
     runtime = "fsdp" if shard == "zero2" else "ddp" if ctx.calibration is not None else "pipeline"
-    calls = max(1, len(param_units(graph, strategy.fsdp_units or None))) if shard == "zero2" else 1
+    units = param_units(graph, strategy.fsdp_units or None) if shard == "zero2" else {}
+    held = [sum(graph.nodes[i].param_bytes for i in idx) for idx in units.values()]
+    share = max(held) / sum(held) if held and sum(held) else 1.0  # the largest unit's share of the parameters
     return simulate_stages(graph, ctx, bounds=((0, len(graph.nodes)),), tensor=1, replicas=ctx.cluster.devices,
                            schedule="1f1b", microbatches=strategy.microbatches, recompute=strategy.recompute,
-                           optimizer=optimizer, timeline=timeline, shard=shard, runtime=runtime, fsdp_calls=calls)
+                           optimizer=optimizer, timeline=timeline, shard=shard, runtime=runtime,
+                           fsdp_calls=max(1, len(units)), fsdp_unit_share=share)
 
 
 def better(a: Simulation, b: Simulation) -> bool:

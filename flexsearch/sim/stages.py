@@ -250,20 +250,21 @@ def simulate_stages(graph: OpGraph, ctx: CostContext, *, bounds: Sequence[tuple[
                     recompute: str = "none", optimizer: str = "adam", timeline: bool = True,
                     costs: Sequence[NodeCost] | None = None, shard: str = "none",
                     cuts: Sequence[float] | None = None, runtime: str = "pipeline",
-                    fsdp_calls: int = 1) -> Simulation:
+                    fsdp_calls: int = 1, fsdp_unit_share: float = 1.0) -> Simulation:
     """Simulate a uniform pipeline on ``ctx``'s cluster: stage ``k`` = nodes
     ``bounds[k]`` (positions), on ``replicas`` x ``tensor`` devices of pipeline rank
     ``k mod (len(bounds) / chunks)``; ``shard``: ``zero1`` shards the optimizer state
     over the replicas, ``zero2`` runs FSDP2 stages over them (:mod:`flexsearch.sim.pipeline`);
-    ``runtime`` and ``fsdp_calls``: the runtime that runs the stages and the FSDP units of a
-    stage (:class:`~flexsearch.sim.pipeline_layout.PipelineLayout`). ``costs``, ``cuts``: the node
+    ``runtime``, ``fsdp_calls`` and ``fsdp_unit_share``: the runtime that runs the stages,
+    the FSDP units of a stage and the largest one's share of its parameters
+    (:class:`~flexsearch.sim.pipeline_layout.PipelineLayout`). ``costs``, ``cuts``: the node
     costs of the microbatch graph (default: :func:`stage_node_costs`) and its cut bytes
     (:func:`cut_bytes`). Raises ValueError for a layout
     that does not fit the cluster or a model without that tensor-parallel degree."""
     stage_costs, layout = stage_layout(graph, ctx, bounds=bounds, tensor=tensor, replicas=replicas,
                                        schedule=schedule, microbatches=microbatches, chunks=chunks,
                                        recompute=recompute, costs=costs, shard=shard, cuts=cuts, runtime=runtime,
-                                       fsdp_calls=fsdp_calls)
+                                       fsdp_calls=fsdp_calls, fsdp_unit_share=fsdp_unit_share)
     return simulate_pipeline(ctx, stage_costs, layout, optimizer=optimizer, timeline=timeline)
 
 
@@ -279,7 +280,7 @@ def stage_layout(graph: OpGraph, ctx: CostContext, *, bounds: Sequence[tuple[int
                  replicas: int, schedule: str, microbatches: int, chunks: int = 1, recompute: str = "none",
                  costs: Sequence[NodeCost] | None = None, shard: str = "none",
                  cuts: Sequence[float] | None = None, runtime: str = "pipeline",
-                 fsdp_calls: int = 1) -> tuple[list[StageCost], PipelineLayout]:
+                 fsdp_calls: int = 1, fsdp_unit_share: float = 1.0) -> tuple[list[StageCost], PipelineLayout]:
     """The stage costs and the device layout of :func:`simulate_stages`'s pipeline
     (``costs`` and ``cuts``: the microbatch graph's node costs and cut bytes, when the
     caller has them)."""
@@ -308,7 +309,7 @@ def stage_layout(graph: OpGraph, ctx: CostContext, *, bounds: Sequence[tuple[int
                   for r in range(p))
     return stage_costs, PipelineLayout(schedule, microbatches, ranks, chunks=chunks, tied=tied, shard=shard,
                                        gather=ctx.precision.gather_factor(graph.param_dtype), runtime=runtime,
-                                       fsdp_calls=fsdp_calls)
+                                       fsdp_calls=fsdp_calls, fsdp_unit_share=fsdp_unit_share)
 
 
 def stage_node_costs(mg: OpGraph, ctx: CostContext, tensor: int) -> list[NodeCost] | None:

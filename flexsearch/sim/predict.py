@@ -24,6 +24,9 @@ plan kinds are costed by one cost model under one explicit context
   (with ZeRO-1 over a stage's replicas when the strategy shards its optimizer state);
 - :class:`~flexsearch.strategy.kinds.Decentralized`: one replica's stage cost and the
   topology's gossip (:mod:`flexsearch.sim.decentralized`).
+
+Each on the graph the emitted module computes (:func:`runtime_graph`): a plan FSDP2 runs
+under mixed precision computes with bf16 parameters (:func:`fsdp_graph`).
 """
 
 from __future__ import annotations

@@ -106,21 +106,27 @@ def move(rng: random.Random, units: list, cands: dict, dec: dict) -> None:
     dec[u.name] = options[rng.randrange(len(options))]
 
 
-def sim_rates(
-    graph, cluster: Cluster, rounds: int, seconds: float, seed: int = 0
-) -> tuple[list[float], list[float]]:
-    """Per round: full and delta simulations per second, each run for ~``seconds``."""
+def walk(graph, cluster: Cluster, seed: int) -> tuple[Space, list, dict, random.Random, dict]:
+    """A random walk's start: the space, its units with a choice, their candidates, the
+    walk's generator (seeded) and random decisions drawn from it."""
     space = Space(graph, cluster.devices)
     units = [u for u in space.units if len(space.candidates(u)) > 1]
     cands = {u.name: space.candidates(u) for u in units}
     rng = random.Random(seed)
+    return space, units, cands, rng, {u.name: rng.choice(cands[u.name]) for u in units}
+
+
+def sim_rates(
+    graph, cluster: Cluster, rounds: int, seconds: float, seed: int = 0
+) -> tuple[list[float], list[float]]:
+    """Per round: full and delta simulations per second, each run for ~``seconds``."""
+    space, units, cands, rng, dec = walk(graph, cluster, seed)
 
     def random_decisions() -> dict:
         return {u.name: rng.choice(cands[u.name]) for u in units}
 
     ctx = CostContext(cluster)
     delta_sim = Simulator(graph, ctx)
-    dec = random_decisions()
     delta_sim.simulate(space.expand(dec), timeline=False)  # warm the fragment cache
     full, delta = [], []
     for _ in range(rounds):
@@ -146,11 +152,7 @@ def delta_build(graph, cluster: Cluster, moves: int, seed: int = 0) -> tuple[flo
     ``delta_over_full`` could reach with assembly and scheduling free."""
     import flexsearch.sim.simulator as simulator
 
-    space = Space(graph, cluster.devices)
-    units = [u for u in space.units if len(space.candidates(u)) > 1]
-    cands = {u.name: space.candidates(u) for u in units}
-    rng = random.Random(seed + 1)
-    dec = {u.name: rng.choice(cands[u.name]) for u in units}
+    space, units, cands, rng, dec = walk(graph, cluster, seed + 1)
     sim = Simulator(graph, CostContext(cluster))
     sim.simulate(space.expand(dec), timeline=False)
     build, schedule, spent = simulator.build_fragment, simulator.run_tasks, {"build": 0.0, "schedule": 0.0}
@@ -180,20 +182,16 @@ def retimed(graph, cluster: Cluster, moves: int, seed: int = 0) -> list[float]:
     tasks whose start or end time differs from the simulation before the move, or that
     the move rebuilt: what an incremental schedule, rescheduling only the tasks a move
     affects, would still have to visit."""
-    space = Space(graph, cluster.devices)
-    units = [u for u in space.units if len(space.candidates(u)) > 1]
-    cands = {u.name: space.candidates(u) for u in units}
-    rng = random.Random(seed + 2)
-    dec = {u.name: rng.choice(cands[u.name]) for u in units}
+    space, units, cands, rng, dec = walk(graph, cluster, seed + 2)
     sim = Simulator(graph, CostContext(cluster))
-    before = {id(s.task): (s.start, s.end) for s in sim.simulate(space.expand(dec)).timeline}
+    kept = sim.simulate(space.expand(dec)).timeline  # held: no task of it is freed and its id reused
     shares = []
     for _ in range(moves):
         move(rng, units, cands, dec)
         timeline = sim.simulate(space.expand(dec)).timeline  # the same tasks as without the timeline
-        now = {id(s.task): (s.start, s.end) for s in timeline}
-        shares.append(sum(before.get(k) != v for k, v in now.items()) / len(now))
-        before = now
+        before = {id(s.task): (s.start, s.end) for s in kept}
+        shares.append(sum(before.get(id(s.task)) != (s.start, s.end) for s in timeline) / len(timeline))
+        kept = timeline
     return shares
 
 

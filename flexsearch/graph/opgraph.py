@@ -226,7 +226,8 @@ class OpGraph(_Frozen):
         plan run by FSDP2 under mixed precision computes (:func:`flexsearch.sim.predict.runtime_graph`)."""
         if not self.low_param_nodes:
             return self
-        fields = {k: getattr(self, k) for k in type(self).model_fields}
+        fields = {k: getattr(self, k) for k in type(self).model_fields}  # not model_copy: it would copy
+        # this graph's cached properties (by_name, consumers) along
         return type(self)(**{**fields, "nodes": self.low_param_nodes, "low_param_nodes": ()})
 
     @property

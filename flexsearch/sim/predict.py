@@ -98,9 +98,7 @@ def predict(graph: OpGraph, strategy: Strategy, ctx: CostContext, *, optimizer: 
 def runs_fsdp(strategy: Strategy) -> bool:
     """Does the emitter run ``strategy`` with FSDP2 (sharded data parallelism over FSDP
     units, with or without accumulation; FSDP2 pipeline stages)?"""
-    if isinstance(strategy, DataParallel):
-        return strategy.shard in FSDP_SHARDINGS
-    return isinstance(strategy, Pipelined) and strategy.shard in FSDP_SHARDINGS
+    return isinstance(strategy, (DataParallel, Pipelined)) and strategy.shard in FSDP_SHARDINGS
 
 
 def fsdp_graph(graph: OpGraph, ctx: CostContext) -> OpGraph:

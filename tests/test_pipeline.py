@@ -75,14 +75,18 @@ def test_gradients_are_held_with_the_microbatches_still_in_flight(schedule, p, m
     larger of activations and gradients: flexsearch.sim.accounting)."""
     per_rank = rank_actions(schedule, p, m, chunks=chunks)
     stash, grads = {s: 10.0 * (s + 1) for s in range(p * chunks)}, {s: 1000.0 * (s + 1) for s in range(p * chunks)}
+    making = {s: 300.0 * (s + 1) for s in range(p * chunks)}  # an FSDP2 stage's bf16 gradients, during its backward
     for actions in per_rank:
-        want, live, started = 0.0, {}, set()
+        want, with_making, live, started = 0.0, 0.0, {}, set()
         for a in actions:  # brute force: what is alive right after each action
             live[a.stage] = live.get(a.stage, 0) + (1 if a.kind == "F" else -1)
             started |= {a.stage} if a.kind == "B" else set()
             if started:
-                want = max(want, sum(grads[s] for s in started) + sum(stash[s] * q for s, q in live.items()))
+                held = sum(grads[s] for s in started) + sum(stash[s] * q for s, q in live.items())
+                want = max(want, held)
+                with_making = max(with_making, held + (making[a.stage] if a.kind == "B" else 0.0))
         assert held_with_gradients(actions, stash, grads) == pytest.approx(want)
+        assert held_with_gradients(actions, stash, grads, making) == pytest.approx(with_making)
     first = per_rank[0]
     if schedule == "1f1b" and m > p:  # the forward after the first backward: p microbatches in flight again
         assert held_with_gradients(first, {0: 10.0}, {0: 1000.0}) == 1000.0 + 10.0 * p
@@ -319,20 +323,23 @@ def test_replicas_sharing_links_are_all_simulated(cl, own):
     assert (mirror(ctx, layout) is not None) == own
 
 
-@pytest.mark.parametrize("cl", ["dgx-h100", "cpu"])
-def test_peak_memory_without_scheduling_is_the_simulations(cl):
+@pytest.mark.parametrize(("cl", "precision"), [("dgx-h100", "fp32"), ("cpu", "fp32"), ("dgx-h100", "bf16-mixed")])
+def test_peak_memory_without_scheduling_is_the_simulations(cl, precision):
     """:func:`flexsearch.sim.stages.stages_peak_memory` (the search's memory check before
     it simulates a layout: closed forms for GPipe and 1F1B, the lanes' actions
     otherwise) gives exactly the simulation's largest peak, for every schedule,
-    checkpointing mode and optimizer sharding on random layouts."""
+    checkpointing mode and optimizer sharding on random layouts (in bf16-mixed FSDP2
+    stages hold bf16 gradients during a backward only)."""
     import random
 
     from flexsearch.cost.calibration import load_calibration
+    from flexsearch.precision import precision as precision_of
     from flexsearch.sim.stages import simulate_stages, stages_peak_memory
 
     g = _gpt_tiny()
     cluster = Cluster.preset(cl, 8)
-    ctx = CostContext(cluster, calibration=load_calibration(cluster.device.name) if cl == "cpu" else None)
+    ctx = CostContext(cluster, calibration=load_calibration(cluster.device.name) if cl == "cpu" else None,
+                      precision=precision_of(precision))
     rnd = random.Random(0)
     k = len(g.nodes)
     checked = 0

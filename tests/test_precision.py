@@ -18,6 +18,7 @@ from flexsearch.cost.alignment import misaligned, misaligned_note
 from flexsearch.cost.hardware import Cluster
 from flexsearch.emit.launch import run_ranks
 from flexsearch.errors import FlexsearchError, PlanFileError
+from flexsearch.graph.opgraph import OpGraph
 from flexsearch.graph.tracer import trace
 from flexsearch.precision import NAMES, precision, resolve
 from flexsearch.search.planner import plan_graph
@@ -92,6 +93,11 @@ def test_fsdp2_under_mixed_precision_computes_with_low_precision_parameters(gpt)
     for n, v in zip(mixed.nodes, low.nodes, strict=True):
         if n.kind == "linear":
             assert v.bytes_read - min(v.param_bytes, v.bytes_read) <= n.bytes_read - min(n.param_bytes, n.bytes_read)
+    # a graph without the second pass (saved by an older flexsearch) is planned with a note
+    noted = "trace the model again"
+    assert not any(noted in n for n in plan_graph(mixed, cl, kinds=("data",), max_iters=0).notes)
+    old = OpGraph.from_json(mixed.model_copy(update={"low_param_nodes": ()}).to_json())
+    assert any(noted in n for n in plan_graph(old, cl, kinds=("data",), max_iters=0).notes)
 
 
 def test_auto_precision_follows_the_device():

@@ -62,6 +62,7 @@ from flexsearch.emit.precision import autocast, backward, cast_inputs, cast_mode
 from flexsearch.emit.runtime import Runtime
 from flexsearch.errors import EmitError
 from flexsearch.graph.lift import flat_inputs
+from flexsearch.graph.microbatch import batch_dim
 from flexsearch.graph.opgraph import OpGraph, OpNode
 from flexsearch.strategy.config import Config, is_source
 
@@ -336,7 +337,7 @@ class ShardedModule(nn.Module):
         if isinstance(mod, nn.Embedding) and c.kind == "r" and c.t > 1:
             return self._vocab_parallel(n, mod, args, c, mesh)
         if node.kind in _LOCAL_KINDS or node.opaque or isinstance(mod, _LOCAL_MODULES) or \
-                (node.kind == "attention" and c.n == 1):
+                (node.kind == "attention" and (c.n == 1 or mod is None)):
             return self._call_local(n, node, mod, args, kwargs, c, mesh)
         state = {}
         if mod is not None:
@@ -380,15 +381,22 @@ class ShardedModule(nn.Module):
         """Run an op on local tensors with explicit placements (``local_map``'s contract),
         for ops DTensor has no rule for (RNNs, opaque ops) or runs wrongly (convolutions
         with split channels). Convolutions and RNN layers keep their sample split (and a
-        conv its output-channel split); anything else is gathered and computed whole on
-        every rank of its mesh. Ranks outside the mesh compute nothing; their empty
-        outputs still depend on the inputs, so the backward pass reaches every transfer a
-        rank takes part in."""
+        conv its output-channel split); ``scaled_dot_product_attention`` its sample and
+        heads splits (each rank's heads with the kernel the model runs: DTensor has no
+        rule for the CPU's fused kernel, and the math backend it falls back to keeps the
+        fp32 probabilities); anything else is gathered and computed whole on every rank
+        of its mesh. Ranks outside the mesh compute nothing; their empty outputs still
+        depend on the inputs, so the backward pass reaches every transfer a rank takes
+        part in."""
         rt = self._rt
         member = mesh.get_coordinate() is not None
         split = isinstance(mod, _LOCAL_MODULES)
+        heads = node.kind == "attention" and mod is None
         anchors: list[torch.Tensor] = []
         t_grad = Partial() if split and c.kind == "p" else Replicate()
+        # attention: each input as the plan placed it (input_placements); an input a
+        # split dim broadcasts over (a mask) gets a partial gradient on that dim
+        work = (c.s > 1, c.kind == "a" and c.t > 1)
 
         def local(v: torch.Tensor, pl: tuple, grad_pl: tuple) -> torch.Tensor:
             r = to_layout(rt, v, mesh, pl)
@@ -411,6 +419,11 @@ class ShardedModule(nn.Module):
         for j, i in enumerate(tensors):
             v = flat[i]
             mflat[i] = meta(v)
+            if heads:
+                pl = v.placements if isinstance(v, DTensor) else REPLICATE
+                lflat[i] = local(v, pl, tuple(Partial() if w and isinstance(q, Replicate) else q
+                                              for q, w in zip(pl, work, strict=True)))
+                continue
             s_pl = Shard(_split_dim(mod, j)) if split and c.s > 1 else Replicate()
             lflat[i] = local(v, (s_pl, Replicate()), (s_pl, t_grad))
         lstate, mstate = {}, {}
@@ -430,6 +443,9 @@ class ShardedModule(nn.Module):
                 for k, t in enumerate(mout)]
         places = [(Shard(_split_dim(mod, j)) if split and c.s > 1 else Replicate(),
                    Shard(1) if split and c.kind == "p" else Replicate()) for j in range(len(mout))]
+        if heads:  # (batch, heads, queries, values): the sample and heads splits kept
+            places = [(Shard(batch_dim(node)) if work[0] else Replicate(), Shard(c.dim) if work[1] else Replicate())
+                      for _ in mout]
         if member:
             out = tree_flatten(_plain_call(self._gm[0], n, *tree_unflatten(lflat, spec), lstate))[0]
             wrapped = [DTensor.from_local(t, mesh, pl, run_check=False, shape=g.shape, stride=g.stride())
@@ -468,10 +484,11 @@ class ShardedModule(nn.Module):
 
 
 _LOCAL_KINDS = frozenset({"rnn", "opaque"})
-"""Op kinds run on local tensors (DTensor has no sharding rule for them). Attention on one
-device also runs locally: with the kernel the original model runs (the profiled one; on
-DTensors it runs the math backend, ``torch.profiler``: 2.4 ms against 1.0 ms per call on
-the GPT of ``benchmarks/fidelity.py``)."""
+"""Op kinds run on local tensors (DTensor has no sharding rule for them). Attention
+(``scaled_dot_product_attention``, and ``nn.MultiheadAttention`` on one device) also runs
+locally: with the kernel the original model runs (the profiled one; on DTensors it runs
+the math backend, ``torch.profiler``: 2.4 ms against 1.0 ms per call on the GPT of
+``benchmarks/fidelity.py``)."""
 _LOCAL_MODULES = (nn.modules.conv._ConvNd, nn.RNNBase)
 """Layers run on local shards with their sample (and channel) split kept."""
 

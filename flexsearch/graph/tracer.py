@@ -121,6 +121,11 @@ def _with_saved(measure: Measure, model: nn.Module) -> tuple[OpNode, ...]:
                  for n in measure.nodes)
 
 
+AUTOCAST_FSDP = "FSDP plans are costed with autocast's dtypes"
+"""How a note ends when the graph has no :attr:`OpGraph.low_param_nodes` under mixed
+precision."""
+
+
 def _low_param_nodes(gm: fx.GraphModule, model: nn.Module, inputs: list, prec: Precision,
                      nodes: tuple[OpNode, ...], notes: list[str]) -> tuple[OpNode, ...]:
     """The nodes as FSDP2 under mixed precision computes them
@@ -140,11 +145,11 @@ def _low_param_nodes(gm: fx.GraphModule, model: nn.Module, inputs: list, prec: P
         low = _with_saved(measure, model)
     except Exception as e:  # the model as traced stands: the second pass only refines FSDP's costs
         notes.append(f"not traced with {prec.autocast} parameters (FSDP2 under {prec.name}): {short_reason(e)}; "
-                     "FSDP plans are costed with autocast's dtypes")
+                     + AUTOCAST_FSDP)
         return ()
     if [n.name for n in low] != [n.name for n in nodes]:
         notes.append(f"with {prec.autocast} parameters (FSDP2 under {prec.name}) the model traced to other ops; "
-                     "FSDP plans are costed with autocast's dtypes")
+                     + AUTOCAST_FSDP)
         return ()
     return tuple(n.model_copy(update={"outputs": v.outputs, "bytes_read": _reads(n, v),
                                       "bytes_written": v.bytes_written, "saved_bytes": v.saved_bytes})

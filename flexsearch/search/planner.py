@@ -57,6 +57,7 @@ from flexsearch.cost.compute import MeasuredCosts
 from flexsearch.cost.hardware import Cluster
 from flexsearch.errors import InfeasiblePlanError, PlanKindError
 from flexsearch.graph.opgraph import OpGraph
+from flexsearch.graph.tracer import AUTOCAST_FSDP
 from flexsearch.plan import Plan, SearchInfo
 from flexsearch.precision import precision as precision_of
 from flexsearch.search import decentralized as dz
@@ -228,6 +229,11 @@ def plan_graph(
     if graph.via == "export" and "soap" in kinds:
         notes.append(EXPORTED_NOTE)
     ctx = CostContext(cluster, measured, precision=precision_of(graph.precision), calibration=calibration)
+    if ctx.precision.autocast is not None and not graph.low_param_nodes \
+            and not any(n.endswith(AUTOCAST_FSDP) for n in notes):
+        # a graph saved before the tracer's second pass, or built without it
+        notes.append(f"the graph has no pass with {ctx.precision.autocast} parameters (FSDP2 under "
+                     f"{ctx.precision.name}; saved by an older flexsearch?): trace the model again; {AUTOCAST_FSDP}")
     if measured is None and (aligned := misaligned_note(graph, ctx.precision, cluster)):
         notes.append(aligned)  # the roofline prices misaligned GEMMs as aligned
     sync_kinds = tuple(k for k in kinds if k != "decentralized")

@@ -16,8 +16,8 @@ extra minibatch in flight, ``P (q - 1)``, as a buffer. FSDP2 stages (``zero2``) 
 ``P / d`` at rest with their gradients' and optimizer state's shards, and the gathered
 parameters, ``g P``, as a buffer through the step; ``H`` counts their whole gradients,
 which the runtime accumulates unsharded until the reduce-scatter after the last
-backward (:data:`~flexsearch.strategy.kinds.PIPELINE_SHARDINGS`), with, gathered in bf16, each
-microbatch's bf16 gradients beside them, and keep no autocast weight copies
+backward (:data:`~flexsearch.strategy.kinds.PIPELINE_SHARDINGS`), with, gathered in bf16, a
+unit's bf16 gradients beside them while a backward makes them, and keep no autocast weight copies
 (:func:`flexsearch.sim.stages.stage_layout`). Not counted: the stages' receive
 buffers, for the activation a stage receives and for its output's gradient. torch 2.13's
 ``PipelineStage`` makes one per microbatch each way and keeps them, memory linear in the
@@ -61,8 +61,10 @@ def occupancy(by_lane: Mapping[tuple[int, int], Sequence[Action]], costs: Sequen
     """Each lane's :data:`Occupancy`, walking its actions (``grad_copies``: gradient
     bytes per parameter byte, :attr:`~flexsearch.sim.pipeline_layout.PipelineLayout.grad_copies`)."""
     stash = {s: microbatch_bytes(c) for s, c in enumerate(costs)}
-    stage_grads = {s: c.param_bytes * grad_copies for s, c in enumerate(costs)}
-    return {lane: (in_flight(acts), held_with_gradients(acts, stash, stage_grads)) for lane, acts in by_lane.items()}
+    stage_grads = {s: c.param_bytes for s, c in enumerate(costs)}
+    made = {s: c.param_bytes * (grad_copies - 1) for s, c in enumerate(costs)}
+    return {lane: (in_flight(acts), held_with_gradients(acts, stash, stage_grads, made))
+            for lane, acts in by_lane.items()}
 
 
 def microbatch_bytes(c: StageCost) -> float:
@@ -116,15 +118,18 @@ def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: Pipeli
                     rebuilt=rebuilt[d], grad_working=grads[d], held_with_grads=held[d]) for d in range(devices)]
 
 
-def held_with_gradients(actions: Sequence[Action], stash: Mapping[int, float], grads: Mapping[int, float]) -> float:
+def held_with_gradients(actions: Sequence[Action], stash: Mapping[int, float], grads: Mapping[int, float],
+                        making: Mapping[int, float] | None = None) -> float:
     """The most one lane holds in gradients and kept activations at once, once its first
     backward has run (``H`` of :mod:`flexsearch.sim.accounting`; 0 before): walking its
     actions in order, at each backward the gradients of every stage that has begun its
-    backward and the stashes (``stash[s]`` bytes per microbatch, the loss's saved copy
-    included: :func:`microbatch_bytes`) of the microbatches in
-    flight but the one being run backward (whose activations the backward frees as it
-    makes the gradients: ``W``), and after each later forward the same with the new
-    microbatch's stash."""
+    backward (``grads[s]`` bytes), those the backward makes before they join them
+    (``making[s]``: an FSDP2 stage's low-precision gradients of one unit, added to the
+    fp32 ones it accumulates at the unit's post-backward, :func:`~flexsearch.sim.pipeline_layout.fsdp_grad_copies`)
+    and the stashes (``stash[s]`` bytes per microbatch, the loss's saved copy included:
+    :func:`microbatch_bytes`) of the microbatches in flight but the one being run
+    backward (whose activations the backward frees as it makes the gradients: ``W``),
+    and after each later forward the gradients held with the new microbatch's stash."""
     started: set[int] = set()
     kept = made = peak = 0.0  # stashed bytes in flight; gradients made so far
     for a in actions:
@@ -132,12 +137,13 @@ def held_with_gradients(actions: Sequence[Action], stash: Mapping[int, float], g
             kept += stash[a.stage]
             if not started:
                 continue
+            peak = max(peak, made + kept)
         else:
             kept -= stash[a.stage]
             if a.stage not in started:
                 started.add(a.stage)
                 made += grads[a.stage]
-        peak = max(peak, made + kept)
+            peak = max(peak, made + (making[a.stage] if making else 0.0) + kept)
     return peak
 
 
@@ -152,14 +158,18 @@ def peak_memory(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLa
     if layout.schedule in ("gpipe", "1f1b") and layout.chunks == 1:
         # closed forms (:func:`~flexsearch.strategy.schedules.rank_actions`): rank r runs
         # stage r with w = m (GPipe) or min(m, p - r) (1F1B) warm-up forwards, so w
-        # microbatches in flight; at its first backward it holds the stage's gradients and
-        # w - 1 stashes, and w again if a forward follows (m > w): H of
+        # microbatches in flight; at its first backward it holds the stage's gradients
+        # (with those a backward makes before they join them) and w - 1 stashes, and the
+        # gradients with w stashes if a forward follows (m > w): H of
         # :func:`held_with_gradients`
         occupied = {}
         for r in range(p):
             w = m if layout.schedule == "gpipe" else min(m, p - r)
-            kept = w if m > w else w - 1
-            occupied[(r, 0)] = ({r: w}, costs[r].param_bytes * layout.grad_copies + kept * microbatch_bytes(costs[r]))
+            c = costs[r]
+            held = c.param_bytes * layout.grad_copies + (w - 1) * microbatch_bytes(c)
+            if m > w:
+                held = max(held, c.param_bytes + w * microbatch_bytes(c))
+            occupied[(r, 0)] = ({r: w}, held)
     else:
         by_lane = lanes(layout)
         if not layout.asynchronous:

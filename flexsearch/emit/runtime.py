@@ -63,10 +63,12 @@ class Runtime:
         out.group = None
         return out
 
-    def mesh(self, devices: list[list[int]] | list[int], names: tuple[str, ...] = ("s", "t")) -> DeviceMesh:
+    def mesh(self, devices: list, names: tuple[str, ...] = ("s", "t")) -> DeviceMesh:
         """The device mesh of this runtime's devices laid out as ``devices`` (nested lists)."""
-        nested = isinstance(devices[0], (list, tuple))
-        ranks = [[self.ranks[d] for d in row] for row in devices] if nested else [self.ranks[d] for d in devices]
+        def ranks_of(x):
+            return [ranks_of(y) for y in x] if isinstance(x, (list, tuple)) else self.ranks[x]
+
+        ranks = ranks_of(devices)
         key = (repr(ranks), names)
         if key not in self._meshes:
             self._meshes[key] = DeviceMesh(self.device_type, torch.tensor(ranks), mesh_dim_names=names)
@@ -74,7 +76,21 @@ class Runtime:
 
     def block_mesh(self, first: int, s: int, t: int) -> DeviceMesh:
         """The ``s x t`` mesh of devices ``first .. first + s*t - 1`` (``t`` innermost)."""
-        return self.mesh([[first + i * t + j for j in range(t)] for i in range(s)])
+        return self.mesh(self._block(first, s, t))
+
+    @staticmethod
+    def _block(first: int, s: int, t: int) -> list[list[int]]:
+        return [[first + i * t + j for j in range(t)] for i in range(s)]
+
+    def adopt_block(self, first: int, s: int, t: int, mesh: DeviceMesh) -> None:
+        """Use ``mesh`` (made over the same ranks in the same layout, as a slice of a
+        larger mesh) as the block mesh of ``(first, s, t)`` on this rank from now on.
+        The block's own mesh must already be made (on every rank, in the same order:
+        the groups it made stay)."""
+        ranks = [[self.ranks[d] for d in row] for row in self._block(first, s, t)]
+        if mesh.mesh.tolist() != ranks:
+            raise EmitError(f"a mesh over {mesh.mesh.tolist()} cannot stand for the block over {ranks}")
+        self._meshes[(repr(ranks), ("s", "t"))] = mesh
 
     def subgroup(self, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
         """A process group over global ``ranks`` (sorted), made once; None when this rank

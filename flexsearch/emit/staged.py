@@ -25,8 +25,10 @@ This rank (pipeline rank ``r``, replica ``j``, tensor index ``i``) builds:
   over the ``d`` replicas: ``ZeroRedundancyOptimizer`` on the replica group (each
   replica keeps the state of and updates its share of the weights, then broadcasts
   them), run on the weights' local tensors (:class:`LocalZero`);
-- under ``shard: zero2`` (plain stages under GPipe or 1F1B), each stage is an FSDP2
-  module over its ``d`` replicas (``fully_shard`` on the replica mesh,
+- under ``shard: zero2`` (GPipe or 1F1B), each stage is an FSDP2 module over its ``d``
+  replicas (``fully_shard`` on the replica mesh; a tensor-parallel stage's weights are
+  DTensors on the ``(s, t)`` slice of a ``(dp, s, t)`` mesh, FSDP2 shards them over its
+  ``dp`` slice: torchtitan's FSDP x TP;
   ``reshard_after_forward=False``, the precision's ``MixedPrecisionPolicy``): torch's
   schedule runs its microbatches' backwards without gradient sync and reduce-scatters
   (averaging over the replicas) after the last, so no all-reduce follows; the optimizer
@@ -176,10 +178,18 @@ class PipelineModule(nn.Module):
                 check_pipeline_shard(plan.shard, d, t, plan.schedule)
             except ValueError as e:
                 raise EmitError(f"{e}; plan again") from None
-            # FSDP2 over each pipeline rank's replicas (plain stages: one device each), every
-            # rank making every mesh in the same order
-            meshes = [rt.mesh([rr * g + jj for jj in range(d)], ("dp",)) for rr in range(p)]
-            self._fsdp_mesh = meshes[r]
+            # FSDP2 over each pipeline rank's replicas, every rank making every mesh in the
+            # same order: plain stages one device each; tensor-parallel stages a (dp, s, t)
+            # mesh whose (s, t) slice this replica's stage places its weights on (FSDP2
+            # shards a DTensor weight over a mesh of the same root)
+            if t == 1:
+                meshes = [rt.mesh([rr * g + jj for jj in range(d)], ("dp",)) for rr in range(p)]
+                self._fsdp_mesh = meshes[r]
+            else:
+                roots = [rt.mesh([[[rr * g + jj * t + ii for ii in range(t)]] for jj in range(d)], ("dp", "s", "t"))
+                         for rr in range(p)]
+                self._fsdp_mesh = roots[r]["dp"]
+                subs[r, self.replica].adopt_block(0, 1, t, roots[r]["s", "t"])
         self._tied = self._tie_groups(cuts, ids, rt, p, g)
 
         def runnable(m: nn.Module) -> nn.Module:  # the precision's autocast, inside the recomputed region

@@ -18,7 +18,8 @@ the parameters after the update, which itself shrinks ``d``-fold; ``zero2``, FSD
 stages where the emitter runs them: ``(g + 1 + g' + (1 + k) / d) P``, ``g`` the gathered
 bytes per stored byte, ``g'`` the same under mixed precision, else 0,
 :data:`~flexsearch.strategy.kinds.PIPELINE_SHARDINGS`). The best candidates
-by the partitioner's estimate ``(m v + p - 1) / v * bottleneck`` are simulated
+by the partitioner's estimate ``(m v + p - 1) / v * bottleneck`` (FSDP2 stages: plus
+``p`` all-gathers of the largest stage's parameters, which lie on the fill) are simulated
 (:mod:`flexsearch.sim.pipeline`), more while none of them fits, each first checked by
 the simulation's own memory model, which needs no scheduling (the partitioner's memory
 rule leaves out what a stage rebuilds under checkpointing, the backward's buffers and
@@ -83,11 +84,13 @@ estimates): sharding the optimizer state costs one all-gather of the stage's par
 (and saves ``d - 1`` of ``d`` updates), FSDP2 stages an all-gather before the first
 forward and a reduce-scatter for the all-reduce, checkpointing a forward pass per
 microbatch."""
-SIMULATE_TOP = 6
+SIMULATE_TOP = 8
 """Candidates simulated per search: the partitioner's estimate ranks layouts well but
-misses transfers queueing on shared links and the schedule's exact bubbles; six covers
-the usual close calls (two schedules x recomputation or not, a neighbouring
-microbatch count) at a few simulations' cost."""
+misses transfers queueing on shared links and the schedule's exact bubbles; eight covers
+the usual close calls (two schedules x recomputation or not x FSDP2 stages or not, a
+neighbouring microbatch count) at a few simulations' cost. With six, GPT 310B on 1,920
+A100s (Megatron's table) left out its fastest plan, FSDP2 x TP x PP stages at 33.19 s,
+ranked seventh by its estimate."""
 SIMULATE_MAX = 4 * SIMULATE_TOP
 """Candidates simulated at most while none of the first fits in memory. Each is first
 checked by the simulation's memory model (the partitioner's rule leaves out what the
@@ -300,10 +303,26 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
             part = partition(chain_for(d * m, t, recompute, shard == "zero2"), [Level(p * v, bw, lat)], memory=memory,
                              replicate=False)
             if part is not None and len(part.stages) == p * v:
-                return (m * v + p - 1) / v * part.bottleneck_s, t, p, d, m, schedule, v, recompute, part, shard, q
+                est = (m * v + p - 1) / v * part.bottleneck_s
+                if shard == "zero2":
+                    est += p * fsdp_gather_s(chain_for(d * m, t, recompute, True), part, t, d)
+                return est, t, p, d, m, schedule, v, recompute, part, shard, q
         return None
 
+    gather_memo: dict[tuple[int, int], float] = {}
+
+    def fsdp_gather_s(chain: Chain, part, t: int, d: int) -> float:
+        """FSDP2 stages gather their parameters when their first input arrives, so each
+        stage's all-gather over its replicas lies on the pipeline's fill: the largest
+        stage's (per device, in the gathered dtype), at the bandwidth of a 1 GB one (on
+        thousands of devices a collective costs milliseconds to price)."""
+        largest = max(sum(chain.params[s.start:s.end]) for s in part.stages) * gather
+        if (t, d) not in gather_memo:
+            gather_memo[t, d] = ctx.collective("all_gather", tuple(range(0, d * t, t)), 1e9).time_s / 1e9
+        return gather_memo[t, d] * largest
+
     estimates = []
+    plain_modes: dict[tuple, str | None] = {}  # per layout, the checkpointing it fits at unsharded
     for t in tensor_degrees(cluster):
         if estimates and past(deadline):
             break
@@ -328,6 +347,7 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
                     plain = estimate(t, p, d, m, schedule, v, q, "none", modes)
                     if plain is not None:
                         estimates.append(plain)
+                    plain_modes[t, p, d, m, schedule] = None if plain is None else plain[7]
                     lighter = modes[:modes.index(plain[7])] if plain is not None else modes
                     if d > 1 and lighter:  # sharding where it lets the layout checkpoint less
                         for shard in pipeline_shardings(t, d, schedule)[1:]:
@@ -373,7 +393,11 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
         if not fits(bounds, t, p, d, m, schedule, v, recompute, shard):
             skipped = skipped or (bounds, t, p, d, m, schedule, v, recompute, shard)
             modes = modes_of(t)
-            heavier = estimate(t, p, d, m, schedule, v, q, shard, modes[modes.index(recompute) + 1:])
+            heavier = modes[modes.index(recompute) + 1:]
+            if shard != "none" and plain_modes.get((t, p, d, m, schedule)) in heavier:
+                # a sharding tried to checkpoint less than the unsharded layout: not at its mode
+                heavier = heavier[:heavier.index(plain_modes[t, p, d, m, schedule])]
+            heavier = estimate(t, p, d, m, schedule, v, q, shard, heavier) if heavier else None
             if heavier is not None:
                 heapq.heappush(queue, (heavier[0], SAVINGS.index((heavier[7], shard)), order, heavier))
                 order += 1
@@ -381,6 +405,14 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
         results.append(simulated(bounds, t, p, d, m, schedule, v, recompute, shard))
     if not results and skipped is not None:  # none fits: the first, for what it needs
         results.append(simulated(*skipped))
+
+    def layout_estimate(r: PipelineResult, shard: str) -> float:
+        """The partitioner's estimate of ``r``'s layout sharded by ``shard`` at its
+        checkpointing (infinite where the partitioner does not fit it)."""
+        p, v = len(r.stages) // r.chunks, r.chunks
+        e = estimate(r.tensor, p, r.replicas, r.microbatches, r.schedule, v,
+                     peak_in_flight(r.schedule, p, r.microbatches, v), shard, (r.recompute,))
+        return math.inf if e is None else e[0]
 
     def shape(r: PipelineResult) -> tuple:
         return r.tensor, len(r.stages), r.replicas, r.microbatches, r.schedule, r.chunks, r.recompute, r.shard
@@ -403,10 +435,13 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
                default=None)
     if best is not None and best.replicas > 1 and not past(deadline):
         # each other sharding: ZeRO-1 or FSDP2 stages may be the faster (the update is d
-        # times smaller) even where the state fits replicated
+        # times smaller) even where the state fits replicated; FSDP2 stages not where
+        # their estimate, the fill's gathers in it, is above the layout's own (on GPT 1T
+        # over 3,072 A100s: 64 stages' gathers, a 5 s simulation that cannot win)
         bounds = tuple((a, b) for a, b, _ in best.stages)
         for other in pipeline_shardings(best.tensor, best.replicas, best.schedule):
-            if other != best.shard and fits_as(best, bounds, other):
+            if other != best.shard and fits_as(best, bounds, other) and \
+                    (other != "zero2" or layout_estimate(best, other) <= layout_estimate(best, best.shard)):
                 results.append(again(best, bounds, other))
     results.sort(key=lambda r: (not r.simulation.feasible, r.simulation.iteration_time_s))
     return results

@@ -29,7 +29,7 @@ the :class:`~flexsearch.sim.pipeline_layout.PipelineLayout`):
   optimizer state), then the replicas all-gather the updated parameters, one
   all-gather per tensor-parallel rank (calibrated: with ``ZeroRedundancyOptimizer``'s
   cost per parameter tensor and per step, the op-level ZeRO-1's terms). FSDP2 stages
-  (``shard="zero2"``, plain stages under GPipe or 1F1B: :data:`~flexsearch.strategy.kinds.PIPELINE_SHARDINGS`)
+  (``shard="zero2"``, stages under GPipe or 1F1B: :data:`~flexsearch.strategy.kinds.PIPELINE_SHARDINGS`)
   all-gather each stage's parameters over its replicas (in FSDP's ``param_dtype``,
   ``PipelineLayout.gather`` bytes per stored byte) once the replicas' first inputs are
   in, and its first forward waits for it (the runtime's pre-forward hook; the stage's

@@ -45,9 +45,11 @@ replicas:
 
 - ``zero1``, the optimizer state (what Megatron-LM's distributed optimizer and
   DeepSpeed's pipeline engine, which takes ZeRO stage 1 only, shard);
-- ``zero2``, FSDP2 stages (torchtitan's FSDP x PP): each stage ``fully_shard`` over its
-  replicas with ``reshard_after_forward=False``, plain stages (``tensor = 1``) under
-  GPipe or 1F1B. torch 2.13's pipeline runtime runs every microbatch's backward of an
+- ``zero2``, FSDP2 stages (torchtitan's FSDP x PP, and with ``tensor > 1`` its FSDP x TP
+  x PP; one stage of ``tensor > 1``: its 2-D FSDP x TP): each stage ``fully_shard`` over
+  its replicas with ``reshard_after_forward=False`` (a tensor-parallel stage's DTensor
+  weights on a ``(dp, s, t)`` mesh, FSDP2 sharding each one's local shard over ``dp``),
+  under GPipe or 1F1B. torch 2.13's pipeline runtime runs every microbatch's backward of an
   FSDP stage without gradient sync and without resharding
   (``torch/distributed/pipelining/stage.py``, ``backward_maybe_with_nosync``) and
   reduce-scatters once after the last (``perform_reduce_grad``), so the stage gathers
@@ -64,8 +66,7 @@ replicas:
   runtime a resharding stage gathers its parameters again for microbatches' forwards
   and backwards while its whole gradients stay: more traffic to save at most the
   gathered parameters), and FSDP under the interleaved
-  schedule, whose runtime never calls ``perform_reduce_grad``, nor on tensor-parallel
-  stages."""
+  schedule, whose runtime never calls ``perform_reduce_grad``."""
 ACCUMULATING_SHARDINGS = ("none", "zero1", "zero2")
 """The data-parallel shardings that accumulate gradients over microbatches, each as one
 pipeline stage on every device runs them (:func:`flexsearch.sim.predict.predict`): DDP
@@ -142,9 +143,9 @@ def check_pipeline_shard(shard: str, replicas: int, tensor: int, schedule: str) 
         raise ValueError(f"a pipeline shards its state with one of {', '.join(PIPELINE_SHARDINGS)}, not {shard!r}")
     if shard != "none" and replicas < 2:
         raise ValueError(f"{shard} shards the state over a stage's replicas: it needs replicas > 1")
-    if shard == "zero2" and (tensor > 1 or schedule not in FSDP_PIPELINE_SCHEDULES):
-        raise ValueError(f"zero2 (FSDP2 stages) runs on plain stages (tensor = 1) under "
-                         f"{' or '.join(FSDP_PIPELINE_SCHEDULES)}, not tensor = {tensor} under {schedule!r}")
+    if shard == "zero2" and schedule not in FSDP_PIPELINE_SCHEDULES:
+        raise ValueError(f"zero2 (FSDP2 stages) runs under {' or '.join(FSDP_PIPELINE_SCHEDULES)}, "
+                         f"not under {schedule!r}")
 
 
 @dataclass(frozen=True)

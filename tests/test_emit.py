@@ -271,6 +271,20 @@ def test_attention_on_one_device_runs_the_original_kernel() -> None:
     assert "aten::_scaled_dot_product_attention_math" not in kernels, kernels
 
 
+def test_attention_runs_per_head_only_without_dropout_or_grouped_keys() -> None:
+    """Each rank runs its heads alone unless the call draws dropout (each rank would draw
+    its own mask) or groups keys and values (``enable_gqa``: a rank's query heads would
+    meet the wrong ones): those stay on DTensors."""
+    from flexsearch.emit.sharded import _per_head
+
+    q = k = v = torch.zeros(1, 2, 4, 8)
+    assert _per_head((q, k, v), {"is_causal": True})
+    assert _per_head((q, k, v, None, 0.0), {})
+    assert not _per_head((q, k, v, None, 0.1), {})
+    assert not _per_head((q, k, v), {"dropout_p": 0.1})
+    assert not _per_head((q, k, v), {"enable_gqa": True})
+
+
 def test_attention_split_by_heads_runs_the_original_kernel() -> None:
     """Megatron's layout on 2 ranks (attention split by heads), fp32 and bf16-mixed: each
     rank runs its heads on local tensors with the kernel the original model runs, not

@@ -337,7 +337,7 @@ class ShardedModule(nn.Module):
         if isinstance(mod, nn.Embedding) and c.kind == "r" and c.t > 1:
             return self._vocab_parallel(n, mod, args, c, mesh)
         if node.kind in _LOCAL_KINDS or node.opaque or isinstance(mod, _LOCAL_MODULES) or \
-                (node.kind == "attention" and (c.n == 1 or mod is None)):
+                (node.kind == "attention" and (c.n == 1 or mod is None and _per_head(args, kwargs))):
             return self._call_local(n, node, mod, args, kwargs, c, mesh)
         state = {}
         if mod is not None:
@@ -382,7 +382,8 @@ class ShardedModule(nn.Module):
         for ops DTensor has no rule for (RNNs, opaque ops) or runs wrongly (convolutions
         with split channels). Convolutions and RNN layers keep their sample split (and a
         conv its output-channel split); ``scaled_dot_product_attention`` its sample and
-        heads splits (each rank's heads with the kernel the model runs: DTensor has no
+        heads splits (without dropout or grouped keys and values: :func:`_per_head`;
+        each rank's heads with the kernel the model runs: DTensor has no
         rule for the CPU's fused kernel, and the math backend it falls back to keeps the
         fp32 probabilities); anything else is gathered and computed whole on every rank
         of its mesh. Ranks outside the mesh compute nothing; their empty outputs still
@@ -491,6 +492,18 @@ the math backend, ``torch.profiler``: 2.4 ms against 1.0 ms per call on the GPT 
 ``benchmarks/fidelity.py``)."""
 _LOCAL_MODULES = (nn.modules.conv._ConvNd, nn.RNNBase)
 """Layers run on local shards with their sample (and channel) split kept."""
+
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _per_head(args: tuple, kwargs: Mapping[str, Any]) -> bool:
+    """Can ``scaled_dot_product_attention`` run on each rank's heads alone? Not with
+    dropout (each rank would draw its own mask, where DTensor's RNG tracker keeps a
+    replicated output's agree) nor with grouped keys and values (``enable_gqa``: a
+    rank's query heads would meet the wrong ones); those run on DTensors."""
+    named = {**dict(zip(_SDPA_ARGS, args, strict=False)), **kwargs}
+    return not named.get("dropout_p") and not named.get("enable_gqa")
 
 
 def _state(mod: nn.Module) -> list[tuple[str, torch.Tensor]]:

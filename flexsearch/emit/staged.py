@@ -79,7 +79,7 @@ from flexsearch.emit.runtime import Runtime
 from flexsearch.emit.sharded import ShardedModule, build_layouts
 from flexsearch.emit.stages import cut
 from flexsearch.errors import EmitError
-from flexsearch.graph.lift import flat_inputs
+from flexsearch.graph.lift import flat_inputs, short_reason
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.plan import Plan
 from flexsearch.strategy.kinds import check_pipeline_shard
@@ -231,7 +231,15 @@ class PipelineModule(nn.Module):
         from torch.distributed.fsdp import fully_shard
 
         kw = {"mp_policy": policy} if (policy := fsdp_policy(self._rt.precision)) is not None else {}
-        return fully_shard(stage, mesh=self._fsdp_mesh, reshard_after_forward=False, **kw)
+        try:
+            return fully_shard(stage, mesh=self._fsdp_mesh, reshard_after_forward=False, **kw)
+        except (AssertionError, NotImplementedError, RuntimeError, ValueError) as e:
+            if self.t == 1:
+                raise
+            # FSDP2 over DTensor weights: torch 2.13 takes them on 2-D (s, t) meshes of
+            # the same root as the dp mesh; an older one, or a weight on another mesh, not
+            raise EmitError(f"FSDP2 could not shard this tensor-parallel stage ({short_reason(e)}); "
+                            f"run torch 2.13, or plan again with --kind pipeline, data or fsdp") from None
 
     def _micro_inputs(self, plan: Plan) -> list:
         """Zero tensors of one microbatch's flat inputs, in the precision's dtypes."""

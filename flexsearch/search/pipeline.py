@@ -322,7 +322,6 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
         return gather_memo[t, d] * largest
 
     estimates = []
-    plain_modes: dict[tuple, str | None] = {}  # per layout, the checkpointing it fits at unsharded
     for t in tensor_degrees(cluster):
         if estimates and past(deadline):
             break
@@ -347,7 +346,6 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
                     plain = estimate(t, p, d, m, schedule, v, q, "none", modes)
                     if plain is not None:
                         estimates.append(plain)
-                    plain_modes[t, p, d, m, schedule] = None if plain is None else plain[7]
                     lighter = modes[:modes.index(plain[7])] if plain is not None else modes
                     if d > 1 and lighter:  # sharding where it lets the layout checkpoint less
                         for shard in pipeline_shardings(t, d, schedule)[1:]:
@@ -393,11 +391,7 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
         if not fits(bounds, t, p, d, m, schedule, v, recompute, shard):
             skipped = skipped or (bounds, t, p, d, m, schedule, v, recompute, shard)
             modes = modes_of(t)
-            heavier = modes[modes.index(recompute) + 1:]
-            if shard != "none" and plain_modes.get((t, p, d, m, schedule)) in heavier:
-                # a sharding tried to checkpoint less than the unsharded layout: not at its mode
-                heavier = heavier[:heavier.index(plain_modes[t, p, d, m, schedule])]
-            heavier = estimate(t, p, d, m, schedule, v, q, shard, heavier) if heavier else None
+            heavier = estimate(t, p, d, m, schedule, v, q, shard, modes[modes.index(recompute) + 1:])
             if heavier is not None:
                 heapq.heappush(queue, (heavier[0], SAVINGS.index((heavier[7], shard)), order, heavier))
                 order += 1
@@ -435,13 +429,16 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
                default=None)
     if best is not None and best.replicas > 1 and not past(deadline):
         # each other sharding: ZeRO-1 or FSDP2 stages may be the faster (the update is d
-        # times smaller) even where the state fits replicated; FSDP2 stages not where
-        # their estimate, the fill's gathers in it, is above the layout's own (on GPT 1T
-        # over 3,072 A100s: 64 stages' gathers, a 5 s simulation that cannot win)
+        # times smaller) even where the state fits replicated; tensor-parallel FSDP2
+        # stages not where their estimate, the fill's gathers in it, is above the
+        # layout's own (on GPT 1T over 3,072 A100s: 64 stages' gathers, a 5 s simulation
+        # that cannot win; the estimate leaves out the smaller update, so plain stages
+        # are always simulated)
         bounds = tuple((a, b) for a, b, _ in best.stages)
         for other in pipeline_shardings(best.tensor, best.replicas, best.schedule):
             if other != best.shard and fits_as(best, bounds, other) and \
-                    (other != "zero2" or layout_estimate(best, other) <= layout_estimate(best, best.shard)):
+                    (other != "zero2" or best.tensor == 1
+                     or layout_estimate(best, other) <= layout_estimate(best, best.shard)):
                 results.append(again(best, bounds, other))
     results.sort(key=lambda r: (not r.simulation.feasible, r.simulation.iteration_time_s))
     return results

@@ -65,32 +65,32 @@ class Runtime:
 
     def mesh(self, devices: list, names: tuple[str, ...] = ("s", "t")) -> DeviceMesh:
         """The device mesh of this runtime's devices laid out as ``devices`` (nested lists)."""
-        def ranks_of(x):
-            return [ranks_of(y) for y in x] if isinstance(x, (list, tuple)) else self.ranks[x]
-
-        ranks = ranks_of(devices)
-        key = (repr(ranks), names)
+        ranks, key = self._mesh_key(devices, names)
         if key not in self._meshes:
             self._meshes[key] = DeviceMesh(self.device_type, torch.tensor(ranks), mesh_dim_names=names)
         return self._meshes[key]
 
+    def _mesh_key(self, devices: list, names: tuple[str, ...]) -> tuple[list, tuple]:
+        """``devices`` as global ranks (the same nesting), and the mesh cache's key."""
+        def ranks_of(x):
+            return [ranks_of(y) for y in x] if isinstance(x, (list, tuple)) else self.ranks[x]
+
+        ranks = ranks_of(devices)
+        return ranks, (repr(ranks), names)
+
     def block_mesh(self, first: int, s: int, t: int) -> DeviceMesh:
         """The ``s x t`` mesh of devices ``first .. first + s*t - 1`` (``t`` innermost)."""
-        return self.mesh(self._block(first, s, t))
-
-    @staticmethod
-    def _block(first: int, s: int, t: int) -> list[list[int]]:
-        return [[first + i * t + j for j in range(t)] for i in range(s)]
+        return self.mesh(_block(first, s, t))
 
     def adopt_block(self, first: int, s: int, t: int, mesh: DeviceMesh) -> None:
         """Use ``mesh`` (made over the same ranks in the same layout, as a slice of a
         larger mesh) as the block mesh of ``(first, s, t)`` on this rank from now on.
         The block's own mesh must already be made (on every rank, in the same order:
         the groups it made stay)."""
-        ranks = [[self.ranks[d] for d in row] for row in self._block(first, s, t)]
+        ranks, key = self._mesh_key(_block(first, s, t), ("s", "t"))
         if mesh.mesh.tolist() != ranks:
             raise EmitError(f"a mesh over {mesh.mesh.tolist()} cannot stand for the block over {ranks}")
-        self._meshes[(repr(ranks), ("s", "t"))] = mesh
+        self._meshes[key] = mesh
 
     def subgroup(self, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
         """A process group over global ``ranks`` (sorted), made once; None when this rank
@@ -103,3 +103,8 @@ class Runtime:
                 g = dist.new_group(list(key), use_local_synchronization=False)
                 self._groups[key] = g if self.rank in key else None
         return self._groups[key]
+
+
+def _block(first: int, s: int, t: int) -> list[list[int]]:
+    """The devices of block ``(first, s, t)``: ``s`` rows of ``t``."""
+    return [[first + i * t + j for j in range(t)] for i in range(s)]

@@ -30,8 +30,8 @@ by their peak per device against torch's allocator instead, read from ``torch.pr
 memory events (GPipe, 1F1B and interleaved 1F1B on 2 ranks, both precisions), less the
 stages' receive buffers (which the model leaves out: :mod:`flexsearch.sim.pipeline_memory`; the
 emitter keeps one per microbatch it may still need, checked here per stage,
-:func:`flexsearch.emit.staged.receive_buffers`): -7.7% to +7.0% but one known miss
-(:data:`PIPELINE_MISSES`); a 1F1B pipeline of 2 replicas on 4 ranks the same way, both
+:func:`flexsearch.emit.staged.receive_buffers`): -5.0% to +8.2% (:data:`PIPELINE_MISSES`:
+none left); a 1F1B pipeline of 2 replicas on 4 ranks the same way, both
 precisions, its state replicated, its optimizer state sharded over the replicas
 (ZeRO-1) and its stages FSDP2 modules over them (``zero2``): -8.1% to +7.6%, and each
 sharding's saving within 25% of the allocator's (bf16-mixed under the ``slow`` marker,
@@ -194,20 +194,23 @@ def test_decentralized_memory_matches_torchs_trackers(precision):
 
 
 STEPS = "flexsearch::measured_steps"
-PIPELINE_MISSES = {("fp32", "interleaved", 1): 0.15}
-"""Known misses of the pipeline memory model (the rank holding the loss), bounded looser:
-measured -10.7% (fp32 interleaved), 0.33 MB short. Read from the live allocations at
-the allocator's peak grouped by op: the last stage runs microbatch 1's loss forward
-while microbatch 0's backward gradients are held; ``aten::mse_loss``'s CPU kernel then
-holds two output-sized fp32 buffers, which the model now counts (``Y + T``, where it
-counted one, ``max(Y, W)``: -19.3%), beside the stage's received input copy and
-microbatch 1's forward activations. Three more (bf16-mixed: GPipe -15.4%,
-1F1B -11.8%, interleaved -10.9%) were the loss's fp32 copy of the output (``out.float()``,
-saved by the MSE): torch.distributed.pipelining computes each microbatch's loss in its
-forward action and keeps it to the backward, so the copy stays once per microbatch in
-flight, where the model counted it once (``Y``). It counts it per microbatch now
-(:func:`flexsearch.sim.footprint.loss_copy_bytes`, in the stash and in ``H``): -3.8%,
--2.4%, -2.9%."""
+PIPELINE_MISSES: dict[tuple[str, str, int], float] = {}
+"""Known misses of the pipeline memory model, bounded looser: none. The last, the fp32
+interleaved pipeline's loss rank at -10.7% (0.33 MB short), read from the live
+allocations at the allocator's peak grouped by op: the last stage runs microbatch 1's
+loss forward while microbatch 0's gradients are held, beside microbatch 1's copy of
+the MLP activation the stage received (the emitter runs a stage on copies of what it
+receives: :func:`flexsearch.emit.dense.dense_input`), which its projection saves; the
+model counted a saved tensor only on the stage that made it. It now counts what a stage
+keeps at its edges (:class:`flexsearch.sim.stages.BoundaryCopies`: received copies its
+ops save or it sends on, and the tensors it sends that no op saves, which torch's
+``PipelineStage`` keeps to the microbatch's backward): -4.3%, the other rank +2.1% ->
++7.0% (its first stage's two sent outputs, held per microbatch). Before that,
+``aten::mse_loss``'s CPU kernel's two output-sized fp32 buffers were counted as one
+(``max(Y, W)``, -19.3%; now ``Y + T``), and under bf16-mixed (GPipe -15.4%, 1F1B -11.8%,
+interleaved -10.9%) the loss's fp32 copy of the output (``out.float()``, saved by the
+MSE) once where torch.distributed.pipelining keeps it once per microbatch in flight
+(:func:`flexsearch.sim.footprint.loss_copy_bytes`)."""
 
 
 @contextlib.contextmanager

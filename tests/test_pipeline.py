@@ -31,6 +31,7 @@ from flexsearch.sim.context import CostContext
 from flexsearch.sim.pipeline import simulate_pipeline
 from flexsearch.sim.pipeline_layout import PipelineLayout, StageCost
 from flexsearch.sim.pipeline_memory import held_with_gradients
+from flexsearch.sim.stages import BoundaryCopies
 from flexsearch.strategy.schedules import rank_actions
 
 CTX = CostContext(Cluster.preset("dgx-h100", 16))
@@ -149,6 +150,37 @@ def test_cut_bytes_count_every_crossing_tensor(root):
         want = sum(n.output_bytes for i, n in enumerate(g.nodes[:x])
                    if any(names.index(c.name) >= x for c in g.nodes if n.name in c.inputs))
         assert cuts[x] == want
+
+
+def test_stages_keep_what_crosses_their_edges_and_is_saved_or_sent_on():
+    """:class:`BoundaryCopies`: a stage keeps a received tensor one of its ops saves or it
+    sends on, and a tensor it makes and sends that no op saves; the saving ops come from
+    the tracer."""
+    import torch
+    from torch import nn
+
+    class Edges(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8)
+
+        def forward(self, x):
+            g = self.a(x) + 1  # read by relu and by the last add; saved by neither
+            y = self.b(torch.relu(g))  # b saves relu's output
+            return self.c(g + y)  # c saves the sum
+
+    g = trace(Edges(), (torch.randn(4, 16),))
+    assert [n.name for n in g.nodes] == ["x", "a", "add", "relu", "b", "add_1", "c", "output"]
+    assert (g.node("b").saves, g.node("c").saves, g.node("add_1").saves) == (("relu",), ("add_1",), ())
+    edges, size = BoundaryCopies.of(g), 4 * 32 * 4
+    assert edges.kept(4, 6) == size  # receives relu's output, which b saves; add's, which no op saves, it does not keep
+    assert edges.kept(3, 6) == 0  # receives add's output, saved by no op, and sends the sum, which c saves
+    assert edges.kept(1, 4) == size  # sends add's output, saved by no op (relu's, saved, is in its saved bytes);
+    # the model's input it receives has no gradient: sent as it is, not copied
+    assert edges.kept(3, 4) == size  # add's output received and sent on
+    assert edges.kept(0, 8) == 0  # one stage: no edges
+    assert BoundaryCopies.of(g.model_copy(update={"nodes": tuple(
+        n.model_copy(update={"saves": None}) for n in g.nodes)})).kept(4, 6) == 0  # not measured: nothing
 
 
 @pytest.fixture(scope="module")

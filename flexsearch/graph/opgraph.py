@@ -136,6 +136,11 @@ class OpNode(_Frozen):
     """Bytes of activations autograd keeps for the backward that the node created (its
     outputs some op saves or the model returns, and tensors it saved internally), as
     measured by the tracer; ``None`` when not measured (a profile from elsewhere)."""
+    saves: tuple[str, ...] | None = None
+    """The nodes whose outputs (the storages they created: a view's is its base's
+    creator's) this op saves for its backward, as measured by the tracer; ``None`` when
+    not measured. A pipeline stage that receives such an output keeps its copy of it
+    (:class:`flexsearch.sim.stages.BoundaryCopies`)."""
     dims: ParallelDims = ParallelDims()
     opaque: bool = False
     module: str = ""

@@ -42,6 +42,7 @@ class SavedTensors:
         self.owner: dict[StorageWeakRef, tuple[str, int]] = {}  # storage -> (node, bytes)
         self.saved: set[StorageWeakRef] = set()
         self.internal: dict[str, int] = {}
+        self.saves: dict[str, set[str]] = {}  # node -> the nodes whose storages it saved
         self.clone_of: dict[StorageWeakRef, StorageWeakRef] = {}
         self._held: list[torch.Tensor] = []
 
@@ -78,6 +79,8 @@ class SavedTensors:
                 continue
             if k in self.owner or k in outs:
                 self.saved.add(k)
+                if k in self.owner and self.owner[k][0] != name:
+                    self.saves.setdefault(name, set()).add(self.owner[k][0])
             elif not self._is_weight_cast(t):
                 internal[k] = t.untyped_storage().nbytes()
                 self._held.append(t)
@@ -99,6 +102,10 @@ class SavedTensors:
                 return False
             fn = nxt[0]
         return False
+
+    def saved_inputs(self) -> dict[str, set[str]]:
+        """Per node, the nodes whose outputs (their storages) it saved for its backward."""
+        return self.saves
 
     def saved_bytes(self) -> dict[str, int]:
         """Per node, the bytes of activations autograd keeps for the backward that the

@@ -117,7 +117,10 @@ def _with_saved(measure: Measure, model: nn.Module) -> tuple[OpNode, ...]:
     """The measured nodes, each with the bytes autograd saves that it created."""
     saved = measure.saved.saved_bytes()
     saved.update(fused_rnn_saves(model, measure.nodes))
-    return tuple(n.model_copy(update={"saved_bytes": 0 if n.kind == "input" else saved.get(n.name, 0)})
+    saves = measure.saved.saved_inputs()
+    order = {n.name: i for i, n in enumerate(measure.nodes)}
+    return tuple(n.model_copy(update={"saved_bytes": 0 if n.kind == "input" else saved.get(n.name, 0),
+                                      "saves": tuple(sorted(saves.get(n.name, ()), key=order.__getitem__))})
                  for n in measure.nodes)
 
 

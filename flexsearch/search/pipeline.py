@@ -54,6 +54,7 @@ from flexsearch.sim.pipeline_layout import PipelineLayout, fsdp_grad_copies
 from flexsearch.sim.predict import fsdp_graph, predict
 from flexsearch.sim.result import Simulation
 from flexsearch.sim.stages import (
+    BoundaryCopies,
     NodeCost,
     crossing_bytes,
     cut_bytes,
@@ -254,7 +255,7 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
     grads = fsdp_grad_copies(gather)  # FSDP2 stages: gradient bytes per parameter byte
     cap = cluster.device.memory_capacity.value
     cost_memo: dict[tuple[int, int, bool], tuple[list[NodeCost], dict[str, Config]] | None] = {}
-    cut_memo: dict[tuple[int, bool], tuple[float, ...]] = {}
+    cut_memo: dict[tuple[int, bool], tuple[tuple[float, ...], BoundaryCopies]] = {}  # cut bytes, stage edges
     low = fsdp_graph(graph, ctx)  # what FSDP2 stages compute
 
     def graph_of(shard: str) -> OpGraph:
@@ -269,7 +270,7 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
             configs = stage_configs(mg, t)
             costs = stage_node_costs(mg, ctx, t) if configs is not None else None
             cost_memo[key] = None if costs is None else (costs, configs)
-            cut_memo[k, key[2]] = cut_bytes(mg)
+            cut_memo[k, key[2]] = cut_bytes(mg), BoundaryCopies.of(mg)
         return cost_memo[key]
 
     cps = {mode: Checkpointing.of(graph, mode) for mode in RECOMPUTE_ORDER}
@@ -285,7 +286,7 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
             costs = costs_for(k, t, "zero2" if fsdp else "none")[0]
             if fsdp:
                 costs = fsdp_stage_costs(costs)
-            chain_memo[k, t, mode, fsdp] = stage_chain(costs, cut_memo[k, fsdp], cps[mode] if t == 1 or mode == "none"
+            chain_memo[k, t, mode, fsdp] = stage_chain(costs, cut_memo[k, fsdp][0], cps[mode] if t == 1 or mode == "none"
                                                        else None, whole=t > 1 and mode == "full")
         return chain_memo[k, t, mode, fsdp]
 
@@ -360,9 +361,10 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
     def simulated(bounds, t: int, p: int, d: int, m: int, schedule: str, v: int, recompute: str,
                   shard: str) -> PipelineResult:
         costs, local = costs_for(d * m, t, shard)
+        cuts, edges = cut_memo[d * m, shard in FSDP_SHARDINGS]
         sim = simulate_stages(graph_of(shard), ctx, bounds=bounds, tensor=t, replicas=d, schedule=schedule,
                               microbatches=m, chunks=v, recompute=recompute, optimizer=optimizer,
-                              timeline=False, costs=costs, shard=shard, cuts=cut_memo[d * m, shard in FSDP_SHARDINGS])
+                              timeline=False, costs=costs, shard=shard, cuts=cuts, edges=edges)
         stages = tuple((a, b, tuple(range((k % p) * d * t, (k % p + 1) * d * t)))
                        for k, (a, b) in enumerate(bounds))
         return PipelineResult("hybrid" if t > 1 else "pipeline", schedule, m, v, recompute, t, d,
@@ -375,9 +377,10 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
     def fits(bounds, t: int, p: int, d: int, m: int, schedule: str, v: int, recompute: str, shard: str) -> bool:
         """Does the layout fit by the simulation's own memory model (no scheduling)?"""
         costs, _ = costs_for(d * m, t, shard)
+        cuts, edges = cut_memo[d * m, shard in FSDP_SHARDINGS]
         return stages_peak_memory(graph_of(shard), ctx, optimizer=optimizer, bounds=bounds, tensor=t, replicas=d,
                                   schedule=schedule, microbatches=m, chunks=v, recompute=recompute, costs=costs,
-                                  shard=shard, cuts=cut_memo[d * m, shard in FSDP_SHARDINGS]) <= cap
+                                  shard=shard, cuts=cuts, edges=edges) <= cap
 
     results = []
     skipped = None  # the first candidate left out as over memory (simulated when nothing fits)

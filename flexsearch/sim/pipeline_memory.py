@@ -1,7 +1,8 @@
 """Pipeline memory: what each device of a pipeline plan holds, from its lanes' actions.
 
 Per device (:func:`pipeline_memory`): for each stage it hosts, ``P``
-its parameter bytes, ``A q + R`` activations (``A`` stashed per microbatch, ``q`` the
+its parameter bytes, ``A q + R`` activations (``A`` stashed per microbatch, what the
+stage keeps at its edges included, :class:`flexsearch.sim.stages.BoundaryCopies`; ``q`` the
 peak number of microbatches in flight on it under the schedule, ``R`` the working
 bytes: activation recomputation keeps only each microbatch's stage input, ``A``, and
 rebuilds one microbatch's activations, ``R``, during its backward; ``W`` one

@@ -18,7 +18,9 @@ gradients are all-reduced between them (:func:`tied_weights`).
 **Stages** (:func:`stage_cost`) sum their nodes; with activation checkpointing
 (:mod:`flexsearch.strategy.recompute`) the dropped ops keep
 nothing per microbatch and rerun their forward in the backward, each unit keeps its
-input (:func:`kept_bytes`), and one unit's activations are rebuilt at a time.
+input (:func:`kept_bytes`), and one unit's activations are rebuilt at a time. A stage
+also keeps, per microbatch, its copies of received tensors that its ops save and the
+tensors it sends that no op saves (:class:`BoundaryCopies`).
 :func:`simulate_stages` lays a uniform pipeline out on the cluster and simulates it
 (:func:`flexsearch.sim.pipeline.simulate_pipeline`); :func:`replica_cost` is one
 data-parallel replica's step as one stage (decentralized plans and their baselines).
@@ -158,6 +160,83 @@ def cut_bytes(graph: OpGraph) -> tuple[float, ...]:
     return crossing_bytes([n.output_bytes for n in graph.nodes], edges)
 
 
+@dataclass(frozen=True)
+class BoundaryCopies:
+    """What a stage of the emitted pipeline keeps per microbatch at its edges, beyond
+    what its own nodes' saved bytes count (``OpNode.saved_bytes`` is counted on the node
+    that made the tensor, wherever the op that saves it runs). torch's ``PipelineStage``
+    keeps a microbatch's stage outputs until that microbatch's backward, and the emitter
+    runs a stage on a copy of each tensor it receives
+    (:func:`flexsearch.emit.dense.dense_input`), kept while an op of the stage saves it or
+    the stage sends it on. So stage ``[a, b)`` keeps, beyond its nodes' saved bytes:
+
+    - each tensor crossing ``a`` (made before ``a``, read at or after it) that one of its
+      ops saves (``OpNode.saves``) or that also crosses ``b``;
+    - each tensor it makes that crosses ``b`` and that no op saves (its saved bytes
+      count the others).
+
+    Measured on torch's allocator (``tests/test_memory_tracker.py``): an interleaved
+    pipeline's loss rank held the copy of the MLP activation its stage received, which
+    its projection saves (0.13 of 3.06 MB; the model was 10.7% under). The model's inputs
+    and tensors that are not floating point are sent as they are (no gradient: no copy;
+    their receive buffers are not counted). Empty for a graph whose nodes do not say
+    what they save (``saves`` None: traced elsewhere).
+
+    ``received[x]`` (``sent[x]``): per tensor crossing position ``x``, its maker's
+    position, bytes, the positions of the ops reading and saving it, and the last
+    position reading it (whether no op saves it)."""
+
+    received: tuple[tuple[tuple[int, float, tuple[int, ...], int], ...], ...] = ()
+    sent: tuple[tuple[tuple[int, float], ...], ...] = ()
+
+    @classmethod
+    def of(cls, graph: OpGraph) -> BoundaryCopies:
+        nodes = graph.nodes
+        if any(n.saves is None for n in nodes if n.kind not in ("input", "output")):
+            return cls()
+        index = {n.name: i for i, n in enumerate(nodes)}
+        owner = list(range(len(nodes)))  # the maker of each node's storage (a view's: its base's)
+        for i, n in enumerate(nodes):
+            if aliases(n) and n.inputs and n.inputs[0] in index:
+                owner[i] = owner[index[n.inputs[0]]]
+        saves = [{index[o] for o in (n.saves or ()) if o in index} for n in nodes]
+        savers: dict[int, list[int]] = {}
+        last: dict[int, int] = {}
+        for c, n in enumerate(nodes):
+            for name in dict.fromkeys(n.inputs):
+                p = index.get(name)
+                if p is None:
+                    continue
+                last[p] = max(last.get(p, c), c)
+                if owner[p] in saves[c] or n.kind == "output":
+                    savers.setdefault(p, []).append(c)
+        saved = {owner[p] for p in savers}
+        received: list[list] = [[] for _ in range(len(nodes) + 1)]
+        sent: list[list] = [[] for _ in range(len(nodes) + 1)]
+        for p, end in last.items():
+            if nodes[p].kind == "input" or not any("float" in t.dtype for t in nodes[p].outputs):
+                continue  # no gradient: the emitter sends it as it is (a receive buffer, not counted)
+            size = float(nodes[p].output_bytes)
+            for x in range(p + 1, end + 1):
+                received[x].append((p, size, tuple(savers.get(p, ())), end))
+                if owner[p] not in saved:
+                    sent[x].append((p, size))
+        return cls(tuple(map(tuple, received)), tuple(map(tuple, sent)))
+
+    def kept(self, a: int, b: int) -> float:
+        """Bytes stage ``[a, b)`` keeps per microbatch at its edges (class docstring)."""
+        if not self.received:
+            return 0.0
+        total = 0.0
+        if a > 0:
+            for _p, size, savers, end in self.received[a]:
+                if end >= b or any(a <= c < b for c in savers):
+                    total += size
+        if b < len(self.sent) - 1:
+            total += sum(size for p, size in self.sent[b] if p >= a)
+        return total
+
+
 def shared_params(graph: OpGraph) -> dict[str, tuple[int, ...]]:
     """Parameter name -> positions of the nodes that use it, for weights used twice."""
     uses: dict[str, list[int]] = {}
@@ -190,8 +269,9 @@ def rebuilt_bytes(c: NodeCost, i: int, cp: Checkpointing) -> float:
 
 
 def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float], extra_params: float = 0.0,
-               recompute: Checkpointing | None = None) -> StageCost:
-    """A stage's cost (nodes ``[a, b)``). With checkpointing
+               recompute: Checkpointing | None = None, edges: BoundaryCopies | None = None) -> StageCost:
+    """A stage's cost (nodes ``[a, b)``), keeping ``edges``' copies at its edges
+    (:class:`BoundaryCopies`; default none: a profile's chain). With checkpointing
     (:class:`~flexsearch.strategy.recompute.Checkpointing`), a dropped node reruns its
     forward in the backward and keeps nothing per microbatch unless its output leaves
     its unit (a unit's output is the next one's input, kept); a stage whose first node
@@ -203,7 +283,10 @@ def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float],
     again = sum(costs[i].forward_s for i in seg if cp.dropped[i])
     per_node = [kept_bytes(costs[i], i, cp) for i in seg]
     kept = sum(per_node)
-    inputs = cuts[a] if 0 < a < b and cp.dropped[a] else 0.0  # the received input, kept by its unit
+    if 0 < a < b and cp.dropped[a]:  # the received input, kept by its unit
+        inputs = cuts[a]
+    else:
+        inputs = edges.kept(a, b) if edges is not None else 0.0
     rebuilt: dict[int, float] = {}
     for i in seg:
         if cp.dropped[i]:
@@ -250,21 +333,23 @@ def simulate_stages(graph: OpGraph, ctx: CostContext, *, bounds: Sequence[tuple[
                     recompute: str = "none", optimizer: str = "adam", timeline: bool = True,
                     costs: Sequence[NodeCost] | None = None, shard: str = "none",
                     cuts: Sequence[float] | None = None, runtime: str = "pipeline",
-                    fsdp_calls: int = 1, fsdp_unit_share: float = 1.0) -> Simulation:
+                    fsdp_calls: int = 1, fsdp_unit_share: float = 1.0,
+                    edges: BoundaryCopies | None = None) -> Simulation:
     """Simulate a uniform pipeline on ``ctx``'s cluster: stage ``k`` = nodes
     ``bounds[k]`` (positions), on ``replicas`` x ``tensor`` devices of pipeline rank
     ``k mod (len(bounds) / chunks)``; ``shard``: ``zero1`` shards the optimizer state
     over the replicas, ``zero2`` runs FSDP2 stages over them (:mod:`flexsearch.sim.pipeline`);
     ``runtime``, ``fsdp_calls`` and ``fsdp_unit_share``: the runtime that runs the stages,
     the FSDP units of a stage and the largest one's share of its parameters
-    (:class:`~flexsearch.sim.pipeline_layout.PipelineLayout`). ``costs``, ``cuts``: the node
-    costs of the microbatch graph (default: :func:`stage_node_costs`) and its cut bytes
-    (:func:`cut_bytes`). Raises ValueError for a layout
+    (:class:`~flexsearch.sim.pipeline_layout.PipelineLayout`). ``costs``, ``cuts``,
+    ``edges``: the node costs of the microbatch graph (default: :func:`stage_node_costs`),
+    its cut bytes (:func:`cut_bytes`) and what its stages keep at their edges
+    (:class:`BoundaryCopies`). Raises ValueError for a layout
     that does not fit the cluster or a model without that tensor-parallel degree."""
     stage_costs, layout = stage_layout(graph, ctx, bounds=bounds, tensor=tensor, replicas=replicas,
                                        schedule=schedule, microbatches=microbatches, chunks=chunks,
                                        recompute=recompute, costs=costs, shard=shard, cuts=cuts, runtime=runtime,
-                                       fsdp_calls=fsdp_calls, fsdp_unit_share=fsdp_unit_share)
+                                       fsdp_calls=fsdp_calls, fsdp_unit_share=fsdp_unit_share, edges=edges)
     return simulate_pipeline(ctx, stage_costs, layout, optimizer=optimizer, timeline=timeline)
 
 
@@ -280,21 +365,23 @@ def stage_layout(graph: OpGraph, ctx: CostContext, *, bounds: Sequence[tuple[int
                  replicas: int, schedule: str, microbatches: int, chunks: int = 1, recompute: str = "none",
                  costs: Sequence[NodeCost] | None = None, shard: str = "none",
                  cuts: Sequence[float] | None = None, runtime: str = "pipeline",
-                 fsdp_calls: int = 1, fsdp_unit_share: float = 1.0) -> tuple[list[StageCost], PipelineLayout]:
+                 fsdp_calls: int = 1, fsdp_unit_share: float = 1.0,
+                 edges: BoundaryCopies | None = None) -> tuple[list[StageCost], PipelineLayout]:
     """The stage costs and the device layout of :func:`simulate_stages`'s pipeline
-    (``costs`` and ``cuts``: the microbatch graph's node costs and cut bytes, when the
-    caller has them)."""
+    (``costs``, ``cuts`` and ``edges``: the microbatch graph's node costs, cut bytes and
+    :class:`BoundaryCopies`, when the caller has them)."""
     cluster = ctx.cluster
     p = len(bounds) // chunks
     g = replicas * tensor
     if p * chunks != len(bounds) or p * g != cluster.devices:
         raise ValueError(f"{len(bounds)} stages x {g} devices do not make {cluster.devices} devices")
-    if costs is None or cuts is None:
+    if costs is None or cuts is None or edges is None:
         mg = microbatch_graph(graph, replicas * microbatches)
         costs = stage_node_costs(mg, ctx, tensor) if costs is None else costs
         if costs is None:
             raise ValueError(f"no tensor-parallel configuration of degree {tensor} for this model")
         cuts = cut_bytes(mg)
+        edges = BoundaryCopies.of(mg) if edges is None else edges
     if shard == "zero2":
         costs = fsdp_stage_costs(costs)
     extra, tied = tied_weights(graph, costs, bounds)
@@ -304,7 +391,7 @@ def stage_layout(graph: OpGraph, ctx: CostContext, *, bounds: Sequence[tuple[int
         cp = Checkpointing.whole_stages(graph, bounds)
     else:
         cp = Checkpointing.of(graph, recompute)
-    stage_costs = [stage_cost(costs, a, b, cuts, extra[k], cp) for k, (a, b) in enumerate(bounds)]
+    stage_costs = [stage_cost(costs, a, b, cuts, extra[k], cp, edges) for k, (a, b) in enumerate(bounds)]
     ranks = tuple(tuple(tuple(range(r * g + i * tensor, r * g + (i + 1) * tensor)) for i in range(replicas))
                   for r in range(p))
     return stage_costs, PipelineLayout(schedule, microbatches, ranks, chunks=chunks, tied=tied, shard=shard,

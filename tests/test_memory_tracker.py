@@ -205,7 +205,7 @@ model counted a saved tensor only on the stage that made it. It now counts what 
 keeps at its edges (:class:`flexsearch.sim.stages.BoundaryCopies`: received copies its
 ops save or it sends on, and the tensors it sends that no op saves, which torch's
 ``PipelineStage`` keeps to the microbatch's backward): -4.3%, the other rank +2.1% ->
-+7.0% (its first stage's two sent outputs, held per microbatch). Before that,
++4.6% (its first stage's attention projection, sent and held per microbatch). Before that,
 ``aten::mse_loss``'s CPU kernel's two output-sized fp32 buffers were counted as one
 (``max(Y, W)``, -19.3%; now ``Y + T``), and under bf16-mixed (GPipe -15.4%, 1F1B -11.8%,
 interleaved -10.9%) the loss's fp32 copy of the output (``out.float()``, saved by the

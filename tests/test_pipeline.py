@@ -153,9 +153,9 @@ def test_cut_bytes_count_every_crossing_tensor(root):
 
 
 def test_stages_keep_what_crosses_their_edges_and_is_saved_or_sent_on():
-    """:class:`BoundaryCopies`: a stage keeps a received tensor one of its ops saves or it
-    sends on, and a tensor it makes and sends that no op saves; the saving ops come from
-    the tracer."""
+    """:class:`BoundaryCopies`: a stage keeps a received tensor one of its ops saves (through
+    views too) or it sends on, and a tensor it makes and sends that no op saves; tensors
+    without a gradient are not copied; which ops save what comes from the tracer."""
     import torch
     from torch import nn
 
@@ -165,22 +165,30 @@ def test_stages_keep_what_crosses_their_edges_and_is_saved_or_sent_on():
             self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8)
 
         def forward(self, x):
+            s = x.sum(1, keepdim=True)  # made from the input alone: no gradient
             g = self.a(x) + 1  # read by relu and by the last add; saved by neither
-            y = self.b(torch.relu(g))  # b saves relu's output
-            return self.c(g + y)  # c saves the sum
+            r = torch.relu(g)  # relu saves its own output
+            y = self.b(r.view(4, 2, 16).flatten(1))  # b saves relu's output, through two views
+            return self.c(g + y) + s  # c saves the sum
 
     g = trace(Edges(), (torch.randn(4, 16),))
-    assert [n.name for n in g.nodes] == ["x", "a", "add", "relu", "b", "add_1", "c", "output"]
-    assert (g.node("b").saves, g.node("c").saves, g.node("add_1").saves) == (("relu",), ("add_1",), ())
+    assert [n.name for n in g.nodes] == ["x", "sum_1", "a", "add", "relu", "view", "flatten", "b", "add_1", "c",
+                                         "add_2", "output"]
+    assert set(g.node("b").saves) == set(g.node("relu").saves) == {"relu", "view", "flatten"}
+    assert (g.node("c").saves, g.node("add_1").saves, g.node("add").saves) == (("add_1",), (), ())
     edges, size = BoundaryCopies.of(g), 4 * 32 * 4
-    assert edges.kept(4, 6) == size  # receives relu's output, which b saves; add's, which no op saves, it does not keep
-    assert edges.kept(3, 6) == 0  # receives add's output, saved by no op, and sends the sum, which c saves
-    assert edges.kept(1, 4) == size  # sends add's output, saved by no op (relu's, saved, is in its saved bytes);
-    # the model's input it receives has no gradient: sent as it is, not copied
-    assert edges.kept(3, 4) == size  # add's output received and sent on
-    assert edges.kept(0, 8) == 0  # one stage: no edges
+
+    def kept(a, b):
+        return edges.received(a, b) + sum(n for _, n, saved in edges.sent(a, b) if not saved)
+
+    assert kept(5, 9) == size  # receives relu's output, which b saves through the views; add's, saved by none, not
+    assert kept(4, 9) == 0  # receives add's output, saved by none; sends the sum, which c saves
+    assert kept(1, 5) == size  # sends add's output, saved by none; relu's, saved, is in relu's saved bytes
+    assert kept(4, 5) == size  # add's output received and sent on
+    assert kept(9, 12) == 4 * 32 * 4  # the sum, saved by c; the input's sum (no gradient) is not copied
+    assert kept(0, 12) == 0  # one stage: no edges
     assert BoundaryCopies.of(g.model_copy(update={"nodes": tuple(
-        n.model_copy(update={"saves": None}) for n in g.nodes)})).kept(4, 6) == 0  # not measured: nothing
+        n.model_copy(update={"saves": None}) for n in g.nodes)})).received(5, 9) == 0  # not measured: nothing
 
 
 @pytest.fixture(scope="module")

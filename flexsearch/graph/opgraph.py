@@ -137,9 +137,10 @@ class OpNode(_Frozen):
     outputs some op saves or the model returns, and tensors it saved internally), as
     measured by the tracer; ``None`` when not measured (a profile from elsewhere)."""
     saves: tuple[str, ...] | None = None
-    """The nodes whose outputs (the storages they created: a view's is its base's
-    creator's) this op saves for its backward, as measured by the tracer; ``None`` when
-    not measured. A pipeline stage that receives such an output keeps its copy of it
+    """The nodes whose outputs live in a storage this op saves for its backward (the
+    storage's maker, its views and in-place results; the op itself when it saves its
+    own output), as measured by the tracer; ``None`` when not measured. A pipeline stage
+    that receives such an output keeps its copy of it
     (:class:`flexsearch.sim.stages.BoundaryCopies`)."""
     dims: ParallelDims = ParallelDims()
     opaque: bool = False

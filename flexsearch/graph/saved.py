@@ -42,7 +42,8 @@ class SavedTensors:
         self.owner: dict[StorageWeakRef, tuple[str, int]] = {}  # storage -> (node, bytes)
         self.saved: set[StorageWeakRef] = set()
         self.internal: dict[str, int] = {}
-        self.saves: dict[str, set[str]] = {}  # node -> the nodes whose storages it saved
+        self.sharing: dict[StorageWeakRef, list[str]] = {}  # storage -> the nodes whose outputs live in it
+        self.saved_by: dict[str, set[StorageWeakRef]] = {}  # node -> the storages it saved
         self.clone_of: dict[StorageWeakRef, StorageWeakRef] = {}
         self._held: list[torch.Tensor] = []
 
@@ -61,6 +62,8 @@ class SavedTensors:
         """Node ``name`` returned ``outputs``: it owns those storages no node owns yet."""
         for t in outputs:
             k = self.key(t)
+            if k not in self.state and name not in self.sharing.get(k, ()):
+                self.sharing.setdefault(k, []).append(name)
             if k not in self.owner and k not in self.state:
                 self.owner[k] = (name, t.untyped_storage().nbytes())
                 self._held.append(t)
@@ -79,8 +82,7 @@ class SavedTensors:
                 continue
             if k in self.owner or k in outs:
                 self.saved.add(k)
-                if k in self.owner and self.owner[k][0] != name:
-                    self.saves.setdefault(name, set()).add(self.owner[k][0])
+                self.saved_by.setdefault(name, set()).add(k)
             elif not self._is_weight_cast(t):
                 internal[k] = t.untyped_storage().nbytes()
                 self._held.append(t)
@@ -104,8 +106,10 @@ class SavedTensors:
         return False
 
     def saved_inputs(self) -> dict[str, set[str]]:
-        """Per node, the nodes whose outputs (their storages) it saved for its backward."""
-        return self.saves
+        """Per node, the nodes whose outputs live in a storage it saved for its backward
+        (the storage's maker, its views, in-place results; the node itself when it saved
+        its own output)."""
+        return {name: {n for k in keys for n in self.sharing.get(k, ())} for name, keys in self.saved_by.items()}
 
     def saved_bytes(self) -> dict[str, int]:
         """Per node, the bytes of activations autograd keeps for the backward that the

@@ -155,7 +155,8 @@ def _low_param_nodes(gm: fx.GraphModule, model: nn.Module, inputs: list, prec: P
                      + AUTOCAST_FSDP)
         return ()
     return tuple(n.model_copy(update={"outputs": v.outputs, "bytes_read": _reads(n, v),
-                                      "bytes_written": v.bytes_written, "saved_bytes": v.saved_bytes})
+                                      "bytes_written": v.bytes_written, "saved_bytes": v.saved_bytes,
+                                      "saves": v.saves})
                  for n, v in zip(nodes, low, strict=True))
 
 

@@ -270,7 +270,8 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
             configs = stage_configs(mg, t)
             costs = stage_node_costs(mg, ctx, t) if configs is not None else None
             cost_memo[key] = None if costs is None else (costs, configs)
-            cut_memo[k, key[2]] = cut_bytes(mg), BoundaryCopies.of(mg)
+            if (k, key[2]) not in cut_memo:  # the same for every tensor degree
+                cut_memo[k, key[2]] = cut_bytes(mg), BoundaryCopies.of(mg)
         return cost_memo[key]
 
     cps = {mode: Checkpointing.of(graph, mode) for mode in RECOMPUTE_ORDER}
@@ -382,6 +383,13 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
                                   schedule=schedule, microbatches=m, chunks=v, recompute=recompute, costs=costs,
                                   shard=shard, cuts=cuts, edges=edges) <= cap
 
+    aligned_memo: dict[int, tuple[tuple[int, int], ...] | None] = {}
+
+    def aligned_bounds(stages: int) -> tuple[tuple[int, int], ...] | None:
+        if stages not in aligned_memo:
+            aligned_memo[stages] = block_bounds(graph, stages)
+        return aligned_memo[stages]
+
     results = []
     skipped = None  # the first candidate left out as over memory (simulated when nothing fits)
     order = len(queue)
@@ -392,6 +400,13 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
         _, t, p, d, m, schedule, v, recompute, part, shard, q = heapq.heappop(queue)[3]
         bounds = [(s.start, s.end) for s in part.stages]
         if not fits(bounds, t, p, d, m, schedule, v, recompute, shard):
+            # cut at block boundaries instead, where it fits (a cut inside a block sends
+            # more: its stage keeps what it sends per microbatch in flight)
+            aligned = aligned_bounds(len(bounds))
+            if aligned is not None and aligned != tuple(bounds) and \
+                    fits(aligned, t, p, d, m, schedule, v, recompute, shard):
+                results.append(simulated(aligned, t, p, d, m, schedule, v, recompute, shard))
+                continue
             skipped = skipped or (bounds, t, p, d, m, schedule, v, recompute, shard)
             modes = modes_of(t)
             heavier = estimate(t, p, d, m, schedule, v, q, shard, modes[modes.index(recompute) + 1:])
@@ -424,7 +439,7 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
     for r in list(tops.values())[:ALIGN_TOP]:
         # cut at block boundaries, as Megatron and torchtitan cut (the partitioner
         # balances its estimate and may cut inside a block)
-        aligned = block_bounds(graph, len(r.stages))
+        aligned = aligned_bounds(len(r.stages))
         if aligned is not None and aligned != tuple((a, b) for a, b, _ in r.stages) and not past(deadline) \
                 and fits_as(r, aligned, r.shard):
             results.append(again(r, aligned, r.shard))

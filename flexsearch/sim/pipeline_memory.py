@@ -37,7 +37,6 @@ search's memory check before it simulates a layout).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 
 from flexsearch.sim.accounting import (
     OPTIMIZER_STATE,
@@ -111,12 +110,14 @@ def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: Pipeli
             largest[d] /= shards[d]
         shards = [1] * devices
     ddp = layout.runtime == "ddp"  # DDP's gradient buckets: a flat copy of the gradients
-    return [replace(DeviceMemory.replicated(params[d], acts[d], optimizer, largest=largest[d], buffers=buffers[d],
-                                            loss_grad=loss[d], loss_working=loss_work[d],
-                                            grad_buckets=params[d] if ddp else 0.0),
-                    optimizer=OPTIMIZER_STATE[optimizer] * params[d] / shards[d],
-                    update_working=UPDATE_WORKING[optimizer] * params[d] / shards[d],
-                    rebuilt=rebuilt[d], grad_working=grads[d], held_with_grads=held[d]) for d in range(devices)]
+    touched = {d for r, i in by_lane for d in layout.ranks[r][i]}
+    idle = DeviceMemory(0.0, 0.0, 0.0, 0.0)  # a device none of the lanes given runs on
+    state, working = OPTIMIZER_STATE[optimizer], UPDATE_WORKING[optimizer]
+    return [DeviceMemory(params[d], params[d], state * params[d] / shards[d], acts[d], largest=largest[d],
+                         buffers=buffers[d], grad_buckets=params[d] if ddp else 0.0, loss_grad=loss[d],
+                         rebuilt=rebuilt[d], grad_working=grads[d], held_with_grads=held[d],
+                         update_working=working * params[d] / shards[d], loss_working=loss_work[d])
+            if d in touched else idle for d in range(devices)]
 
 
 def held_with_gradients(actions: Sequence[Action], stash: Mapping[int, float], grads: Mapping[int, float],

@@ -166,28 +166,29 @@ class BoundaryCopies:
     what its own nodes' saved bytes count (``OpNode.saved_bytes`` is counted on the node
     that made the tensor, wherever the op that saves it runs). torch's ``PipelineStage``
     keeps a microbatch's stage outputs until that microbatch's backward, and the emitter
-    runs a stage on a copy of each tensor it receives
-    (:func:`flexsearch.emit.dense.dense_input`), kept while an op of the stage saves it or
-    the stage sends it on. So stage ``[a, b)`` keeps, beyond its nodes' saved bytes:
+    runs a stage on a copy of each tensor it receives that needs a gradient
+    (:func:`flexsearch.emit.dense.dense_input`), kept while an op of the stage saves it (or
+    a view of it) or the stage sends it on. So stage ``[a, b)`` keeps, beyond its nodes'
+    saved bytes:
 
     - each tensor crossing ``a`` (made before ``a``, read at or after it) that one of its
-      ops saves (``OpNode.saves``) or that also crosses ``b``;
-    - each tensor it makes that crosses ``b`` and that no op saves (its saved bytes
-      count the others).
+      ops saves (``OpNode.saves``) or that also crosses ``b`` (:meth:`received`);
+    - each tensor it makes that crosses ``b`` and that its saved bytes do not count
+      (:meth:`sent`: no op saves it; under checkpointing, the stage's own rule).
 
     Measured on torch's allocator (``tests/test_memory_tracker.py``): an interleaved
     pipeline's loss rank held the copy of the MLP activation its stage received, which
-    its projection saves (0.13 of 3.06 MB; the model was 10.7% under). The model's inputs
-    and tensors that are not floating point are sent as they are (no gradient: no copy;
-    their receive buffers are not counted). Empty for a graph whose nodes do not say
-    what they save (``saves`` None: traced elsewhere).
+    its projection saves (0.13 of 3.06 MB; the model was 10.7% under). Tensors that need
+    no gradient (the model's inputs, what is made from them and from buffers alone, and
+    what is not floating point) are sent as they are: no copy, their receive buffers not
+    counted. Empty for a graph whose nodes do not say what they save (``saves`` None:
+    traced elsewhere) and for one stage.
 
-    ``received[x]`` (``sent[x]``): per tensor crossing position ``x``, its maker's
-    position, bytes, the positions of the ops reading and saving it, and the last
-    position reading it (whether no op saves it)."""
+    ``crossing[x]``: per tensor crossing position ``x`` that needs a gradient, its
+    maker's position, bytes, the positions of the ops saving it (its maker's among them
+    when it saves its own output), and the last position reading it."""
 
-    received: tuple[tuple[tuple[int, float, tuple[int, ...], int], ...], ...] = ()
-    sent: tuple[tuple[tuple[int, float], ...], ...] = ()
+    crossing: tuple[tuple[tuple[int, float, tuple[int, ...], int], ...], ...] = ()
 
     @classmethod
     def of(cls, graph: OpGraph) -> BoundaryCopies:
@@ -195,46 +196,44 @@ class BoundaryCopies:
         if any(n.saves is None for n in nodes if n.kind not in ("input", "output")):
             return cls()
         index = {n.name: i for i, n in enumerate(nodes)}
-        owner = list(range(len(nodes)))  # the maker of each node's storage (a view's: its base's)
-        for i, n in enumerate(nodes):
-            if aliases(n) and n.inputs and n.inputs[0] in index:
-                owner[i] = owner[index[n.inputs[0]]]
-        saves = [{index[o] for o in (n.saves or ()) if o in index} for n in nodes]
+        grad = [False] * len(nodes)  # does the node's output need a gradient
         savers: dict[int, list[int]] = {}
         last: dict[int, int] = {}
         for c, n in enumerate(nodes):
-            for name in dict.fromkeys(n.inputs):
-                p = index.get(name)
-                if p is None:
-                    continue
+            reads = [index[i] for i in dict.fromkeys(n.inputs) if i in index]
+            grad[c] = n.kind not in ("input", "output") and any("float" in t.dtype for t in n.outputs) and (
+                bool(n.params or n.used_param_bytes) or any(grad[p] for p in reads))
+            for p in reads:
                 last[p] = max(last.get(p, c), c)
-                if owner[p] in saves[c] or n.kind == "output":
+            for o in n.saves or ():
+                if o in index:
+                    savers.setdefault(index[o], []).append(c)
+            if n.kind == "output":  # returned: held for the loss
+                for p in reads:
                     savers.setdefault(p, []).append(c)
-        saved = {owner[p] for p in savers}
-        received: list[list] = [[] for _ in range(len(nodes) + 1)]
-        sent: list[list] = [[] for _ in range(len(nodes) + 1)]
+        crossing: list[list] = [[] for _ in range(len(nodes) + 1)]
         for p, end in last.items():
-            if nodes[p].kind == "input" or not any("float" in t.dtype for t in nodes[p].outputs):
-                continue  # no gradient: the emitter sends it as it is (a receive buffer, not counted)
-            size = float(nodes[p].output_bytes)
+            if not grad[p]:
+                continue
+            entry = (p, float(nodes[p].output_bytes), tuple(sorted(set(savers.get(p, ())))), end)
             for x in range(p + 1, end + 1):
-                received[x].append((p, size, tuple(savers.get(p, ())), end))
-                if owner[p] not in saved:
-                    sent[x].append((p, size))
-        return cls(tuple(map(tuple, received)), tuple(map(tuple, sent)))
+                crossing[x].append(entry)
+        return cls(tuple(map(tuple, crossing)))
 
-    def kept(self, a: int, b: int) -> float:
-        """Bytes stage ``[a, b)`` keeps per microbatch at its edges (class docstring)."""
-        if not self.received:
+    def received(self, a: int, b: int) -> float:
+        """Bytes of stage ``[a, b)``'s copies of what it receives that it keeps per
+        microbatch (class docstring)."""
+        if not self.crossing or a == 0:
             return 0.0
-        total = 0.0
-        if a > 0:
-            for _p, size, savers, end in self.received[a]:
-                if end >= b or any(a <= c < b for c in savers):
-                    total += size
-        if b < len(self.sent) - 1:
-            total += sum(size for p, size in self.sent[b] if p >= a)
-        return total
+        return sum(size for _p, size, savers, end in self.crossing[a]
+                   if end >= b or any(a <= c < b for c in savers))
+
+    def sent(self, a: int, b: int) -> list[tuple[int, float, bool]]:
+        """The tensors stage ``[a, b)`` makes and sends: (maker's position, bytes, whether
+        an op saves it)."""
+        if not self.crossing or b >= len(self.crossing) - 1:
+            return []
+        return [(p, size, bool(savers)) for p, size, savers, _end in self.crossing[b] if p >= a]
 
 
 def shared_params(graph: OpGraph) -> dict[str, tuple[int, ...]]:
@@ -286,7 +285,11 @@ def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float],
     if 0 < a < b and cp.dropped[a]:  # the received input, kept by its unit
         inputs = cuts[a]
     else:
-        inputs = edges.kept(a, b) if edges is not None else 0.0
+        inputs = edges.received(a, b) if edges is not None else 0.0
+    for p, size, saved in edges.sent(a, b) if edges is not None else ():
+        # a sent tensor the stage's kept bytes leave out: PipelineStage holds it anyway
+        if not (cp.boundary[p] if cp.dropped[p] else saved):
+            inputs += size
     rebuilt: dict[int, float] = {}
     for i in seg:
         if cp.dropped[i]:
@@ -381,7 +384,8 @@ def stage_layout(graph: OpGraph, ctx: CostContext, *, bounds: Sequence[tuple[int
         if costs is None:
             raise ValueError(f"no tensor-parallel configuration of degree {tensor} for this model")
         cuts = cut_bytes(mg)
-        edges = BoundaryCopies.of(mg) if edges is None else edges
+        if edges is None:
+            edges = BoundaryCopies.of(mg) if len(bounds) > 1 else BoundaryCopies()
     if shard == "zero2":
         costs = fsdp_stage_costs(costs)
     extra, tied = tied_weights(graph, costs, bounds)

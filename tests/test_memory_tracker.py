@@ -30,7 +30,7 @@ by their peak per device against torch's allocator instead, read from ``torch.pr
 memory events (GPipe, 1F1B and interleaved 1F1B on 2 ranks, both precisions), less the
 stages' receive buffers (which the model leaves out: :mod:`flexsearch.sim.pipeline_memory`; the
 emitter keeps one per microbatch it may still need, checked here per stage,
-:func:`flexsearch.emit.staged.receive_buffers`): -5.0% to +8.2% (:data:`PIPELINE_MISSES`:
+:func:`flexsearch.emit.staged.receive_buffers`): -5.8% to +8.2% (:data:`PIPELINE_MISSES`:
 none left); a 1F1B pipeline of 2 replicas on 4 ranks the same way, both
 precisions, its state replicated, its optimizer state sharded over the replicas
 (ZeRO-1) and its stages FSDP2 modules over them (``zero2``): -8.1% to +7.6%, and each

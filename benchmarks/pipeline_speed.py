@@ -52,7 +52,7 @@ from flexsearch.graph.pipedream_profile import load_profile
 from flexsearch.graph.tracer import trace
 from flexsearch.model_files import load_model
 from flexsearch.search.partition import Chain, Memory, partition
-from flexsearch.search.pipeline import cluster_levels, pipedream_chain, plan_profile, profile_chain
+from flexsearch.search.pipedream import cluster_levels, pipedream_chain, plan_profile, profile_chain
 from flexsearch.sim.context import CostContext
 from flexsearch.sim.stages import cut_bytes, stage_node_costs
 

@@ -299,7 +299,7 @@ def plan(
 def _plan_profile(path: str, cl, as_json: bool) -> None:
     """``flexsearch plan graph.txt``: PipeDream's partitioner on measured per-layer costs."""
     from flexsearch.graph.pipedream_profile import load_profile
-    from flexsearch.search.pipeline import plan_profile
+    from flexsearch.search.pipedream import plan_profile
     from flexsearch.sim.context import CostContext
 
     profile = load_profile(path)

@@ -18,12 +18,11 @@ from flexsearch.graph.pipedream_profile import load_profile
 from flexsearch.graph.tracer import trace
 from flexsearch.model_files import load_model
 from flexsearch.plan import Plan
+from flexsearch.search.pipedream import pipedream_plan, plan_profile
 from flexsearch.search.pipeline import (
     cut_bytes,
     microbatch_options,
-    pipedream_plan,
     pipeline_shardings,
-    plan_profile,
     search_pipelines,
 )
 from flexsearch.search.planner import plan_graph

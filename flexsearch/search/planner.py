@@ -64,11 +64,11 @@ from flexsearch.search import decentralized as dz
 from flexsearch.search.assignment import AssignmentBuilder
 from flexsearch.search.clock import past
 from flexsearch.search.mcmc import SearchResult, mcmc, sigint_restored
+from flexsearch.search.pipedream import pipedream_plan
 from flexsearch.search.pipeline import (
     SYNC_SCHEDULES,
     PipelineResult,
     even_pipeline,
-    pipedream_plan,
     search_pipelines,
     tensor_degrees,
 )

@@ -144,14 +144,6 @@ class DeviceMemory:
     """``T``: the loss's fp32 working tensor over the output share, beside ``Y``
     (:func:`flexsearch.sim.footprint.loss_working_bytes`)."""
 
-    @classmethod
-    def replicated(cls, params: float, activations: float, optimizer: str, *, largest: float = 0.0,
-                   buffers: float = 0.0, grad_buckets: float = 0.0, loss_grad: float = 0.0,
-                   loss_working: float = 0.0) -> DeviceMemory:
-        """A device that holds ``params`` with their gradients and optimizer state."""
-        return cls(params, params, OPTIMIZER_STATE[optimizer] * params, activations, largest, buffers, grad_buckets,
-                   loss_grad, update_working=UPDATE_WORKING[optimizer] * params, loss_working=loss_working)
-
 
 def peak_branches(m: DeviceMemory, calibration: DeviceCalibration | None) -> dict[str, float]:
     """The three sums :func:`peak_bytes` takes the largest of (module docstring):

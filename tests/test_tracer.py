@@ -425,3 +425,97 @@ def test_exported_graphs_run_on_cpu_whatever_device_the_model_was_on():
     from flexsearch.graph.lift import DEVICE_NAME  # strings like "mean" are not devices
 
     assert DEVICE_NAME.fullmatch("cuda:1") and DEVICE_NAME.fullmatch("meta") and not DEVICE_NAME.fullmatch("mean")
+
+
+class _Repeats(nn.Module):
+    """Calls a replay must tell apart or map right, each twice or more: views of an
+    integer input and of a float one, a fresh copy of an input's slice, an op on one
+    tensor twice, constants that are slices and sizes, in-place ops, dropout that
+    returns its input, a split into views, an op returning several fresh tensors, a
+    frozen layer beside a trained one of the same shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.drop = nn.Dropout(0.0)
+        self.lstm = nn.LSTM(8, 8, batch_first=True)
+
+    def forward(self, x, ids):
+        pos = ids[:, :4].reshape(-1)
+        x = x + pos.float().mean()
+        for layer in (self.a, self.b, self.frozen, self.a):
+            y = layer(x)
+            y = self.drop(y) * y
+            y.mul_(0.5)
+            q, k = y.split(4, dim=-1)
+            x = x + torch.cat([k, q], dim=-1).relu()
+            x = x + x.new_zeros(x.shape) + x[:, 1:3].sum() + x.transpose(1, 2).contiguous().transpose(1, 2)
+            x = x + ids.flatten().float().mean()
+        out, (h, c) = self.lstm(x)
+        out2, _ = self.lstm(out)
+        return out2 + h.transpose(0, 1) + c.transpose(0, 1)
+
+
+_NOTHING_REPEATED = ("rnntc_tiny", "rnnlm_tiny")
+"""Cases with no call identical to an earlier one (one recurrent layer between others)."""
+
+
+def _replay_cases():
+    import sys
+
+    from conftest import ROOT
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from zoo import ZOO
+    return [e.name for e in ZOO if e.size == "tiny"] + ["hf:gpt2", "hf:llama", "hf:mixtral", "hf:t5", "hf:vit",
+                                                         "repeats"]
+
+
+@pytest.mark.parametrize("case", _replay_cases())
+def test_replayed_calls_trace_the_graph_running_every_call_gives(case, monkeypatch):
+    """A call identical to an earlier one up to names is not run again but replayed
+    (:mod:`flexsearch.graph.measure`): the graph, the calls kept for the profiler and
+    the graph under mixed precision (both of its passes) are those the tracer gives
+    running every call; and calls were replayed."""
+    import flexsearch.graph.measure as measure
+    import flexsearch.graph.tracer as tracer
+    from flexsearch import load_model
+
+    if case == "repeats":
+        model, inputs = _Repeats(), (torch.randn(2, 6, 8), torch.randint(0, 5, (2, 6)))
+    elif case.startswith("hf:"):
+        import importlib.util
+
+        from conftest import ROOT
+        pytest.importorskip("transformers")
+        spec = importlib.util.spec_from_file_location("tests_hf_models", ROOT / "tests" / "hf_models.py")
+        hf_models = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(hf_models)
+        model, inputs = hf_models.build(case[3:])
+    else:
+        import sys
+
+        from conftest import ROOT
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from zoo import get
+        model, inputs = load_model(get(case).abs_spec)
+    made: list[measure.Measure] = []
+
+    class Counted(measure.Measure):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(tracer, "Measure", Counted)
+    for precision in ("fp32", "bf16-mixed"):
+        traced = {}
+        for replay in (False, True):
+            monkeypatch.setattr(measure, "REPLAY", replay)
+            made.clear()
+            graph, calls = trace_calls(model, inputs, precision=precision)
+            traced[replay] = graph.model_dump(), calls, sum(m.replayed for m in made)
+        assert traced[True][0] == traced[False][0], (case, precision)
+        assert traced[True][1] == traced[False][1], (case, precision)
+        assert traced[False][2] == 0, (case, precision)
+        assert traced[True][2] > 0 or case in _NOTHING_REPEATED, (case, precision)

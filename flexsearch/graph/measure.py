@@ -4,7 +4,16 @@ parameters and buffers swapped for fakes) and records one :class:`OpNode` per op
 forward FLOPs (``FlopCounterMode``), the FLOPs of its backward (``torch.autograd.grad`` of
 its outputs on fresh leaf inputs), the bytes it reads and writes (none for a view), its
 kind and SOAP dims (the op registry), and what autograd saves for the backward
-(:mod:`flexsearch.graph.saved`)."""
+(:mod:`flexsearch.graph.saved`).
+
+**Repeated calls.** A model's layers call the same ops on the same shapes again and
+again (GPT 1T: 128 blocks). A call identical to an earlier one up to names (the same
+target and configuration, constants, input shapes, strides, dtypes, gradient flags and
+storage sharing; :meth:`Measure._replay_key`) whose outputs were fresh storages is
+not run again: its outputs are made as fresh fakes of the recorded layout and its
+FLOPs and saved tensors are the recorded ones, mapped onto this call's inputs
+(:class:`Replay`). The graph is the one running every call gives
+(``tests/test_tracer.py`` compares them)."""
 
 from __future__ import annotations
 
@@ -12,14 +21,16 @@ import contextlib
 import hashlib
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from flexsearch.errors import TraceError
@@ -34,7 +45,7 @@ from flexsearch.graph.lift import (
     short_reason,
 )
 from flexsearch.graph.opgraph import OpNode, ParallelDims, TensorMeta
-from flexsearch.graph.saved import SavedTensors
+from flexsearch.graph.saved import SavedTensors, storage
 
 _VIEW_TARGETS = {"getitem", "size", "dim"}
 
@@ -109,12 +120,105 @@ def _native_rnn() -> Iterator[None]:
         torch._C._set_mkldnn_enabled(previous)
 
 
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+
+def _plain(x: Any) -> Any:
+    """``x`` as a replay key part when it is a constant that names itself (a number, a
+    string, a dtype, a slice or size of them), else :data:`_OPAQUE`."""
+    if isinstance(x, _PLAIN) or x is Ellipsis:
+        return x
+    if isinstance(x, slice):
+        parts = (x.start, x.stop, x.step)
+        return ("slice", parts) if all(isinstance(v, _PLAIN) for v in parts) else _OPAQUE
+    if isinstance(x, (tuple, list)):  # torch.Size and others pytree leaves
+        parts = tuple(_plain(v) for v in x)
+        return (type(x).__name__, parts) if _OPAQUE not in parts else _OPAQUE
+    return _OPAQUE
+
+
+_OPAQUE = object()
+
+
+def _span(shape: tuple[int, ...], stride: tuple[int, ...], offset: int = 0) -> int:
+    """Elements from the start of a storage to the last element of a tensor of this
+    layout in it."""
+    if any(n == 0 for n in shape):
+        return 0
+    return offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True))
+
+
+REPLAY = True
+"""Whether :class:`Measure` replays repeated calls by default (module docstring; the
+tests trace with it off to compare)."""
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What a measured call left, to stand for a later call identical to it up to names
+    (module docstring): its forward FLOPs; its output tree (``spec``) with, per leaf:
+    ``("const", v)``; ``("same", j)``, the object of leaf ``j``; ``("fresh", g, shape,
+    stride, offset)``, a tensor in fresh storage group ``g`` (``groups[g]``: elements,
+    dtype, needs a gradient, and the shape and stride of its one tensor when that
+    fills it: made at once); ``("view", i, shape, stride, offset)``, a view of what
+    the op ran on for flat input ``i`` (the input's fresh copy, :meth:`Measure._measured_call`,
+    of layout ``copies[i]``; the input itself when not copied); ``("arg", i)``, that
+    object itself. And what autograd packed, per storage: ``("in", i)`` (flat input
+    ``i``), ``("out", g)`` (fresh group ``g``) or ``("internal", nbytes)``."""
+
+    fwd: int
+    spec: Any
+    leaves: tuple
+    groups: tuple[tuple[int, torch.dtype, bool, tuple | None], ...]
+    copies: tuple[tuple[tuple[int, ...], tuple[int, ...]] | None, ...]
+    packed: tuple[tuple[str, int], ...]
+
+    def outputs(self, flat_in: list[torch.Tensor], saved: SavedTensors) -> tuple[Any, list[torch.Tensor], list]:
+        """Outputs of the recorded layout (inside the fake mode) for a call on
+        ``flat_in``: the output tree, the fresh groups' bases (stand-ins for what the
+        call packed) and what it ran on (stand-ins for the copies its outputs view,
+        registered with ``saved`` as copies of their inputs)."""
+        bases = [(torch.empty(n, dtype=dt) if whole is None else torch.empty_strided(*whole, dtype=dt)).requires_grad_(grad)
+                 for n, dt, grad, whole in self.groups]
+        ran_on: dict[int, torch.Tensor] = {}
+
+        def arg(i: int) -> torch.Tensor:
+            if i not in ran_on:
+                x, copy = flat_in[i], self.copies[i]
+                if copy is None:
+                    ran_on[i] = x
+                else:
+                    stand_in = torch.empty_strided(*copy, dtype=x.dtype).requires_grad_(x.requires_grad)
+                    saved.cloned(stand_in, x)
+                    ran_on[i] = stand_in
+            return ran_on[i]
+
+        made: list[Any] = []
+        for leaf in self.leaves:
+            kind = leaf[0]
+            if kind == "fresh":
+                g = leaf[1]
+                made.append(bases[g] if self.groups[g][3] is not None else bases[g].as_strided(*leaf[2:]))
+            elif kind == "view":
+                made.append(arg(leaf[1]).as_strided(*leaf[2:]))
+            elif kind == "arg":
+                made.append(arg(leaf[1]))
+            elif kind == "same":
+                made.append(made[leaf[1]])
+            else:
+                made.append(leaf[1])
+        return tree_unflatten(made, self.spec), bases, list(ran_on.values())
+
+
 class Measure(fx.Interpreter):
     """Runs the graph on fake tensors and records one :class:`OpNode` per op."""
 
     def __init__(self, gm: fx.GraphModule, model: nn.Module, fake_mode: FakeTensorMode, cast: str | None = None,
-                 cast_buffers: bool = True):
+                 cast_buffers: bool = True, replay: bool | None = None):
         super().__init__(gm, garbage_collect_values=False)
+        self.replay = REPLAY if replay is None else replay
+        self._replays: dict[tuple, Replay | None] = {}
+        self.replayed = 0  # calls not run again
         self.fake_mode = fake_mode
         self.nodes: list[OpNode] = []
         self.signature: dict[str, tuple] = {}
@@ -147,15 +251,16 @@ class Measure(fx.Interpreter):
         # The math attention backend runs attention as matmuls FlopCounterMode counts
         # (the CPU flash kernel has no FLOP formula registered in torch). Autocast on the
         # CPU dispatch keys gives the dtypes autocast gives on any device for these ops.
+        # The FLOP counter is entered around each measured call only (what else runs,
+        # data movement and replayed outputs, has no FLOPs and runs faster outside it).
+        self.counter = FlopCounterMode(display=False)
         with (
             self.fake_mode,
             sdpa_kernel([SDPBackend.MATH]),
             _native_rnn(),
             torch.autocast("cpu", dtype=getattr(torch, autocast), enabled=autocast is not None)
             if autocast is not None else contextlib.nullcontext(),
-            FlopCounterMode(display=False) as counter,
         ):
-            self.counter = counter
             self.run(*inputs)
 
     def run_node(self, n: fx.Node) -> Any:
@@ -339,7 +444,21 @@ class Measure(fx.Interpreter):
 
     def _measured_call(self, n: fx.Node, module, mod_params, args, kwargs) -> tuple[Any, int, int, list]:
         """Run the op on fresh leaf inputs; count forward and backward FLOPs. Also the
-        tensors it ran on (its outputs may alias them)."""
+        tensors it ran on (its outputs may alias them). A call identical to an earlier
+        one is replayed (module docstring)."""
+        sig = self._signature(n, module, args, kwargs)
+        flat_in = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        key = self._replay_key(sig, module, mod_params, args, kwargs, flat_in) if self.replay else None
+        replay = self._replays.get(key) if key is not None else None
+        if replay is not None:
+            out, bases, ran_on = replay.outputs(flat_in, self.saved)
+            flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            stand_ins = [flat_in[i] if kind == "in" else bases[i] if kind == "out" else torch.empty(i, dtype=torch.uint8)
+                         for kind, i in replay.packed]
+            self.saved.packed(n.name, stand_ins, flat_out)
+            self.signature[n.name] = sig
+            self.replayed += 1
+            return out, replay.fwd, self._backward_flops[sig], ran_on
         leaves: list[torch.Tensor] = []
 
         def leafify(x: Any) -> Any:
@@ -362,51 +481,158 @@ class Measure(fx.Interpreter):
 
         largs, lkwargs = tree_map(leafify, (args, kwargs))
         leaves += [p for p in mod_params.values() if p.requires_grad]
-        sig = self._signature(n, module, args, kwargs)
-        before = self.counter.get_total_flops()
         packed: list[torch.Tensor] = []
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             packed.append(t)
             return t
 
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with self.counter:  # its counts start at 0
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = self._call(n, module, mod_params, largs, lkwargs)
+            except RuntimeError as e:  # an op autograd cannot differentiate (an integer result): no backward
+                if "autograd" not in str(e).lower():
+                    raise
+                leaves.clear()
+                packed.clear()
+                largs, lkwargs = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, (args, kwargs))
                 out = self._call(n, module, mod_params, largs, lkwargs)
-        except RuntimeError as e:  # an op autograd cannot differentiate (an integer result): no backward
-            if "autograd" not in str(e).lower():
-                raise
-            leaves.clear()
-            packed.clear()
-            largs, lkwargs = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, (args, kwargs))
-            out = self._call(n, module, mod_params, largs, lkwargs)
-        if _fused_attention(n) and isinstance(out, torch.Tensor) and out.dim() == 4:
-            # as a fused kernel lays its output out ((B, T, H, D) memory, so the usual
-            # transpose(1, 2) that follows is a view) and saves: q, k, v and the output
-            out = out.transpose(1, 2).contiguous().transpose(1, 2)
-            # an input of another dtype than the output (autocast's: RoPE's fp32 queries
-            # beside bf16 values) reaches the kernel cast, and the cast copy is what it saves
-            packed = [t if t.dtype == out.dtype else t.to(out.dtype) for t in largs[:3] if isinstance(t, torch.Tensor)]
-            packed += [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-            if not out.requires_grad:  # no input needs a gradient: the kernel saves nothing
-                packed = []
-        self.saved.packed(n.name, packed, [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)])
-        fwd = self.counter.get_total_flops() - before
-        bwd = self._backward_flops.get(sig, 0)
-        if sig not in self._backward_flops:
-            grads_of = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-            if grads_of and leaves:
-                before = self.counter.get_total_flops()
-                torch.autograd.grad(
-                    grads_of,
-                    leaves,
-                    grad_outputs=[torch.ones_like(t) for t in grads_of],
-                    allow_unused=True,
-                )
-                bwd = self.counter.get_total_flops() - before
-            self._backward_flops[sig] = bwd
+            if _fused_attention(n) and isinstance(out, torch.Tensor) and out.dim() == 4:
+                # as a fused kernel lays its output out ((B, T, H, D) memory, so the usual
+                # transpose(1, 2) that follows is a view) and saves: q, k, v and the output
+                out = out.transpose(1, 2).contiguous().transpose(1, 2)
+                # an input of another dtype than the output (autocast's: RoPE's fp32 queries
+                # beside bf16 values) reaches the kernel cast, and the cast copy is what it saves
+                packed = [t if t.dtype == out.dtype else t.to(out.dtype) for t in largs[:3] if isinstance(t, torch.Tensor)]
+                packed += [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+                if not out.requires_grad:  # no input needs a gradient: the kernel saves nothing
+                    packed = []
+            self.saved.packed(n.name, packed, [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)])
+            fwd = self.counter.get_total_flops()
+            bwd = self._backward_flops.get(sig, 0)
+            if sig not in self._backward_flops:
+                grads_of = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+                if grads_of and leaves:
+                    torch.autograd.grad(
+                        grads_of,
+                        leaves,
+                        grad_outputs=[torch.ones_like(t) for t in grads_of],
+                        allow_unused=True,
+                    )
+                    bwd = self.counter.get_total_flops() - fwd
+                self._backward_flops[sig] = bwd
         self.signature[n.name] = sig
-        return out, fwd, bwd, [t for t in tree_flatten((largs, lkwargs))[0] if isinstance(t, torch.Tensor)]
+        ran_on = [t for t in tree_flatten((largs, lkwargs))[0] if isinstance(t, torch.Tensor)]
+        if key is not None:
+            self._replays[key] = self._recorded(fwd, out, packed, flat_in, ran_on)
+        return out, fwd, bwd, ran_on
+
+    def _replay_key(self, sig: tuple, module: nn.Module | None, mod_params: dict[str, torch.Tensor], args, kwargs,
+                    flat_in: list[torch.Tensor]) -> tuple | None:
+        """What makes a call identical to another up to names (module docstring): its
+        :meth:`_signature`, its constants by value, every tensor input's layout, gradient
+        flag and storage (which inputs share one), the module's parameters' gradient
+        flags and the plain attributes of the module and its submodules. None when a
+        constant or attribute does not name itself (a call never replayed)."""
+        consts = tuple(_plain(x) for x in tree_flatten((args, kwargs))[0] if not isinstance(x, torch.Tensor))
+        if _OPAQUE in consts:
+            return None
+        first: dict[StorageWeakRef, int] = {}
+        layout = tuple((tuple(t.stride()), t.storage_offset(), t.requires_grad,
+                        first.setdefault(self.saved.key(t), len(first))) for t in flat_in)
+        attrs: tuple = ()
+        if module is not None:
+            parts = []
+            for path, m in module.named_modules():
+                for k, v in vars(m).items():
+                    if k.startswith("_") or isinstance(v, (torch.Tensor, nn.Module)):
+                        continue
+                    c = _plain(v)
+                    if c is _OPAQUE:
+                        return None
+                    parts.append((path, k, c))
+            attrs = (tuple(parts), tuple(p.requires_grad for p in mod_params.values()))
+        return sig, consts, layout, attrs
+
+    def _recorded(self, fwd: int, out: Any, packed: list[torch.Tensor], flat_in: list[torch.Tensor],
+                  ran_on: list[torch.Tensor]) -> Replay | None:
+        """The :class:`Replay` of a call just measured on ``flat_in`` (``ran_on``: what it
+        ran on in their place, :meth:`_measured_call`); None when an output lives in a
+        storage other than a fresh one or one of what it ran on (a parameter's), is a
+        copy of an input that does not fill its storage, or the call packed a storage
+        that is neither its input's, its output's nor its own."""
+        saved = self.saved
+        ins: dict[StorageWeakRef, int] = {}
+        for i, t in enumerate(flat_in):
+            ins.setdefault(saved.key(t), i)
+        ran: dict[StorageWeakRef, int] = {}
+        for i, t in enumerate(ran_on):
+            ran.setdefault(storage(t), i)
+        copies: list[tuple | None] = [None] * len(flat_in)
+        made, spec = tree_flatten(out)
+        leaves: list[tuple] = []
+        groups: dict[StorageWeakRef, int] = {}
+        layout: list[tuple[int, torch.dtype, bool]] = []
+        seen: dict[int, int] = {}
+        for j, t in enumerate(made):
+            if not isinstance(t, torch.Tensor):
+                if _plain(t) is _OPAQUE:
+                    return None
+                leaves.append(("const", t))
+                continue
+            if id(t) in seen:
+                leaves.append(("same", seen[id(t)]))
+                continue
+            seen[id(t)] = j
+            k = storage(t)
+            where = (tuple(t.shape), tuple(t.stride()), t.storage_offset())
+            if k in ran:
+                i = ran[k]
+                x = ran_on[i]
+                if x is not flat_in[i]:  # a fresh copy: made again as one
+                    if x.storage_offset() or x.untyped_storage().nbytes() != _span(x.shape, x.stride()) * x.element_size():
+                        return None
+                    copies[i] = (tuple(x.shape), tuple(x.stride()))
+                elif k in saved.state:
+                    return None
+                leaves.append(("arg", i) if t is x else ("view", i, *where))
+                continue
+            if k in ins or k in saved.state or k in saved.owner or k in saved.clone_of:
+                return None
+            if k not in groups:
+                size = t.untyped_storage().nbytes()
+                if size % t.element_size():
+                    return None
+                groups[k] = len(layout)
+                layout.append((size // t.element_size(), t.dtype, t.requires_grad))
+            g = groups[k]
+            if layout[g][1:] != (t.dtype, t.requires_grad):
+                return None
+            leaves.append(("fresh", g, *where))
+        kinds: dict[StorageWeakRef, tuple[str, int]] = {}
+        for t in packed:
+            k = saved.key(t)
+            if k in saved.state:
+                continue
+            if k in ins:
+                kinds.setdefault(k, ("in", ins[k]))
+            elif k in groups:
+                kinds.setdefault(k, ("out", groups[k]))
+            elif k in saved.owner:
+                return None
+            elif not saved.is_weight_cast(t):
+                kinds[k] = ("internal", t.untyped_storage().nbytes())
+        filled = [None] * len(layout)  # per group, the shape and stride of its one tensor that fills it
+        count = [0] * len(layout)
+        for leaf in leaves:
+            if leaf[0] == "fresh":
+                g, shape, stride, offset = leaf[1:]
+                count[g] += 1
+                if not offset and _span(shape, stride) == layout[g][0]:
+                    filled[g] = (shape, stride)
+        groups_ = tuple((*layout[g], filled[g] if count[g] == 1 else None) for g in range(len(layout)))
+        return Replay(fwd, spec, tuple(leaves), groups_, tuple(copies), tuple(kinds.values()))
 
     @staticmethod
     def _call(n: fx.Node, module, mod_params, args, kwargs) -> Any:

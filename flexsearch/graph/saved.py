@@ -83,13 +83,13 @@ class SavedTensors:
             if k in self.owner or k in outs:
                 self.saved.add(k)
                 self.saved_by.setdefault(name, set()).add(k)
-            elif not self._is_weight_cast(t):
+            elif not self.is_weight_cast(t):
                 internal[k] = t.untyped_storage().nbytes()
                 self._held.append(t)
         if internal:
             self.internal[name] = self.internal.get(name, 0) + sum(internal.values())
 
-    def _is_weight_cast(self, t: torch.Tensor) -> bool:
+    def is_weight_cast(self, t: torch.Tensor) -> bool:
         """Is ``t`` (a view of) autocast's low-precision copy of a parameter?"""
         fn, cast = t.grad_fn, False
         for _ in range(4):

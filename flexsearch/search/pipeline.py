@@ -261,6 +261,8 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
             mg = microbatch_graph(graph_of(shard), k)
             configs = stage_configs(mg, t)
             costs = stage_node_costs(mg, ctx, t) if configs is not None else None
+            if costs is not None and key[2]:  # as FSDP2 stages (zero2) compute them
+                costs = fsdp_stage_costs(costs)
             cost_memo[key] = None if costs is None else (costs, configs)
             if (k, key[2]) not in cut_memo:  # the same for every tensor degree
                 cut_memo[k, key[2]] = cut_bytes(mg), BoundaryCopies.of(mg)
@@ -277,8 +279,6 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
         copies not (:func:`flexsearch.sim.stages.stage_layout`)."""
         if (k, t, mode, fsdp) not in chain_memo:
             costs = costs_for(k, t, "zero2" if fsdp else "none")[0]
-            if fsdp:
-                costs = fsdp_stage_costs(costs)
             chain_memo[k, t, mode, fsdp] = stage_chain(costs, cut_memo[k, fsdp][0], cps[mode] if t == 1 or mode == "none"
                                                        else None, whole=t > 1 and mode == "full")
         return chain_memo[k, t, mode, fsdp]

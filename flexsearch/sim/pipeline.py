@@ -144,18 +144,24 @@ class Updated:
 # ----------------------------------------------------------------------------- tasks
 
 
-def _move(ctx: CostContext, name: str, src: tuple[int, ...], dst: tuple[int, ...], nbytes: float, dep,
-          key, copies: int = 1) -> Task:
-    """Activations or gradients from one replica's devices to another's, one transfer
-    per tensor-parallel rank in parallel; posted asynchronously: they hold the links,
-    not the devices."""
+def _route(ctx: CostContext, src: tuple[int, ...], dst: tuple[int, ...], nbytes: float) -> tuple[float, tuple[int, ...]]:
+    """The time and links of moving ``nbytes`` from one replica's devices to another's,
+    one transfer per tensor-parallel rank in parallel."""
     dur, links = 0.0, set()
     if src != dst and nbytes > 0:
         for a, b in zip(src, dst, strict=True):
             t, ls = ctx.transfer(a, b, nbytes)
             dur = max(dur, t)
             links.update(ls)
-    return Task("xfer", name, dur, tuple(sorted(links)), (dep,), (key,), nbytes * len(src), copies=copies)
+    return dur, tuple(sorted(links))
+
+
+def _move(route: tuple[float, tuple[int, ...]], name: str, width: int, nbytes: float, dep, key,
+          copies: int = 1) -> Task:
+    """Activations or gradients from one replica's ``width`` devices to another's along
+    ``route`` (:func:`_route`); posted asynchronously: they hold the links, not the
+    devices."""
+    return Task("xfer", name, route[0], route[1], (dep,), (key,), nbytes * width, copies=copies)
 
 
 def mirror(ctx: CostContext, layout: PipelineLayout) -> dict[int, int] | None:
@@ -231,6 +237,13 @@ def action_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineL
     def group(stage: int, rep: int) -> tuple[int, ...]:
         return layout.replicas(stage)[rep]
 
+    routes: dict[tuple, tuple[float, tuple[int, ...]]] = {}
+
+    def route(src: tuple[int, ...], dst: tuple[int, ...], nbytes: float) -> tuple[float, tuple[int, ...]]:
+        if (src, dst, nbytes) not in routes:
+            routes[src, dst, nbytes] = _route(ctx, src, dst, nbytes)
+        return routes[src, dst, nbytes]
+
     ordered: list[Task] = []
     done: set = set()
     chains = {r: [i for (rr, i) in by_lane if rr == r] for r in range(len(layout.ranks))}
@@ -252,7 +265,7 @@ def action_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineL
                     need.append(Unsharded(s))
                     if Unsharded(s) not in done:  # the pre-forward hook's gather, once every replica's input is in
                         inputs = tuple(Step("input", s, j, cc) for cc in chains[r]) if s > 0 else ()
-                        if all(k in done for k in inputs):
+                        if done.issuperset(inputs):
                             ordered.extend(_stage_gathers(ctx, costs, layout, s, inputs))
                             done.add(Unsharded(s))
                 if a.kind == "B":
@@ -261,7 +274,7 @@ def action_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineL
                         need.append(Step("grad", s, j, c))
                 if lane in waits:
                     need.append(waits[lane])
-                if not all(k in done for k in need):
+                if not done.issuperset(need):
                     break
                 devs = group(s, i)
                 c_s = costs[s]
@@ -272,8 +285,8 @@ def action_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineL
                     done.add(key)
                     if s < last:
                         nxt = Step("input", s + 1, j, c)
-                        ordered.append(_move(ctx, f"act {a.text}", devs, group(s + 1, replica(s + 1, j, i)),
-                                             c_s.send_bytes, key, nxt, copies))
+                        ordered.append(_move(route(devs, group(s + 1, replica(s + 1, j, i)), c_s.send_bytes),
+                                             f"act {a.text}", len(devs), c_s.send_bytes, key, nxt, copies))
                         done.add(nxt)
                 else:
                     key = Step("backward", s, j, c)
@@ -283,8 +296,9 @@ def action_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineL
                     waits.pop(lane, None)
                     if s > 0:
                         prev = Step("grad", s - 1, j, c)
-                        ordered.append(_move(ctx, f"grad {a.text}", devs, group(s - 1, replica(s - 1, j, i)),
-                                             costs[s - 1].send_bytes, key, prev, copies))
+                        nbytes = costs[s - 1].send_bytes
+                        ordered.append(_move(route(devs, group(s - 1, replica(s - 1, j, i)), nbytes),
+                                             f"grad {a.text}", len(devs), nbytes, key, prev, copies))
                         done.add(prev)
                     if asynchronous:
                         n = len(layout.ranks[r])

@@ -245,9 +245,12 @@ def shared_params(graph: OpGraph) -> dict[str, tuple[int, ...]]:
     return {p: tuple(v) for p, v in uses.items() if len(v) > 1}
 
 
-def fsdp_stage_costs(costs: Sequence[NodeCost]) -> list[NodeCost]:
+def fsdp_stage_costs(costs: Sequence[NodeCost]) -> Sequence[NodeCost]:
     """The node costs in an FSDP2 stage, which gathers its weights in the low precision:
-    autocast makes no copies of them (``cast_bytes`` 0)."""
+    autocast makes no copies of them (``cast_bytes`` 0); ``costs`` themselves when they
+    have none (already an FSDP2 stage's: the search passes them so)."""
+    if not any(c.cast_bytes for c in costs):
+        return costs
     return [replace(c, cast_bytes=0.0) for c in costs]
 
 

@@ -52,9 +52,17 @@ def recompute_units(graph: OpGraph) -> tuple[Unit, ...]:
         paths = [m for b in graph.blocks for m in b.modules]
     else:
         paths = list(fsdp_units(graph.modules))
+    wanted = set(paths)
+    positions: dict[str, list[int]] = {}  # path -> the positions of the nodes in it
+    for i, n in enumerate(graph.nodes):
+        parts = n.module.split(".")
+        for k in range(1, len(parts) + 1):  # the module and the modules it is in
+            within = ".".join(parts[:k])
+            if within in wanted:
+                positions.setdefault(within, []).append(i)
     out = []
     for path in paths:
-        pos = [i for i, n in enumerate(graph.nodes) if n.module == path or n.module.startswith(path + ".")]
+        pos = positions.get(path)
         if pos and pos[-1] - pos[0] + 1 == len(pos):
             out.append(Unit(path, pos[0], pos[-1] + 1))
     return tuple(sorted(out, key=lambda u: u.start))

@@ -462,6 +462,50 @@ _NOTHING_REPEATED = ("rnntc_tiny", "rnnlm_tiny")
 """Cases with no call identical to an earlier one (one recurrent layer between others)."""
 
 
+class _LookAlikes(nn.Module):
+    """Calls that look alike to a careless replay key and are not (each pair differs in
+    one thing the graph shows downstream): ``detach`` and a straight-through estimator,
+    ``view(dtype)``, ``* 1`` and ``* 1.0``, a forward hook and a pre-hook on one of two
+    twin layers, encoder layers whose activation modules differ in class only, a
+    parameter's view and an activation of the same layout, ``requires_grad_`` and an
+    in-place op that makes a tensor need a gradient, ``unsqueeze_`` of integer tensors
+    (not copied by the tracer), a constant tensor expanded."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.hooked, self.pre_hooked = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.hooked.register_forward_hook(lambda m, i, o: o.double().float() * 2)
+        self.pre_hooked.register_forward_pre_hook(lambda m, i: (i[0] + m.adapter(i[0]),))
+        self.pre_hooked.adapter = nn.Linear(8, 8)
+        self.tanh = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True, activation=nn.Tanh())
+        self.soft = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True, activation=nn.Softsign())
+        self.w = nn.Parameter(torch.randn(8, 8))
+        self.register_buffer("scale", torch.randn(8, 1), persistent=False)
+
+    def forward(self, x, ids):
+        t1, t2 = self.a(x).detach(), self.b(x).detach()
+        y = self.c(t1) + self.c(t2)
+        h = self.a(y)
+        y = y + h + (self.b(h) - h).detach()
+        p, q = self.a(y).view(torch.int32), self.b(y).view(torch.int32)
+        y = y + (p + q).float().sum(-1, keepdim=True) + ids.view(torch.float64).float().mean()
+        m = ids * 1
+        y = y + (ids * 1.0).unsqueeze(-1) + m.unsqueeze(-1)
+        y = self.hooked(y) + self.c(y) + self.pre_hooked(y) + self.a(y)
+        y = self.tanh(y) + self.soft(y)
+        y = y @ self.w.t() + y @ self.a(y.reshape(-1, 8)[:8]).t()
+        g = (y * 2).detach().requires_grad_()
+        k = (y * 3).detach()
+        k.add_(self.c(y))
+        y = self.c(g) + self.c(k)
+        i1, i2 = ids * 2, ids * 3
+        i1.unsqueeze_(0)
+        i2.unsqueeze_(0)
+        y = y + i1.float().sum() + i2.float().sum()
+        return y + self.scale.expand(8, 8)[0] + y.sum((0, 1)).expand(8, 8)[0]
+
+
 def _replay_cases():
     import sys
 
@@ -469,7 +513,7 @@ def _replay_cases():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from zoo import ZOO
     return [e.name for e in ZOO if e.size == "tiny"] + ["hf:gpt2", "hf:llama", "hf:mixtral", "hf:t5", "hf:vit",
-                                                         "repeats"]
+                                                         "repeats", "look-alikes"]
 
 
 @pytest.mark.parametrize("case", _replay_cases())
@@ -484,6 +528,8 @@ def test_replayed_calls_trace_the_graph_running_every_call_gives(case, monkeypat
 
     if case == "repeats":
         model, inputs = _Repeats(), (torch.randn(2, 6, 8), torch.randint(0, 5, (2, 6)))
+    elif case == "look-alikes":
+        model, inputs = _LookAlikes(), (torch.randn(2, 6, 8), torch.randint(0, 5, (2, 6)))
     elif case.startswith("hf:"):
         import importlib.util
 

@@ -121,13 +121,15 @@ def _native_rnn() -> Iterator[None]:
 
 
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
+_OPAQUE = object()
 
 
 def _plain(x: Any) -> Any:
-    """``x`` as a replay key part when it is a constant that names itself (a number, a
-    string, a dtype, a slice or size of them), else :data:`_OPAQUE`."""
+    """``x`` as a replay key part, with its type (``1``, ``1.0`` and ``True`` differ),
+    when it is a constant that names itself (a number, a string, a dtype, a slice or
+    size of them), else :data:`_OPAQUE`."""
     if isinstance(x, _PLAIN) or x is Ellipsis:
-        return x
+        return type(x).__name__, x
     if isinstance(x, slice):
         parts = (x.start, x.stop, x.step)
         return ("slice", parts) if all(isinstance(v, _PLAIN) for v in parts) else _OPAQUE
@@ -137,7 +139,16 @@ def _plain(x: Any) -> Any:
     return _OPAQUE
 
 
-_OPAQUE = object()
+def _hooked(module: nn.Module) -> bool:
+    """Does a hook run around ``module``'s call (its own, a submodule's, or a global
+    one)? What a hook does is not in a replay key: such calls are run."""
+    from torch.nn.modules import module as mod
+
+    if mod._global_forward_hooks or mod._global_forward_pre_hooks or mod._global_backward_hooks \
+            or mod._global_backward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+               or getattr(m, "parametrizations", None) for m in module.modules())
 
 
 def _span(shape: tuple[int, ...], stride: tuple[int, ...], offset: int = 0) -> int:
@@ -146,6 +157,11 @@ def _span(shape: tuple[int, ...], stride: tuple[int, ...], offset: int = 0) -> i
     if any(n == 0 for n in shape):
         return 0
     return offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True))
+
+
+def _meta_of(t: torch.Tensor) -> tuple:
+    """A tensor's shape, stride, offset and gradient flag."""
+    return tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.requires_grad
 
 
 REPLAY = True
@@ -177,7 +193,8 @@ class Replay:
         """Outputs of the recorded layout (inside the fake mode) for a call on
         ``flat_in``: the output tree, the fresh groups' bases (stand-ins for what the
         call packed) and what it ran on (stand-ins for the copies its outputs view,
-        registered with ``saved`` as copies of their inputs)."""
+        registered with ``saved`` as copies of their inputs; only those: a real call returns
+        every input's copy, which the alias test of :meth:`Measure._op` reads alike)."""
         bases = [(torch.empty(n, dtype=dt) if whole is None else torch.empty_strided(*whole, dtype=dt)).requires_grad_(grad)
                  for n, dt, grad, whole in self.groups]
         ran_on: dict[int, torch.Tensor] = {}
@@ -208,6 +225,20 @@ class Replay:
             else:
                 made.append(leaf[1])
         return tree_unflatten(made, self.spec), bases, list(ran_on.values())
+
+    def stand_ins(self, flat_in: list[torch.Tensor], bases: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Tensors in the storages the recorded call packed, for a call on ``flat_in``
+        whose fresh groups are ``bases`` (:meth:`outputs`): the input, the group's base,
+        or a new byte tensor of the internal storage's size."""
+        out = []
+        for kind, v in self.packed:
+            if kind == "in":
+                out.append(flat_in[v])
+            elif kind == "out":
+                out.append(bases[v])
+            else:  # "internal": v bytes
+                out.append(torch.empty(v, dtype=torch.uint8))
+        return out
 
 
 class Measure(fx.Interpreter):
@@ -453,9 +484,7 @@ class Measure(fx.Interpreter):
         if replay is not None:
             out, bases, ran_on = replay.outputs(flat_in, self.saved)
             flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-            stand_ins = [flat_in[i] if kind == "in" else bases[i] if kind == "out" else torch.empty(i, dtype=torch.uint8)
-                         for kind, i in replay.packed]
-            self.saved.packed(n.name, stand_ins, flat_out)
+            self.saved.packed(n.name, replay.stand_ins(flat_in, bases), flat_out)
             self.signature[n.name] = sig
             self.replayed += 1
             return out, replay.fwd, self._backward_flops[sig], ran_on
@@ -479,6 +508,7 @@ class Measure(fx.Interpreter):
                 return copy
             return x
 
+        before = [_meta_of(t) for t in flat_in]
         largs, lkwargs = tree_map(leafify, (args, kwargs))
         leaves += [p for p in mod_params.values() if p.requires_grad]
         packed: list[torch.Tensor] = []
@@ -496,6 +526,7 @@ class Measure(fx.Interpreter):
                     raise
                 leaves.clear()
                 packed.clear()
+                key = None  # run so every time: its inputs are not the copies a replay makes
                 largs, lkwargs = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, (args, kwargs))
                 out = self._call(n, module, mod_params, largs, lkwargs)
             if _fused_attention(n) and isinstance(out, torch.Tensor) and out.dim() == 4:
@@ -524,27 +555,40 @@ class Measure(fx.Interpreter):
                 self._backward_flops[sig] = bwd
         self.signature[n.name] = sig
         ran_on = [t for t in tree_flatten((largs, lkwargs))[0] if isinstance(t, torch.Tensor)]
-        if key is not None:
-            self._replays[key] = self._recorded(fwd, out, packed, flat_in, ran_on)
+        if key is not None and key not in self._replays:  # None: not replayable, run every time
+            self._replays[key] = self._recorded(fwd, out, packed, flat_in, ran_on, before)
         return out, fwd, bwd, ran_on
 
     def _replay_key(self, sig: tuple, module: nn.Module | None, mod_params: dict[str, torch.Tensor], args, kwargs,
                     flat_in: list[torch.Tensor]) -> tuple | None:
         """What makes a call identical to another up to names (module docstring): its
-        :meth:`_signature`, its constants by value, every tensor input's layout, gradient
-        flag and storage (which inputs share one), the module's parameters' gradient
-        flags and the plain attributes of the module and its submodules. None when a
-        constant or attribute does not name itself (a call never replayed)."""
+        :meth:`_signature`; its constants by type and value; per tensor input its shape,
+        layout, dtype, gradient flag, which inputs share its storage and whether that is
+        the model's state or a node's output; the module's class, its submodules'
+        classes and plain attributes and its parameters' gradient flags. None (the call
+        is run, never replayed) when a constant or attribute does not name itself, an
+        input lives in a storage no node made (a constant), or a hook runs around the
+        module."""
         consts = tuple(_plain(x) for x in tree_flatten((args, kwargs))[0] if not isinstance(x, torch.Tensor))
         if _OPAQUE in consts:
             return None
+        saved = self.saved
         first: dict[StorageWeakRef, int] = {}
-        layout = tuple((tuple(t.stride()), t.storage_offset(), t.requires_grad,
-                        first.setdefault(self.saved.key(t), len(first))) for t in flat_in)
+        layout = []
+        for t in flat_in:
+            k = saved.key(t)
+            kind = "state" if k in saved.state else "made" if k in saved.owner else None
+            if kind is None:
+                return None
+            layout.append((tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.requires_grad, kind,
+                           first.setdefault(k, len(first))))
         attrs: tuple = ()
         if module is not None:
+            if _hooked(module):
+                return None
             parts = []
             for path, m in module.named_modules():
+                parts.append((path, type(m)))
                 for k, v in vars(m).items():
                     if k.startswith("_") or isinstance(v, (torch.Tensor, nn.Module)):
                         continue
@@ -553,16 +597,22 @@ class Measure(fx.Interpreter):
                         return None
                     parts.append((path, k, c))
             attrs = (tuple(parts), tuple(p.requires_grad for p in mod_params.values()))
-        return sig, consts, layout, attrs
+        return sig, consts, tuple(layout), attrs
 
     def _recorded(self, fwd: int, out: Any, packed: list[torch.Tensor], flat_in: list[torch.Tensor],
-                  ran_on: list[torch.Tensor]) -> Replay | None:
+                  ran_on: list[torch.Tensor], before: list[tuple]) -> Replay | None:
         """The :class:`Replay` of a call just measured on ``flat_in`` (``ran_on``: what it
-        ran on in their place, :meth:`_measured_call`); None when an output lives in a
-        storage other than a fresh one or one of what it ran on (a parameter's), is a
-        copy of an input that does not fill its storage, or the call packed a storage
-        that is neither its input's, its output's nor its own."""
+        ran on in their place, :meth:`_measured_call`; ``before``: each input's shape,
+        stride, offset and gradient flag before the call); None when the call changed an
+        input it ran on itself (in place: an integer tensor is not copied), an output
+        lives in a storage other than a fresh one or one of what it ran on (a
+        parameter's), is a view or the copy of an input of another dtype or gradient flag
+        (``detach``, ``view(dtype)``, ``requires_grad_``), is a copy of an input that does
+        not fill its storage, or the call packed a storage that is neither its input's,
+        its output's nor its own."""
         saved = self.saved
+        if any(x is t and _meta_of(t) != was for x, t, was in zip(ran_on, flat_in, before, strict=True)):
+            return None
         ins: dict[StorageWeakRef, int] = {}
         for i, t in enumerate(flat_in):
             ins.setdefault(saved.key(t), i)
@@ -590,6 +640,8 @@ class Measure(fx.Interpreter):
             if k in ran:
                 i = ran[k]
                 x = ran_on[i]
+                if (t.dtype, t.requires_grad) != (flat_in[i].dtype, flat_in[i].requires_grad):
+                    return None
                 if x is not flat_in[i]:  # a fresh copy: made again as one
                     if x.storage_offset() or x.untyped_storage().nbytes() != _span(x.shape, x.stride()) * x.element_size():
                         return None

@@ -9,8 +9,9 @@ these terms here, in one place.
 **Memory** of one device, bytes. Terms: ``P`` parameters it holds (its shard), ``G``
 their gradients, ``O`` optimizer state (``k P`` for Adam ``k = 2``, momentum 1, SGD 0),
 ``A`` activations kept for the backward pass (what autograd saves, as the tracer
-measured it, stashed microbatches, inputs received from other devices, and under
-activation checkpointing the largest unit's, rebuilt in the backward), ``Y`` what the
+measured it, stashed microbatches, inputs received from other devices), ``C`` under
+activation checkpointing the activations the largest unit rebuilds in the backward
+(one unit at a time), ``Y`` what the
 loss holds over the model's output from its forward into the backward (one
 output-sized fp32 tensor, and the fp32 copy of a lower-precision output:
 :func:`flexsearch.sim.footprint.loss_held_bytes`), ``T`` the loss's working tensor
@@ -21,7 +22,7 @@ microbatches' activations stay stashed meanwhile), ``B`` buffers (FSDP's gathere
 parameters, a gossip snapshot and receive buffers, PipeDream's extra weight versions, a
 parameter server's accumulation buffer), ``L`` the largest parameter tensor it holds::
 
-    P + O + B + R + max(A + Y + max(T, W), G + U, H + Y + max(T, W)) + D
+    P + O + B + R + max(A + Y + max(T, C + W), G + U, H + Y + max(T, C + W)) + D
 
 The loss's hold lasts into the backward's first gradients: torch's CPU ``mse_loss``
 returns its loss as a view of its elementwise buffer (alive as long as the loss), the
@@ -30,7 +31,13 @@ output, and the step's caller still references the output. Its working tensor co
 on top in the loss's forward (the MSE's second elementwise buffer, the cross-entropy's
 fp32 copy of bf16 logits beside its log-softmax) or in its backward (the gradient of
 the output, computed in fp32 before the cast to the output's dtype), where ``W``
-already counts a gradient of the output: hence ``max(T, W)``. Measured on an H100 by
+already counts a gradient of the output: hence ``max(T, W)``. A checkpointed unit
+rebuilds its activations when the backward reaches it, after the loss's working tensor
+is gone: ``C + W`` beside ``T``, with ``W`` over the rebuilt activations as they are
+freed (:func:`flexsearch.sim.footprint.backward_working`). Until then the peak took
+``A + C + Y + max(T, W)``, ``W`` over the kept activations alone: 37% over torch's
+allocator for the tiny AlexNet (one unit) at batch 128 in fp32, 14% over for the tiny
+GPT in bf16-mixed, both with full checkpointing (``tests/test_memory_tracker.py``). Measured on an H100 by
 phase (``benchmarks/gpu_step.py``: the allocator's peak in the loss and in the
 backward of one step, a cross-entropy over a zoo GPT's logits): ``P + O + A + Y``
 within 2% of the loss's peak and ``P + O + A + Y + max(T, W)`` within 2.2% of the
@@ -127,9 +134,8 @@ class DeviceMemory:
     """``Y``: what the loss holds over the model's output on the device, from its forward
     into the backward (:func:`flexsearch.sim.footprint.loss_held_bytes`)."""
     rebuilt: float = 0.0
-    """Activation checkpointing: the activations one checkpointed unit rebuilds during
-    the backward (the largest unit's), on top of those kept from the forward (counted
-    with the activations)."""
+    """``C``: activation checkpointing: the activations one checkpointed unit rebuilds
+    during the backward (the largest unit's), on top of those kept from the forward."""
     grad_working: float = 0.0
     """``W``: one backward's gradient buffers above the activations still kept
     (:func:`flexsearch.sim.footprint.backward_working`); the peak takes the larger of
@@ -147,13 +153,12 @@ class DeviceMemory:
 
 def peak_branches(m: DeviceMemory, calibration: DeviceCalibration | None) -> dict[str, float]:
     """The three sums :func:`peak_bytes` takes the largest of (module docstring):
-    ``backward`` (``A + Y + max(T, W)``, with a checkpointed unit's rebuilt
-    activations), ``update`` (``G + U``) and ``held`` (``H + Y + max(T, W)``; 0 outside
-    pipelines)."""
-    backward = m.loss_grad + max(m.loss_working, m.grad_working)
+    ``backward`` (``A + Y + max(T, C + W)``), ``update`` (``G + U``) and ``held``
+    (``H + Y + max(T, C + W)``; 0 outside pipelines)."""
+    backward = m.loss_grad + max(m.loss_working, m.rebuilt + m.grad_working)
     update = m.update_working if calibration is None else calibration.optimizer_working_tensors.value * m.largest
-    return {"backward": m.activations + m.rebuilt + backward, "update": m.grads + update,
-            "held": m.held_with_grads + m.rebuilt + backward if m.held_with_grads else 0.0}
+    return {"backward": m.activations + backward, "update": m.grads + update,
+            "held": m.held_with_grads + backward if m.held_with_grads else 0.0}
 
 
 def peak_bytes(m: DeviceMemory, calibration: DeviceCalibration | None, mode: Mode) -> float:

@@ -1,12 +1,14 @@
 """Pipeline memory: what each device of a pipeline plan holds, from its lanes' actions.
 
 Per device (:func:`pipeline_memory`): for each stage it hosts, ``P``
-its parameter bytes, ``A q + R`` activations (``A`` stashed per microbatch, what the
+its parameter bytes, ``A q`` activations (``A`` stashed per microbatch, what the
 stage keeps at its edges included, :class:`flexsearch.sim.stages.BoundaryCopies`; ``q`` the
-peak number of microbatches in flight on it under the schedule, ``R`` the working
-bytes: activation recomputation keeps only each microbatch's stage input, ``A``, and
-rebuilds one microbatch's activations, ``R``, during its backward; ``W`` one
-microbatch's backward gradients above its kept activations; ``H`` the most it holds in
+peak number of microbatches in flight on it under the schedule); ``C + W`` one
+microbatch's backward above its kept activations: activation recomputation keeps only
+each microbatch's unit inputs and rebuilds one unit's activations, ``C``, during its
+backward, ``W`` the gradient buffers above what is kept and rebuilt (a device runs one
+backward at a time: the largest ``C + W`` of its stages, ``C`` the largest of
+theirs); ``H`` the most it holds in
 gradients and stashed microbatches at once after its first backward,
 :func:`held_with_gradients`; on the stage that returns the output, the loss's saved
 fp32 copy of a lower-precision output once per microbatch in flight, since torch's
@@ -96,13 +98,14 @@ def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: Pipeli
             for d in layout.ranks[r][i]:
                 params[d] += c_s.param_bytes
                 acts[d] += c_s.stash_bytes * q + c_s.loss_copy_bytes * (q - 1)  # the one run backward: in Y
-                rebuilt[d] += c_s.working_bytes
+                rebuilt[d] = max(rebuilt[d], c_s.working_bytes)  # one backward, one unit, at a time
                 loss[d] = max(loss[d], c_s.loss_bytes)
                 loss_work[d] = max(loss_work[d], c_s.loss_working_bytes)
-                grads[d] = max(grads[d], c_s.grad_working_bytes)
+                grads[d] = max(grads[d], c_s.working_bytes + c_s.grad_working_bytes)  # C + W, less C below
                 largest[d] = max(largest[d], stage_largest(c_s.largest_param_bytes, c_s.param_bytes))
                 if layout.asynchronous:
                     buffers[d] += c_s.param_bytes * (q - 1)
+    grads = [g - c for g, c in zip(grads, rebuilt, strict=True)]  # C + W: the largest of its stages' (>= C)
     if layout.fsdp:  # FSDP2 stages: the shard at rest, the gathered parameters held through the step
         for d in range(devices):
             buffers[d] += layout.gather * params[d]

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from flexsearch.cost.hardware import Cluster
 from flexsearch.graph.opgraph import OpGraph
@@ -85,6 +85,17 @@ FRAGMENTS_KEPT = 4
 """Fragments kept per node, the most recently used (delta simulation): a search returns
 to configurations it has left (an MCMC step it rejects, a unit's earlier choice), and
 their fragments come back from the cache instead of being rebuilt."""
+
+
+@dataclass(frozen=True)
+class Rebuilt:
+    """What activation checkpointing rebuilds (:meth:`Simulator._checkpoint`): per device
+    the largest unit's bytes (``working``), per node its share per device
+    (``per_node``) and per node its unit (``unit_of``, -1: none)."""
+
+    working: dict[int, float]
+    per_node: tuple[dict[int, float], ...]
+    unit_of: tuple[int, ...]
 
 
 class Simulator:
@@ -219,7 +230,7 @@ class Simulator:
             return self._fsdp(configs, timeline, fsdp_units, recompute, reshard=shard != "zero2", group=group,
                               replica=replica)
         ddp = self.is_ddp(configs) if ddp is None else ddp and self.ctx.calibration is not None
-        frags, working = self._checkpoint(self.fragments(configs, ddp=ddp, replica=replica), configs, recompute)
+        frags, rebuilt = self._checkpoint(self.fragments(configs, ddp=ddp, replica=replica), configs, recompute)
         ordered: list[Task] = []
         for f in frags:
             ordered.extend(f.forward)
@@ -231,23 +242,24 @@ class Simulator:
             if i in buckets:
                 ordered.append(buckets[i])
         return self._schedule(frags, ordered, timeline, ddp, list(buckets.values()), configs=configs,
-                              working=working, zero1=shard == "zero1", replica=replica)
+                              rebuilt=rebuilt, zero1=shard == "zero1", replica=replica)
 
     def _checkpoint(self, frags: list[Fragment], configs: Mapping[str, Config],
-                    mode: str) -> tuple[list[Fragment], dict[int, float]]:
+                    mode: str) -> tuple[list[Fragment], Rebuilt | None]:
         """The fragments under activation checkpointing (:mod:`flexsearch.strategy.recompute`):
         a dropped node's backward task also reruns its forward, it keeps neither what
         autograd saves nor autocast's weight copies, but its whole output when a node
         outside its unit reads it (checkpointing keeps a unit's inputs); per device,
-        the largest unit's dropped bytes are rebuilt at a time (the second result).
-        Cached fragments are copied, not changed."""
+        the largest unit's dropped bytes are rebuilt at a time (the second result, with
+        each node's share). Cached fragments are copied, not changed."""
         if mode == "none":
-            return frags, {}
+            return frags, None
         cp = self._checkpointing.get(mode)
         if cp is None:
             cp = self._checkpointing[mode] = Checkpointing.of(self.graph, mode)
         out: list[Fragment] = []
         rebuilt: dict[int, dict[int, float]] = {}
+        per_node: list[dict[int, float]] = [{} for _ in frags]
         for i, f in enumerate(frags):
             if not cp.dropped[i]:
                 out.append(f)
@@ -265,6 +277,7 @@ class Simulator:
                     acts[d] = max(0.0, acts.get(d, 0.0) - own) + whole
                     share += own
                 unit[d] = unit.get(d, 0.0) + share
+                per_node[i][d] = share
             out.append(replace(f, activations=acts, cast={}, backward=[
                 replace(t, duration=t.duration + again.get(t.resources[0], 0.0)) if t.kind == "bwd" else t
                 for t in f.backward]))
@@ -272,7 +285,7 @@ class Simulator:
         for unit in rebuilt.values():
             for d, b in unit.items():
                 working[d] = max(working.get(d, 0.0), b)
-        return out, working
+        return out, Rebuilt(working, tuple(per_node), cp.unit_of)
 
     def _fsdp(self, configs: Mapping[str, Config], keep_timeline: bool,
               given: tuple[str, ...] | None = None, recompute: str = "none", *, reshard: bool = True,
@@ -297,7 +310,7 @@ class Simulator:
             raise ValueError(f"{n} devices do not split into shard groups of {g}")
         groups = [list(range(k, k + g)) for k in range(0, n, g)]
         group_of = {d: k for k, members in enumerate(groups) for d in members}
-        frags, working = self._checkpoint(self.fragments(configs, ddp=True, replica=replica), configs, recompute)
+        frags, rebuilt = self._checkpoint(self.fragments(configs, ddp=True, replica=replica), configs, recompute)
         ctx = self.ctx.as_ddp()
         units = param_units(self.graph, given)
         unit_of = {i: u for u, idx in units.items() for i in idx}
@@ -361,7 +374,7 @@ class Simulator:
         held = sum(peak[:2]) if reshard else sum(peak)
         unsharded = gather * held + (peak[0] if peak else 0.0)
         return self._schedule(frags, ordered, keep_timeline, True, reduced, shards=g,
-                              unsharded=unsharded, configs=configs, working=working, replica=replica)
+                              unsharded=unsharded, configs=configs, rebuilt=rebuilt, replica=replica)
 
     def _buckets(self, frags: list[Fragment]) -> dict[int, Task]:
         """DDP's gradient buckets (calibration ``ddp_bucket_bytes``): parameters in the
@@ -416,25 +429,33 @@ class Simulator:
         return held, work
 
     @staticmethod
-    def _backward_working(frags: list[Fragment]) -> dict[int, float]:
+    def _backward_working(frags: list[Fragment], rebuilt: Rebuilt | None = None) -> dict[int, float]:
         """``W`` per device (:func:`~flexsearch.sim.footprint.backward_working`) over the
-        nodes it keeps activations or gradients of, in graph order (one pass over the
-        fragments' entries, not devices x nodes)."""
+        nodes it keeps activations or gradients of or (checkpointed, ``rebuilt``)
+        rebuilds activations of, in graph order (one pass over the fragments' entries,
+        not devices x nodes)."""
         kept: dict[int, list[float]] = {}
         grads: dict[int, list[float]] = {}
         views: dict[int, list[bool]] = {}
-        for f in frags:
-            for d in f.activations.keys() | f.grads.keys():
-                k, g = f.activations.get(d, 0.0), f.grads.get(d, 0.0)
-                if k or g:
+        again: dict[int, list[float]] = {}
+        units: dict[int, list[int]] = {}
+        for i, f in enumerate(frags):
+            shares = rebuilt.per_node[i] if rebuilt is not None else {}
+            for d in f.activations.keys() | f.grads.keys() | shares.keys():
+                k, g, r = f.activations.get(d, 0.0), f.grads.get(d, 0.0), shares.get(d, 0.0)
+                if k or g or r:
                     kept.setdefault(d, []).append(k)
                     grads.setdefault(d, []).append(g)
                     views.setdefault(d, []).append(f.view)
-        return {d: backward_working(kept[d], grads[d], views=views[d]) for d in kept}
+                    if rebuilt is not None:
+                        again.setdefault(d, []).append(r)
+                        units.setdefault(d, []).append(rebuilt.unit_of[i])
+        return {d: backward_working(kept[d], grads[d], views=views[d], rebuilt=again.get(d, ()), units=units.get(d, ()))
+                for d in kept}
 
     def _schedule(self, frags: list[Fragment], ordered: list[Task], keep_timeline: bool, ddp: bool = False,
                   buckets: list[Task] = (), shards: int = 1, unsharded: float = 0.0,
-                  configs: Mapping[str, Config] | None = None, working: Mapping[int, float] = {},
+                  configs: Mapping[str, Config] | None = None, rebuilt: Rebuilt | None = None,
                   zero1: bool = False, replica: Replica | None = None) -> Simulation:
         """List-schedule ``ordered``, then one optimizer update per device; memory.
         ``buckets``: gradient collectives every update waits for (DDP, FSDP); ``shards``:
@@ -514,7 +535,8 @@ class Simulator:
         makespan = max(free[:devices] + free[devices:], default=0.0)
         loss_grad, loss_work = self._loss_terms(configs, whole=cal is not None and not ddp and shards == 1)
         buckets_held = ddp and shards == 1  # DDP keeps a flat copy of the gradients
-        backward = self._backward_working(frags)
+        backward = self._backward_working(frags, rebuilt)
+        working = rebuilt.working if rebuilt is not None else {}
         width = replica.width if replica is not None else devices
         terms = [DeviceMemory(params[d], params[d], OPTIMIZER_STATE[self.optimizer] * owned[d], acts[d], largest[d],
                               unsharded, params[d] if buckets_held else 0.0, loss_grad.get(d, 0.0),

@@ -293,11 +293,12 @@ def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float],
         # a sent tensor the stage's kept bytes leave out: PipelineStage holds it anyway
         if not (cp.boundary[p] if cp.dropped[p] else saved):
             inputs += size
+    again_bytes = [rebuilt_bytes(costs[i], i, cp) for i in seg]
     rebuilt: dict[int, float] = {}
-    for i in seg:
+    for i, r in zip(seg, again_bytes, strict=True):
         if cp.dropped[i]:
             u = cp.unit_of[i]
-            rebuilt[u] = rebuilt.get(u, 0.0) + rebuilt_bytes(costs[i], i, cp)
+            rebuilt[u] = rebuilt.get(u, 0.0) + r
     return StageCost(
         forward_s=fwd,
         backward_s=sum(costs[i].backward_s for i in seg) + again,
@@ -310,7 +311,8 @@ def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float],
         loss_bytes=sum(costs[i].loss_bytes for i in seg),
         loss_copy_bytes=sum(costs[i].loss_copy_bytes for i in seg),
         grad_working_bytes=backward_working(per_node, [costs[i].grad_bytes for i in seg], cuts[a] if a else 0.0,
-                                            [costs[i].view for i in seg]),
+                                            [costs[i].view for i in seg], again_bytes,
+                                            [cp.unit_of[i] for i in seg]),
     )
 
 

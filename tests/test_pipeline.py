@@ -289,6 +289,15 @@ def test_backward_working_set():
     assert backward_working([1, 10, 10], [50, 1, 1]) == 41.0
     # a later stage's first node hands back the gradient of the input it received
     assert backward_working([10, 10], [4, 4], received=20.0) == 14.0
+    # checkpointed: one unit of three nodes keeps nothing and rebuilds 10 each (C = 30,
+    # which the peak adds); its backward frees them as it goes, as it would kept ones:
+    # C + W is the unchecked chain's A + W
+    assert 30 + backward_working([0, 0, 0], [4, 4, 4], rebuilt=[10, 10, 10], units=[0, 0, 0]) == 30 + 8.0
+    # two units of 20 and 10 (C = 20): in the smaller one, only its own are alive
+    assert backward_working([0, 0, 0], [4, 4, 4], rebuilt=[10, 10, 10], units=[0, 0, 1]) == 8.0
+    assert 20 + backward_working([0, 0, 0], [1, 1, 30], rebuilt=[10, 10, 10], units=[0, 0, 1]) == 10 + 30 + 1
+    # a node outside every unit (the head), after the units: nothing rebuilt is alive
+    assert backward_working([0, 0, 5], [4, 4, 40], rebuilt=[10, 10, 0], units=[0, 0, -1]) == 24.0
 
 
 @functools.cache

@@ -79,12 +79,12 @@ def backward_working(kept: Sequence[float], grads: Sequence[float], received: fl
     Under activation checkpointing (``rebuilt[i]``: the activations node ``i`` rebuilds
     when its unit reruns its forward, ``units[i]``: its unit, -1 for none), a unit's
     backward first rebuilds them, then frees them as it goes back through the unit,
-    as it frees kept ones; the peak adds the largest unit's rebuilt bytes ``R``
-    (:class:`~flexsearch.sim.accounting.DeviceMemory`), so each term here adds the
-    rebuilt bytes of node ``i``'s unit up to it, less ``R``:
-    ``max_i (kept[..i] - kept[..] + rebuilt_{u_i}[..i] - R + grads[i] + grads[i - 1])``.
+    as it frees kept ones; the peak adds the largest unit's rebuilt bytes ``C``
+    (:mod:`flexsearch.sim.accounting`), so each term here adds the rebuilt bytes of node
+    ``i``'s unit up to it, less ``C``:
+    ``max_i (kept[..i] - kept[..] + rebuilt_{u_i}[..i] - C + grads[i] + grads[i - 1])``.
     Counting the gradients over the kept bytes alone (as without checkpointing) and
-    adding ``R`` counted the rebuilt activations twice: the tiny AlexNet (one unit) at
+    adding ``C`` counted the rebuilt activations twice: the tiny AlexNet (one unit) at
     batch 128 was predicted 37% over torch's allocator with full checkpointing, 8% under
     without it (``tests/test_memory_tracker.py``)."""
     total = sum(kept)

@@ -137,9 +137,9 @@ class DeviceMemory:
     """``C``: activation checkpointing: the activations one checkpointed unit rebuilds
     during the backward (the largest unit's), on top of those kept from the forward."""
     grad_working: float = 0.0
-    """``W``: one backward's gradient buffers above the activations still kept
-    (:func:`flexsearch.sim.footprint.backward_working`); the peak takes the larger of
-    it and ``T``, on top of ``Y``."""
+    """``W``: one backward's gradient buffers above the activations still kept and,
+    under checkpointing, above the rebuilt ``C`` (:func:`flexsearch.sim.footprint.backward_working`);
+    the peak takes the larger of ``C + W`` and ``T``, on top of ``Y``."""
     held_with_grads: float = 0.0
     """``H``: a pipeline stage's gradients and kept activations at once, after its first
     backward (module docstring)."""

@@ -35,8 +35,9 @@ class StageCost:
     """The part of it the loss saves until that microbatch's backward (the fp32 copy of
     a lower-precision output): kept once per microbatch in flight."""
     grad_working_bytes: float = 0.0
-    """``W``: one microbatch's backward gradients above its kept activations
-    (:func:`flexsearch.sim.footprint.backward_working`)."""
+    """``W``: one microbatch's backward gradients above its kept activations and, under
+    checkpointing, above the largest unit's rebuilt ones (``working_bytes``, ``C``: the
+    two count together, ``C + W``; :func:`flexsearch.sim.footprint.backward_working`)."""
 
     @property
     def loss_working_bytes(self) -> float:

@@ -245,13 +245,15 @@ class Simulator:
                               rebuilt=rebuilt, zero1=shard == "zero1", replica=replica)
 
     def _checkpoint(self, frags: list[Fragment], configs: Mapping[str, Config],
-                    mode: str) -> tuple[list[Fragment], Rebuilt | None]:
+                    mode: str, cast: bool = True) -> tuple[list[Fragment], Rebuilt | None]:
         """The fragments under activation checkpointing (:mod:`flexsearch.strategy.recompute`):
         a dropped node's backward task also reruns its forward, it keeps neither what
         autograd saves nor autocast's weight copies, but its whole output when a node
         outside its unit reads it (checkpointing keeps a unit's inputs); per device,
         the largest unit's dropped bytes are rebuilt at a time (the second result, with
-        each node's share). Cached fragments are copied, not changed."""
+        each node's share), autocast's weight copies with them unless ``cast`` is off
+        (FSDP2 gathers low-precision weights: autocast copies none). Cached fragments
+        are copied, not changed."""
         if mode == "none":
             return frags, None
         cp = self._checkpointing.get(mode)
@@ -272,7 +274,7 @@ class Simulator:
             acts = dict(f.activations)
             unit = rebuilt.setdefault(cp.unit_of[i], {})
             for d in set(again) | set(f.cast):
-                share = f.cast.get(d, 0.0)
+                share = f.cast.get(d, 0.0) if cast else 0.0
                 if d in again:
                     acts[d] = max(0.0, acts.get(d, 0.0) - own) + whole
                     share += own
@@ -310,7 +312,8 @@ class Simulator:
             raise ValueError(f"{n} devices do not split into shard groups of {g}")
         groups = [list(range(k, k + g)) for k in range(0, n, g)]
         group_of = {d: k for k, members in enumerate(groups) for d in members}
-        frags, rebuilt = self._checkpoint(self.fragments(configs, ddp=True, replica=replica), configs, recompute)
+        frags, rebuilt = self._checkpoint(self.fragments(configs, ddp=True, replica=replica), configs, recompute,
+                                          cast=False)
         ctx = self.ctx.as_ddp()
         units = param_units(self.graph, given)
         unit_of = {i: u for u, idx in units.items() for i in idx}

@@ -6,13 +6,8 @@ its outputs on fresh leaf inputs), the bytes it reads and writes (none for a vie
 kind and SOAP dims (the op registry), and what autograd saves for the backward
 (:mod:`flexsearch.graph.saved`).
 
-**Repeated calls.** A model's layers call the same ops on the same shapes again and
-again (GPT 1T: 128 blocks). A call identical to an earlier one up to names (the same
-target and configuration, constants, input shapes, strides, dtypes, gradient flags and
-storage sharing; :meth:`Measure._replay_key`) whose outputs were fresh storages is
-not run again: its outputs are made as fresh fakes of the recorded layout and its
-FLOPs and saved tensors are the recorded ones, mapped onto this call's inputs
-(:class:`Replay`). The graph is the one running every call gives
+**Repeated calls** (:mod:`flexsearch.graph.replay`): a call identical to an earlier one
+up to names is replayed, not run again; the graph is the one running every call gives
 (``tests/test_tracer.py`` compares them)."""
 
 from __future__ import annotations
@@ -21,16 +16,14 @@ import contextlib
 import hashlib
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from flexsearch.errors import TraceError
@@ -45,7 +38,8 @@ from flexsearch.graph.lift import (
     short_reason,
 )
 from flexsearch.graph.opgraph import OpNode, ParallelDims, TensorMeta
-from flexsearch.graph.saved import SavedTensors, storage
+from flexsearch.graph.replay import Replay, meta_of, recorded, replay_key
+from flexsearch.graph.saved import SavedTensors
 
 _VIEW_TARGETS = {"getitem", "size", "dim"}
 
@@ -120,125 +114,9 @@ def _native_rnn() -> Iterator[None]:
         torch._C._set_mkldnn_enabled(previous)
 
 
-_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
-_OPAQUE = object()
-
-
-def _plain(x: Any) -> Any:
-    """``x`` as a replay key part, with its type (``1``, ``1.0`` and ``True`` differ),
-    when it is a constant that names itself (a number, a string, a dtype, a slice or
-    size of them), else :data:`_OPAQUE`."""
-    if isinstance(x, _PLAIN) or x is Ellipsis:
-        return type(x).__name__, x
-    if isinstance(x, slice):
-        parts = (x.start, x.stop, x.step)
-        return ("slice", parts) if all(isinstance(v, _PLAIN) for v in parts) else _OPAQUE
-    if isinstance(x, (tuple, list)):  # torch.Size and others pytree leaves
-        parts = tuple(_plain(v) for v in x)
-        return (type(x).__name__, parts) if _OPAQUE not in parts else _OPAQUE
-    return _OPAQUE
-
-
-def _hooked(module: nn.Module) -> bool:
-    """Does a hook run around ``module``'s call (its own, a submodule's, or a global
-    one)? What a hook does is not in a replay key: such calls are run."""
-    from torch.nn.modules import module as mod
-
-    if mod._global_forward_hooks or mod._global_forward_pre_hooks or mod._global_backward_hooks \
-            or mod._global_backward_pre_hooks:
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-               or getattr(m, "parametrizations", None) for m in module.modules())
-
-
-def _span(shape: tuple[int, ...], stride: tuple[int, ...], offset: int = 0) -> int:
-    """Elements from the start of a storage to the last element of a tensor of this
-    layout in it."""
-    if any(n == 0 for n in shape):
-        return 0
-    return offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True))
-
-
-def _meta_of(t: torch.Tensor) -> tuple:
-    """A tensor's shape, stride, offset and gradient flag."""
-    return tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.requires_grad
-
-
 REPLAY = True
 """Whether :class:`Measure` replays repeated calls by default (module docstring; the
 tests trace with it off to compare)."""
-
-
-@dataclass(frozen=True)
-class Replay:
-    """What a measured call left, to stand for a later call identical to it up to names
-    (module docstring): its forward FLOPs; its output tree (``spec``) with, per leaf:
-    ``("const", v)``; ``("same", j)``, the object of leaf ``j``; ``("fresh", g, shape,
-    stride, offset)``, a tensor in fresh storage group ``g`` (``groups[g]``: elements,
-    dtype, needs a gradient, and the shape and stride of its one tensor when that
-    fills it: made at once); ``("view", i, shape, stride, offset)``, a view of what
-    the op ran on for flat input ``i`` (the input's fresh copy, :meth:`Measure._measured_call`,
-    of layout ``copies[i]``; the input itself when not copied); ``("arg", i)``, that
-    object itself. And what autograd packed, per storage: ``("in", i)`` (flat input
-    ``i``), ``("out", g)`` (fresh group ``g``) or ``("internal", nbytes)``."""
-
-    fwd: int
-    spec: Any
-    leaves: tuple
-    groups: tuple[tuple[int, torch.dtype, bool, tuple | None], ...]
-    copies: tuple[tuple[tuple[int, ...], tuple[int, ...]] | None, ...]
-    packed: tuple[tuple[str, int], ...]
-
-    def outputs(self, flat_in: list[torch.Tensor], saved: SavedTensors) -> tuple[Any, list[torch.Tensor], list]:
-        """Outputs of the recorded layout (inside the fake mode) for a call on
-        ``flat_in``: the output tree, the fresh groups' bases (stand-ins for what the
-        call packed) and what it ran on (stand-ins for the copies its outputs view,
-        registered with ``saved`` as copies of their inputs; only those: a real call returns
-        every input's copy, which the alias test of :meth:`Measure._op` reads alike)."""
-        bases = [(torch.empty(n, dtype=dt) if whole is None else torch.empty_strided(*whole, dtype=dt)).requires_grad_(grad)
-                 for n, dt, grad, whole in self.groups]
-        ran_on: dict[int, torch.Tensor] = {}
-
-        def arg(i: int) -> torch.Tensor:
-            if i not in ran_on:
-                x, copy = flat_in[i], self.copies[i]
-                if copy is None:
-                    ran_on[i] = x
-                else:
-                    stand_in = torch.empty_strided(*copy, dtype=x.dtype).requires_grad_(x.requires_grad)
-                    saved.cloned(stand_in, x)
-                    ran_on[i] = stand_in
-            return ran_on[i]
-
-        made: list[Any] = []
-        for leaf in self.leaves:
-            kind = leaf[0]
-            if kind == "fresh":
-                g = leaf[1]
-                made.append(bases[g] if self.groups[g][3] is not None else bases[g].as_strided(*leaf[2:]))
-            elif kind == "view":
-                made.append(arg(leaf[1]).as_strided(*leaf[2:]))
-            elif kind == "arg":
-                made.append(arg(leaf[1]))
-            elif kind == "same":
-                made.append(made[leaf[1]])
-            else:
-                made.append(leaf[1])
-        return tree_unflatten(made, self.spec), bases, list(ran_on.values())
-
-    def stand_ins(self, flat_in: list[torch.Tensor], bases: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Tensors in the storages the recorded call packed, for a call on ``flat_in``
-        whose fresh groups are ``bases`` (:meth:`outputs`): the input, the group's base,
-        or a new byte tensor of the internal storage's size."""
-        out = []
-        for kind, v in self.packed:
-            if kind == "in":
-                out.append(flat_in[v])
-            elif kind == "out":
-                out.append(bases[v])
-            else:  # "internal": v bytes
-                out.append(torch.empty(v, dtype=torch.uint8))
-        return out
 
 
 class Measure(fx.Interpreter):
@@ -479,7 +357,7 @@ class Measure(fx.Interpreter):
         one is replayed (module docstring)."""
         sig = self._signature(n, module, args, kwargs)
         flat_in = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        key = self._replay_key(sig, module, mod_params, args, kwargs, flat_in) if self.replay else None
+        key = replay_key(self.saved, sig, module, mod_params, args, kwargs, flat_in) if self.replay else None
         replay = self._replays.get(key) if key is not None else None
         if replay is not None:
             out, bases, ran_on = replay.outputs(flat_in, self.saved)
@@ -508,7 +386,7 @@ class Measure(fx.Interpreter):
                 return copy
             return x
 
-        before = [_meta_of(t) for t in flat_in]
+        before = [meta_of(t) for t in flat_in]
         largs, lkwargs = tree_map(leafify, (args, kwargs))
         leaves += [p for p in mod_params.values() if p.requires_grad]
         packed: list[torch.Tensor] = []
@@ -556,135 +434,8 @@ class Measure(fx.Interpreter):
         self.signature[n.name] = sig
         ran_on = [t for t in tree_flatten((largs, lkwargs))[0] if isinstance(t, torch.Tensor)]
         if key is not None and key not in self._replays:  # None: not replayable, run every time
-            self._replays[key] = self._recorded(fwd, out, packed, flat_in, ran_on, before)
+            self._replays[key] = recorded(self.saved, fwd, out, packed, flat_in, ran_on, before)
         return out, fwd, bwd, ran_on
-
-    def _replay_key(self, sig: tuple, module: nn.Module | None, mod_params: dict[str, torch.Tensor], args, kwargs,
-                    flat_in: list[torch.Tensor]) -> tuple | None:
-        """What makes a call identical to another up to names (module docstring): its
-        :meth:`_signature`; its constants by type and value; per tensor input its shape,
-        layout, dtype, gradient flag, which inputs share its storage and whether that is
-        the model's state or a node's output; the module's class, its submodules'
-        classes and plain attributes and its parameters' gradient flags. None (the call
-        is run, never replayed) when a constant or attribute does not name itself, an
-        input lives in a storage no node made (a constant), or a hook runs around the
-        module."""
-        consts = tuple(_plain(x) for x in tree_flatten((args, kwargs))[0] if not isinstance(x, torch.Tensor))
-        if _OPAQUE in consts:
-            return None
-        saved = self.saved
-        first: dict[StorageWeakRef, int] = {}
-        layout = []
-        for t in flat_in:
-            k = saved.key(t)
-            kind = "state" if k in saved.state else "made" if k in saved.owner else None
-            if kind is None:
-                return None
-            layout.append((tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.requires_grad, kind,
-                           first.setdefault(k, len(first))))
-        attrs: tuple = ()
-        if module is not None:
-            if _hooked(module):
-                return None
-            parts = []
-            for path, m in module.named_modules():
-                parts.append((path, type(m)))
-                for k, v in vars(m).items():
-                    if k.startswith("_") or isinstance(v, (torch.Tensor, nn.Module)):
-                        continue
-                    c = _plain(v)
-                    if c is _OPAQUE:
-                        return None
-                    parts.append((path, k, c))
-            attrs = (tuple(parts), tuple(p.requires_grad for p in mod_params.values()))
-        return sig, consts, tuple(layout), attrs
-
-    def _recorded(self, fwd: int, out: Any, packed: list[torch.Tensor], flat_in: list[torch.Tensor],
-                  ran_on: list[torch.Tensor], before: list[tuple]) -> Replay | None:
-        """The :class:`Replay` of a call just measured on ``flat_in`` (``ran_on``: what it
-        ran on in their place, :meth:`_measured_call`; ``before``: each input's shape,
-        stride, offset and gradient flag before the call); None when the call changed an
-        input it ran on itself (in place: an integer tensor is not copied), an output
-        lives in a storage other than a fresh one or one of what it ran on (a
-        parameter's), is a view or the copy of an input of another dtype or gradient flag
-        (``detach``, ``view(dtype)``, ``requires_grad_``), is a copy of an input that does
-        not fill its storage, or the call packed a storage that is neither its input's,
-        its output's nor its own."""
-        saved = self.saved
-        if any(x is t and _meta_of(t) != was for x, t, was in zip(ran_on, flat_in, before, strict=True)):
-            return None
-        ins: dict[StorageWeakRef, int] = {}
-        for i, t in enumerate(flat_in):
-            ins.setdefault(saved.key(t), i)
-        ran: dict[StorageWeakRef, int] = {}
-        for i, t in enumerate(ran_on):
-            ran.setdefault(storage(t), i)
-        copies: list[tuple | None] = [None] * len(flat_in)
-        made, spec = tree_flatten(out)
-        leaves: list[tuple] = []
-        groups: dict[StorageWeakRef, int] = {}
-        layout: list[tuple[int, torch.dtype, bool]] = []
-        seen: dict[int, int] = {}
-        for j, t in enumerate(made):
-            if not isinstance(t, torch.Tensor):
-                if _plain(t) is _OPAQUE:
-                    return None
-                leaves.append(("const", t))
-                continue
-            if id(t) in seen:
-                leaves.append(("same", seen[id(t)]))
-                continue
-            seen[id(t)] = j
-            k = storage(t)
-            where = (tuple(t.shape), tuple(t.stride()), t.storage_offset())
-            if k in ran:
-                i = ran[k]
-                x = ran_on[i]
-                if (t.dtype, t.requires_grad) != (flat_in[i].dtype, flat_in[i].requires_grad):
-                    return None
-                if x is not flat_in[i]:  # a fresh copy: made again as one
-                    if x.storage_offset() or x.untyped_storage().nbytes() != _span(x.shape, x.stride()) * x.element_size():
-                        return None
-                    copies[i] = (tuple(x.shape), tuple(x.stride()))
-                elif k in saved.state:
-                    return None
-                leaves.append(("arg", i) if t is x else ("view", i, *where))
-                continue
-            if k in ins or k in saved.state or k in saved.owner or k in saved.clone_of:
-                return None
-            if k not in groups:
-                size = t.untyped_storage().nbytes()
-                if size % t.element_size():
-                    return None
-                groups[k] = len(layout)
-                layout.append((size // t.element_size(), t.dtype, t.requires_grad))
-            g = groups[k]
-            if layout[g][1:] != (t.dtype, t.requires_grad):
-                return None
-            leaves.append(("fresh", g, *where))
-        kinds: dict[StorageWeakRef, tuple[str, int]] = {}
-        for t in packed:
-            k = saved.key(t)
-            if k in saved.state:
-                continue
-            if k in ins:
-                kinds.setdefault(k, ("in", ins[k]))
-            elif k in groups:
-                kinds.setdefault(k, ("out", groups[k]))
-            elif k in saved.owner:
-                return None
-            elif not saved.is_weight_cast(t):
-                kinds[k] = ("internal", t.untyped_storage().nbytes())
-        filled = [None] * len(layout)  # per group, the shape and stride of its one tensor that fills it
-        count = [0] * len(layout)
-        for leaf in leaves:
-            if leaf[0] == "fresh":
-                g, shape, stride, offset = leaf[1:]
-                count[g] += 1
-                if not offset and _span(shape, stride) == layout[g][0]:
-                    filled[g] = (shape, stride)
-        groups_ = tuple((*layout[g], filled[g] if count[g] == 1 else None) for g in range(len(layout)))
-        return Replay(fwd, spec, tuple(leaves), groups_, tuple(copies), tuple(kinds.values()))
 
     @staticmethod
     def _call(n: fx.Node, module, mod_params, args, kwargs) -> Any:

@@ -82,13 +82,19 @@ def test_each_stage_shards_more_and_runs_its_collectives(gpt_small):
 
 def test_the_planner_shards_as_far_as_memory_needs(gpt_small):
     """``--kind fsdp`` returns the fastest sharding that fits, says which others it
-    simulated; with memory between ZeRO-3's and ZeRO-2's need only ZeRO-3 (or
+    simulated (and, tied in time with others, that it holds the least memory); with memory between ZeRO-3's and ZeRO-2's need only ZeRO-3 (or
     checkpointing) fits, and the search takes it."""
     cl = Cluster.preset("dgx-h100", 16)
     plan = plan_graph(gpt_small, cl, kinds=("fsdp",), max_iters=0)
     assert plan.shard in ("zero1", "zero2", "zero3", "hsdp") and plan.kind == "data"
     assert any(n.startswith(f"sharding {plan.shard}: the fastest") for n in plan.notes)
     sims = _all(gpt_small, cl)
+    note = next(n for n in plan.notes if n.startswith("sharding"))
+    tied = [k for k, s in sims.items() if k not in (plan.shard, "none") and s.feasible
+            and s.iteration_time_s == pytest.approx(plan.predicted.iteration_time_s, rel=1e-9)]
+    assert (" tied with " in note) == bool(tied), note  # a tie goes to the least memory, and says so
+    for k in tied:
+        assert sims[k].peak_memory_bytes >= plan.predicted.peak_memory_bytes and k in note.split(";")[0]
     between = (sims["zero3"].peak_memory_bytes + sims["zero2"].peak_memory_bytes) / 2
     dev = cl.spec.device.model_copy(update={"memory_capacity": Positive(value=between, source="test")})
     tight = Cluster.from_spec(cl.spec.model_copy(update={"device": dev}), cl.devices)

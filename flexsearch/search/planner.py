@@ -72,7 +72,7 @@ from flexsearch.search.pipeline import (
     search_pipelines,
     tensor_degrees,
 )
-from flexsearch.search.reasons import no_plan_reason, sharding_note
+from flexsearch.search.reasons import fsdp_note, no_plan_reason, sharding_note
 from flexsearch.search.results import graph_inputs, plan_from, predicted
 from flexsearch.search.variants import fitting_variant, shardings, splits
 from flexsearch.search.workers import cycles_paused, submit, worker_count
@@ -543,11 +543,7 @@ def plan_synchronous(
             plan = plan.model_copy(update={"notes": (*plan.notes, (
                 f"{' and '.join(how)}: {plain} without them does not fit in memory"),)})
         if isinstance(strategy, DataParallel) and strategy.shard != "none":
-            others = [f"{c[1].shard} {c[2].iteration_time_s * 1e3:.3f} ms" for c in candidates
-                      if c[0] == "fsdp" and c[1] is not strategy]
-            tried = f" (also simulated: {', '.join(others)})" if others else ""
-            plan = plan.model_copy(update={"notes": (*plan.notes, (
-                f"sharding {strategy.shard}: the fastest sharded data parallelism that fits{tried}"),)})
+            plan = plan.model_copy(update={"notes": (*plan.notes, fsdp_note(strategy, s, candidates))})
         if interrupted:
             plan = plan.model_copy(update={"notes": (*plan.notes, (
                 f"search interrupted (Ctrl-C) after {result.iterations} MCMC steps: the best plan found so far, "

@@ -1,14 +1,16 @@
-"""The planner's one-line explanations: why a pipeline plan shards its state
-(a note in the plan), and why no plan of the asked kinds exists (the message of
+"""The planner's one-line explanations: why a pipeline or a data-parallel plan shards its
+state as it does (a note in the plan), and why no plan of the asked kinds exists (the message of
 :class:`~flexsearch.errors.PlanKindError`)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from flexsearch.cost.hardware import Cluster
 from flexsearch.search.pipeline import PipelineResult
+from flexsearch.sim.result import Simulation
 
 if TYPE_CHECKING:
     from flexsearch.search.planner import BaselineRun
@@ -34,6 +36,25 @@ def sharding_note(pipe: PipelineResult, pipes: list[PipelineResult]) -> str:
                 f"(build the optimizer with flexsearch.make_optimizer); {why}")
     return (f"sharding zero2: each stage an FSDP2 module over its {pipe.replicas} replicas (parameters, gradients "
             f"and optimizer state sharded at rest; build the optimizer with flexsearch.make_optimizer); {why}")
+
+
+def fsdp_note(strategy, sim: Simulation, candidates: Sequence[tuple]) -> str:
+    """Why a data-parallel plan shards its state as it does: the fastest sharding that
+    fits, the other shardings simulated (``candidates``: the planner's ``(kind,
+    strategy, simulation)``) with their times; a tie in time goes to the least memory per
+    device (the planner's order), and the note says so."""
+    others = [(c[1].shard, c[2]) for c in candidates if c[0] == "fsdp" and c[1] is not strategy]
+    tried = ", ".join(f"{shard} {o.iteration_time_s * 1e3:.3f} ms" for shard, o in others)
+    tied = [(shard, o) for shard, o in others if o.feasible
+            and math.isclose(o.iteration_time_s, sim.iteration_time_s, rel_tol=1e-9)]
+    if tied:
+        names = ", ".join(shard for shard, _ in tied)
+        held = ", ".join(f"{shard} {o.peak_memory_bytes / 1e9:.2f} GB" for shard, o in tied)
+        return (f"sharding {strategy.shard}: the fastest sharded data parallelism that fits, tied with {names} "
+                f"({sim.iteration_time_s * 1e3:.3f} ms) and holding the least memory per device "
+                f"({sim.peak_memory_bytes / 1e9:.2f} GB; {held}); also simulated: {tried}")
+    return (f"sharding {strategy.shard}: the fastest sharded data parallelism that fits"
+            + (f" (also simulated: {tried})" if tried else ""))
 
 
 def no_plan_reason(kinds: Sequence[str], base: dict[str, BaselineRun], pipes: list[PipelineResult],

@@ -571,3 +571,26 @@ def test_sharded_accumulation_computes_what_the_model_does(precision):
 def _graph(family: str, precision: str):
     model, x = load(FAMILIES[family])
     return trace(model, x, precision=precision)
+
+
+def test_the_sharding_note_names_a_tie_and_the_memory_it_was_broken_by():
+    """:func:`flexsearch.search.reasons.fsdp_note`: the taken sharding, the others
+    simulated with their times; tied in time, the others tied and each one's memory."""
+    from flexsearch.search.reasons import fsdp_note
+    from flexsearch.sim.result import Simulation
+
+    def sim(t, mem):
+        return Simulation(t, (mem, mem), 80e9, (t, t), (), (), t, 2 * t)
+
+    def strategy(shard):
+        return DataParallel({}, shard=shard)
+
+    z2, z3, z1 = sim(0.060, 33.3e9), sim(0.060, 33.1e9), sim(0.068, 40e9)
+    cands = [("fsdp", strategy("zero1"), z1), ("fsdp", strategy("zero2"), z2)]
+    taken = strategy("zero3")
+    note = fsdp_note(taken, z3, [*cands, ("fsdp", taken, z3)])
+    assert note.startswith("sharding zero3: the fastest sharded data parallelism that fits, tied with zero2 "
+                           "(60.000 ms) and holding the least memory per device (33.10 GB; zero2 33.30 GB)")
+    assert note.endswith("also simulated: zero1 68.000 ms, zero2 60.000 ms")
+    alone = fsdp_note(strategy("zero2"), z2, [("fsdp", strategy("zero1"), z1)])
+    assert alone == "sharding zero2: the fastest sharded data parallelism that fits (also simulated: zero1 68.000 ms)"

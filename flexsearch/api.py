@@ -20,13 +20,20 @@ import warnings
 from collections.abc import Callable, Iterable
 from typing import Literal
 
+import torch
 from torch import nn
 
 from flexsearch import precision as precision_mod
 from flexsearch.cost.calibration import DeviceCalibration, host_warning, load_calibration
 from flexsearch.cost.compute import MeasuredCosts
 from flexsearch.cost.hardware import Cluster, user_dir
-from flexsearch.errors import CalibrationWarning, ClusterSpecError, FlexsearchError, PlanFileError
+from flexsearch.errors import (
+    CalibrationWarning,
+    ClusterSpecError,
+    FlexsearchError,
+    PlanFileError,
+    ProfileError,
+)
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.graph.tracer import trace
 from flexsearch.plan import Plan
@@ -38,6 +45,8 @@ from flexsearch.sim.result import Simulation
 from flexsearch.strategy.convergence import BUILTIN_DIR, Constants, constants_for
 
 DEFAULT_CLUSTER = "dgx-h100"
+MEASURED_NOTE = "op costs:"
+"""How the note of a plan priced from measured op times begins (:func:`measured_note`)."""
 Calibration = DeviceCalibration | None | Literal["auto"]
 """A calibration, ``None`` for none, or ``"auto"``: this device's from disk."""
 
@@ -150,13 +159,63 @@ def plan(
     _warn_calibration(calibration, cl)
     t0 = time.perf_counter()
     graph = trace(model, example_inputs, precision=prec)
+    priced = measured_note(graph, measured, cl) if measured is not None else None
     if budget_s is not None:  # the budget bounds the whole call, tracing included
         budget_s = max(1e-3, budget_s - (time.perf_counter() - t0))
     p = plan_graph(graph, cl, kinds=kinds, budget_s=budget_s, max_iters=max_iters, seed=seed,
                    optimizer=optimizer, objective=objective, progress=progress, decentralized=decentralized,
                    measured=measured, calibration=resolve_calibration(calibration, cl), batch_norm=batch_norm,
                    convergence=resolve_convergence(graph.family), workers=workers)
+    if priced is not None:
+        p = with_note(p, priced)
     return with_precision_note(p, why)
+
+
+def load_measured(path: str | os.PathLike[str], cluster: Cluster) -> MeasuredCosts:
+    """The op times of the profile file ``path`` (written by ``flexsearch profile`` on a
+    device of ``cluster``'s kind) answering for ``cluster``'s device: the profiler names
+    the device it ran on (``cpu-1t``, a CUDA device's name), a cluster file its own.
+    A missing or damaged file is a :class:`~flexsearch.errors.ProfileError`."""
+    from flexsearch.cost.profiler import ProfileDB
+
+    if not os.path.isfile(path):
+        raise ProfileError(f"profile {path} does not exist; measure one with `flexsearch profile MODEL --out {path}` "
+                           "on a device of the cluster's kind")
+    return ProfileDB.load(path).aliased(cluster.device.name)
+
+
+def measured_ops(graph: OpGraph, measured: MeasuredCosts, cluster: Cluster) -> tuple[int, int]:
+    """How many of ``graph``'s priced ops (those the profiler measures: not inputs,
+    parameters or the output, not ops that read and compute nothing) the ``measured`` costs hold at the dtype the graph's precision prices them at, whole
+    (the profiler's key or its microbatch and split estimates), of how many."""
+    from flexsearch.cost.compute import FREE_KINDS, Partition, op_cost
+
+    ctx = CostContext(cluster, measured, precision=precision_of(graph.precision))
+    priced = [n for n in graph.nodes if n.kind not in FREE_KINDS and (n.bytes_read or n.flops)]
+    hits = sum(op_cost(n, cluster.device, Partition(), dtype=ctx.compute_dtype(n), measured=measured).source
+               == "measured" for n in priced)
+    return hits, len(priced)
+
+
+def measured_note(graph: OpGraph, measured: MeasuredCosts, cluster: Cluster, source: str = "the profile given") -> str:
+    """A plan note saying how many of its ops are priced from measured times
+    (:func:`measured_ops`), the rest by the roofline. None of them is a
+    :class:`~flexsearch.errors.ProfileError`: measured costs were asked for, and a plan
+    priced without them would be silently other than asked (another model's profile,
+    another precision or torch version)."""
+    hits, total = measured_ops(graph, measured, cluster)
+    if total and not hits:
+        fix = f"measure them with `flexsearch profile MODEL --precision {graph.precision}`, or plan at the profile's"
+        raise ProfileError(f"{source} holds none of this model's {total} ops at {graph.precision} on torch "
+                           f"{torch.__version__}; {fix}")
+    rest = ", the others by the roofline" if hits < total else ""
+    return f"{MEASURED_NOTE} {hits} of {total} ops measured ({source}){rest}"
+
+
+def with_note(plan: Plan, note: str) -> Plan:
+    """``plan`` with ``note`` added last (its search time kept)."""
+    out = plan.model_copy(update={"notes": (*plan.notes, note)})
+    return out.with_search_time(plan.search_time_s) if plan.search_time_s is not None else out
 
 
 def resolve_precision(name: str, cluster: Cluster) -> tuple[Precision, str]:

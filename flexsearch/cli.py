@@ -45,6 +45,9 @@ err = Console(stderr=True, highlight=False)
 
 ModelArg = Annotated[str, typer.Argument(help="Model file: path/to/file.py or path/to/file.py:NAME.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout and nothing else.")]
+ProfileOpt = Annotated[str | None, typer.Option(
+    "--profile", help="Op times measured by `flexsearch profile` on a device of the cluster's kind: they replace the "
+                      "roofline for the ops and shapes the file holds.", show_default=False)]
 
 
 @app.callback()
@@ -106,6 +109,8 @@ def profile(
     warmup: Annotated[int, typer.Option(help="Untimed runs per op before timing.", min=0)] = 2,
     comm: Annotated[bool, typer.Option("--comm", help="Measure this machine's gloo links and compute peak; rewrite the cpu preset.")] = False,
     ranks: Annotated[int, typer.Option(help="gloo processes for --comm.", min=2)] = 2,
+    precision: Annotated[str, typer.Option(help="Precision the ops run in: fp32, tf32, bf16-mixed, fp16-mixed or bf16 "
+                                                "(a plan looks up its own precision's times).")] = "fp32",
 ) -> None:
     """Measure each op's forward and backward time on this device.
 
@@ -115,6 +120,11 @@ def profile(
 
     if model is None and not comm:
         raise typer.BadParameter("give a MODEL to profile, or --comm to measure the links", param_hint="MODEL")
+    from flexsearch.precision import NAMES
+
+    if precision not in NAMES:
+        raise typer.BadParameter(f"unknown precision {precision!r}; use one of {', '.join(NAMES)}",
+                                 param_hint="--precision")
     if comm:
         from flexsearch.cost.cpu_preset import profile_machine
 
@@ -135,7 +145,8 @@ def profile(
         def report(done: int, total: int, what: str) -> None:
             bar.update(task, completed=done, total=total, description=what)
 
-        db, counts = profile_model(module, inputs, out=out, threads=threads, repeats=repeats, warmup=warmup, progress=report)
+        db, counts = profile_model(module, inputs, out=out, threads=threads, repeats=repeats, warmup=warmup,
+                                   progress=report, precision=precision)
     stdout.print(
         f"{db.path}: {counts['measured']} measured, {counts['cached']} already cached, "
         f"{counts['skipped']} skipped; {len(db)} entries for {db.data.device}"
@@ -197,7 +208,7 @@ def _refuse_overwrite(path: str | None, force: bool, flag: str) -> None:
 def plan(
     model: ModelArg,
     devices: Annotated[int, typer.Option(help="Number of devices.", min=1)] = 8,
-    cluster: Annotated[str | None, typer.Option(help="Cluster preset name or cluster JSON file [default: dgx-h100].", show_default=False)] = None,
+    cluster: Annotated[str | None, typer.Option(help="Cluster preset name or cluster JSON file \\[default: dgx-h100].", show_default=False)] = None,
     budget: Annotated[float | None, typer.Option(help="Time budget in seconds, tracing included: when it runs out "
                                                      "the best plan found so far is returned.", min=0.001)] = None,
     max_iters: Annotated[int | None, typer.Option(help="Search budget in MCMC steps (reproducible).", min=0)] = None,
@@ -216,8 +227,9 @@ def plan(
     out: Annotated[str | None, typer.Option(help="Write the plan JSON here.")] = None,
     trace_out: Annotated[str | None, typer.Option("--trace", help="Write the plan's timeline (Chrome trace JSON) here.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out / --trace files that exist.")] = False,
-    workers: Annotated[int | None, typer.Option(help="Processes the search may use [default: this machine's CPUs]; "
+    workers: Annotated[int | None, typer.Option(help="Processes the search may use \\[default: this machine's CPUs]; "
                                                      "the plan does not depend on it.", min=1, show_default=False)] = None,
+    profile: ProfileOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Search parallelization plans for MODEL and print the fastest that fits.
@@ -227,11 +239,14 @@ def plan(
 
     from flexsearch.api import (
         DEFAULT_CLUSTER,
+        load_measured,
+        measured_note,
         resolve_calibration,
         resolve_cluster,
         resolve_convergence,
         resolve_precision,
         simulate,
+        with_note,
         with_precision_note,
     )
     from flexsearch.graph import trace as trace_graph
@@ -256,8 +271,12 @@ def plan(
         if out is not None or trace_out is not None or kind:
             raise typer.BadParameter("a PipeDream profile plans a PipeDream baseline; it has no plan file, "
                                      "timeline or kind, drop --out/--trace/--kind", param_hint="MODEL")
+        if profile is not None:
+            raise typer.BadParameter("a PipeDream profile holds its own layer times; drop --profile",
+                                     param_hint="--profile")
         _plan_profile(model, cl, as_json)
         return
+    measured = load_measured(profile, cl) if profile is not None else None
     module, inputs = load_model(model)
     total = max_iters if max_iters is not None else (None if budget is not None else DEFAULT_MAX_ITERS)
     of = f"/{total}" if total is not None else ""
@@ -265,6 +284,7 @@ def plan(
         task = bar.add_task("tracing", total=None)
         started = time.perf_counter()
         graph = trace_graph(module, inputs, name=model, precision=prec)
+        priced = measured_note(graph, measured, cl, f"profile {profile}") if measured is not None else None
         if budget is not None:  # the budget bounds the whole command, tracing included
             budget = max(1e-3, budget - (time.perf_counter() - started))
         bar.update(task, description="searching: baselines and ILP seed", total=total, completed=0)
@@ -277,7 +297,10 @@ def plan(
         warn_calibration(cl)
         p = plan_graph(graph, cl, kinds=kinds, budget_s=budget, max_iters=max_iters, seed=seed, objective=objective,
                        progress=progress, decentralized=decentralized, calibration=calibration,
-                       batch_norm=batch_norm, convergence=resolve_convergence(graph.family), workers=workers)
+                       batch_norm=batch_norm, convergence=resolve_convergence(graph.family), workers=workers,
+                       measured=measured)
+    if priced is not None:
+        p = with_note(p, priced)
     p = with_precision_note(p, why)
     if p.interrupted:
         err.print(f"interrupted: returning the best plan found so far ({p.search.iterations} MCMC steps; "
@@ -285,7 +308,7 @@ def plan(
     if out is not None:
         p.save(out)
     if trace_out is not None:
-        simulate(graph, p, calibration=calibration).to_chrome_trace(trace_out)
+        simulate(graph, p, calibration=calibration, measured=measured).to_chrome_trace(trace_out)
     if as_json:
         sys.stdout.write(json.dumps(plan_summary(p, p.search_time_s)) + "\n")
         return
@@ -340,20 +363,28 @@ def simulate(
     plan_file: Annotated[str, typer.Argument(metavar="PLAN.json", help="A plan written by `flexsearch plan --out`.")],
     trace_out: Annotated[str | None, typer.Option("--trace", help="Write the timeline (Chrome trace JSON) here.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite the --trace file if it exists.")] = False,
+    profile: ProfileOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Re-predict a saved plan on the cluster it embeds (re-traces its model file)."""
+    from flexsearch.api import MEASURED_NOTE, load_measured
     from flexsearch.api import simulate as simulate_plan
     from flexsearch.cost.hardware import Cluster
     from flexsearch.plan import Plan
 
     _refuse_overwrite(trace_out, force, "--trace")
     p = Plan.load(plan_file)
+    cl = Cluster.from_spec(p.cluster, p.devices)
+    measured = load_measured(profile, cl) if profile is not None else None
     graph = _plan_graph_for(p, plan_file)
-    warn_calibration(Cluster.from_spec(p.cluster, p.devices))
+    warn_calibration(cl)
+    planned = next((n for n in p.notes if n.startswith(MEASURED_NOTE)), None)
+    if planned is not None and profile is None:
+        err.print(f"note: the plan was priced with measured op times ({planned}); pass --profile to re-predict it "
+                  "as planned", markup=False, soft_wrap=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CalibrationWarning)  # said above, in one line
-        sim = simulate_plan(graph, p)
+        sim = simulate_plan(graph, p, measured=measured)
     if trace_out is not None:
         sim.to_chrome_trace(trace_out)
     summary = {
@@ -384,7 +415,7 @@ def simulate(
 def verify(
     model: ModelArg,
     plan_file: Annotated[str, typer.Option("--plan", metavar="PLAN.json", help="The plan to check (made for MODEL).")],
-    ranks: Annotated[int | None, typer.Option(help="Local gloo processes [default: the plan's devices].", min=1,
+    ranks: Annotated[int | None, typer.Option(help="Local gloo processes \\[default: the plan's devices].", min=1,
                                               show_default=False)] = None,
     steps: Annotated[int, typer.Option(help="Optimizer steps compared after the first.", min=1)] = 3,
     timeout: Annotated[float, typer.Option(help="Seconds before the ranks count as hung.", min=1)] = 600,
@@ -476,7 +507,7 @@ def _rel(path: Path) -> str:
 def bench(
     check: Annotated[bool, typer.Option("--check", help="Exit 1 when a plan got more than 1% slower, became infeasible, or is not in the baseline.")] = False,
     update: Annotated[bool, typer.Option("--update", help="Rewrite the baseline with this run's results.")] = False,
-    baseline: Annotated[str | None, typer.Option(help="Baseline file [default: benchmarks/baseline.json].", show_default=False)] = None,
+    baseline: Annotated[str | None, typer.Option(help="Baseline file \\[default: benchmarks/baseline.json].", show_default=False)] = None,
 ) -> None:
     """Check predicted plan costs against the recorded baseline.
 

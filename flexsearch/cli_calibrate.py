@@ -12,10 +12,10 @@ from flexsearch.tables import convergence_table
 
 
 def calibrate(
-    out: Annotated[str | None, typer.Option(help="Calibration file to write [default: ~/.flexsearch/calibration.json "
+    out: Annotated[str | None, typer.Option(help="Calibration file to write \\[default: ~/.flexsearch/calibration.json "
                                                  "or $FLEXSEARCH_HOME/calibration.json].", show_default=False)] = None,
     ranks: Annotated[int | None, typer.Option(
-        help="gloo processes (the cpu preset's devices) to measure on [default: 2; with --convergence: 8, the "
+        help="gloo processes (the cpu preset's devices) to measure on \\[default: 2; with --convergence: 8, the "
              "largest of the rank counts 2, 4, ... trained].", min=2, show_default=False)] = None,
     threads: Annotated[int, typer.Option(help="CPU threads per process.", min=1)] = 1,
     steps: Annotated[int, typer.Option(help="Timed steps per probe run (the median is kept).", min=3)] = 40,

@@ -91,6 +91,30 @@ def test_profile_writes_cache(tmp_path):
     again = run("profile", spec, "--out", str(out), "--repeats", "1", "--warmup", "0")
     assert " 0 measured" in " ".join(again.stdout.split())  # rich wraps long paths
 
+    # plan and simulate price the ops from it (--profile), and say how many
+    plan_file = tmp_path / "plan.json"
+    common = ("--devices", "2", "--cluster", "cpu", "--max-iters", "20", "--no-decentralized")
+    r = run("plan", spec, *common, "--precision", "fp32", "--profile", str(out), "--out", str(plan_file), "--json")
+    assert r.returncode == 0, r.stderr
+    notes = json.loads(r.stdout)["notes"]
+    assert f"op costs: 7 of 7 ops measured (profile {out})" in notes
+    plain = json.loads(run("plan", spec, *common, "--precision", "fp32", "--json").stdout)
+    assert plain["iteration_time_s"] != json.loads(r.stdout)["iteration_time_s"]  # the profile's times, not the roofline's
+    sim = run("simulate", str(plan_file), "--json")
+    assert "pass --profile to re-predict it as planned" in " ".join(sim.stderr.split())
+    again = json.loads(run("simulate", str(plan_file), "--profile", str(out), "--json").stdout)
+    assert again["iteration_time_s"] == again["planned_iteration_time_s"]
+    # a profile that prices none of the ops, or none at all: one line, exit 2
+    for args, needle in (((str(out), "--precision", "bf16-mixed"), "flexsearch profile MODEL --precision bf16-mixed"),
+                         ((str(tmp_path / "nope.json"),), "does not exist")):
+        bad = run("plan", spec, *common, "--profile", *args)
+        assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and needle in bad.stderr, bad.stderr
+    # profiled at that precision, it does
+    assert run("profile", spec, "--out", str(out), "--repeats", "1", "--warmup", "0",
+               "--precision", "bf16-mixed").returncode == 0
+    r = run("plan", spec, *common, "--precision", "bf16-mixed", "--profile", str(out), "--json")
+    assert f"op costs: 7 of 7 ops measured (profile {out})" in json.loads(r.stdout)["notes"], r.stderr
+
 
 def test_cluster_lists_and_shows_presets():
     r = run("cluster")
@@ -147,6 +171,7 @@ plan --out default=None
 plan --trace default=None
 plan --force default=False
 plan --workers default=None min=1
+plan --profile default=None
 plan --json default=False
 profile MODEL default=None
 profile --out default=None
@@ -155,6 +180,7 @@ profile --repeats default=5 min=1
 profile --warmup default=2 min=0
 profile --comm default=False
 profile --ranks default=2 min=2
+profile --precision default='fp32'
 report PLAN_FILE default=None required
 report --out default=None required
 report --force default=False
@@ -162,6 +188,7 @@ show PLAN_FILE default=None required
 simulate PLAN_FILE default=None required
 simulate --trace default=None
 simulate --force default=False
+simulate --profile default=None
 simulate --json default=False
 trace MODEL default=None required
 trace --json default=False

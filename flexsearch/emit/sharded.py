@@ -324,7 +324,8 @@ class ShardedModule(nn.Module):
 
         try:
             a, kw = fx.node.map_arg((n.args, n.kwargs), convert)
-            return tree_map(dense_grad, self._call(n, a, kw, c, mesh))
+            out = tree_map(dense_grad, self._call(n, a, kw, c, mesh))
+            return tree_map(whole_grad, out) if c.kind == "x" and c.t > 1 else out
         except Exception as e:
             e.add_note(f"flexsearch: while running op {n.name} as {c.text} on rank {rt.rank}")
             raise
@@ -485,6 +486,26 @@ class ShardedModule(nn.Module):
 
 
 _LOCAL_KINDS = frozenset({"rnn", "opaque"})
+
+
+def _reduced(grad: Any) -> Any:
+    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+        return grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements])
+    return grad
+
+
+def whole_grad(x: Any) -> Any:
+    """``x`` unchanged; a partial-sum gradient of it all-reduced when it arrives (a
+    tensor hook). On the output of an op replicated over its tensor-parallel group: its
+    readers split (the q, k and v projections of a normalised input) hand back partial
+    sums, which the op's own backward could carry on as ``Partial`` when it is linear in
+    its gradient (a decomposed RMSNorm: DTensor would reduce the sums only at the next
+    op that needs them whole, or reduce a parameter's gradient in their place, the
+    embedding's); the simulation reduces them once at this op, as Megatron's ``f``
+    operator does (:func:`flexsearch.sim.gradients.merged_reductions`)."""
+    if isinstance(x, DTensor) and x.requires_grad and x.grad_fn is not None:
+        x.register_hook(_reduced)
+    return x
 """Op kinds run on local tensors (DTensor has no sharding rule for them). Attention
 (``scaled_dot_product_attention``, and ``nn.MultiheadAttention`` on one device) also runs
 locally: with the kernel the original model runs (the profiled one; on DTensors it runs

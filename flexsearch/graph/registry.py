@@ -347,6 +347,20 @@ def _elementwise(c: Call) -> Ruling:
 
 
 @rule(
+    aten.to, aten._to_copy, aten.type_as, aten.where, aten.__and__, aten.__or__, aten.__xor__,
+    aten.bitwise_and, aten.bitwise_or, aten.bitwise_xor, aten.bitwise_not, aten.logical_and, aten.logical_or,
+    aten.logical_not, aten.full_like, aten.empty_like, aten.zeros_like, aten.ones_like,
+)  # fmt: skip
+def _aten_elementwise(c: Call) -> Ruling:
+    """ATen ops ``torch.export`` leaves that act element by element but carry no
+    ``pointwise`` tag: dtype and device casts (``x.to(torch.float32)``, an RMSNorm's
+    first op in every Hugging Face decoder), ``where`` with a scalar, the mask algebra
+    (``&``, ``|``, ``~``) and the ``*_like`` factories. Opaque, they ran on the whole batch
+    on every device under data parallelism (an exported Llama's norms, masks and loss)."""
+    return _elementwise(c)
+
+
+@rule(
     nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Mish,
     nn.Hardswish, nn.Hardtanh, nn.Softplus, nn.PReLU,
     F.relu, F.gelu, F.silu, F.tanh, F.sigmoid, F.leaky_relu, F.elu, F.mish, F.hardswish,

@@ -135,12 +135,35 @@ class Tied(nn.Module):
         return self.head(self.extra["a"](h)) * self.scale
 
 
-@pytest.mark.parametrize("spec", [GPT, MLP, RNN, "tied"])
+class Wrapped(nn.Module):
+    """A Hugging Face causal LM's shape: a body (``model``) around an embedding, a list of
+    blocks (each with a list of its own) and a norm, beside an output layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed = nn.Embedding(10, 8)
+        self.model.layers = nn.ModuleList([nn.Module() for _ in range(2)])
+        for layer in self.model.layers:
+            layer.sub = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.model.norm = nn.LayerNorm(8)
+        self.lm_head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        h = self.model.embed(x)
+        for layer in self.model.layers:
+            h = layer.sub[1](layer.sub[0](h))
+        return self.lm_head(self.model.norm(h))
+
+
+@pytest.mark.parametrize("spec", [GPT, MLP, RNN, "tied", "wrapped"])
 def test_fsdp_units_are_the_emitters(spec):
     """The units recorded from the graph are the modules the emitter wraps: top-level
-    modules with parameters, a container's items separately, tied ones left to the root."""
-    if spec == "tied":
-        model = Tied()
+    modules with parameters, a container's items separately (whatever they hold), the
+    children of a module around a container (a Hugging Face body: each decoder layer a
+    unit, not the whole stack), tied ones left to the root."""
+    if spec in ("tied", "wrapped"):
+        model = Tied() if spec == "tied" else Wrapped()
         graph = trace(model, (torch.randint(0, 10, (4, 3)),))
     else:
         model, graph = graph_of(spec)
@@ -149,6 +172,8 @@ def test_fsdp_units_are_the_emitters(spec):
     assert [id(m) for m in shard_units(model, units)] == [id(m) for m in shard_units(model)]
     if spec == "tied":
         assert units == ("blocks.0", "blocks.1", "extra.a")  # emb and head share a weight: root
+    if spec == "wrapped":
+        assert units == ("model.embed", "model.layers.0", "model.layers.1", "model.norm", "lm_head")
     by_node = node_units(graph, units)
     for n in graph.nodes:
         if n.module.startswith("blocks.1"):

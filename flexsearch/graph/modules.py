@@ -27,16 +27,26 @@ def module_facts(model: nn.Module) -> tuple[ModuleFacts, ...]:
     out: list[ModuleFacts] = []
 
     def visit(module: nn.Module, prefix: str) -> None:
+        item = isinstance(module, CONTAINERS)  # a container's items are units, whatever they hold
         for name, child in module.named_children():
             path = f"{prefix}{name}"
             params = tuple(dict.fromkeys(canon[id(p)] for _, p in child.named_parameters(remove_duplicate=False)
                                          if id(p) in canon))
             if not params:
                 continue
-            container = isinstance(child, CONTAINERS)
+            container = isinstance(child, CONTAINERS) or (not item and _holds_container(child))
             out.append(ModuleFacts(path=path, container=container, params=params))
             if container:
                 visit(child, path + ".")
 
     visit(model, "")
     return tuple(out)
+
+
+def _holds_container(module: nn.Module) -> bool:
+    """Does a container with parameters sit anywhere below ``module`` (a Hugging Face
+    ``LlamaModel`` around its ``layers``)? Such a module, unless a container's item (a
+    T5 block around its sublayers stays one unit), is looked into like a container: its
+    children, and the container's items, are the units, not the whole stack."""
+    return any(isinstance(m, CONTAINERS) and any(True for _ in m.parameters())
+               for m in module.modules() if m is not module)

@@ -171,8 +171,9 @@ class BlockGroup(_Frozen):
 
 class ModuleFacts(_Frozen):
     """One module of the model's tree, as sharding rules see it
-    (:func:`flexsearch.graph.modules.module_facts`): its path, whether it is a plain
-    container (``ModuleList``/``ModuleDict``: its items are looked into), and the
+    (:func:`flexsearch.graph.modules.module_facts`): its path, whether it is looked
+    into (a plain container, ``ModuleList``/``ModuleDict``, or a module holding one
+    below it: its children are the candidates, not itself), and the
     canonical names of every parameter under it (a tied weight has one name, the
     first ``named_parameters`` gives)."""
 

@@ -2,7 +2,9 @@
 
 **Rule** (FSDP2 wrapping, as torchtitan applies it per block): every top-level module
 that holds parameters is one ``fully_shard`` unit; a plain container (``ModuleList``,
-``ModuleDict``) is not a unit itself, its items are (recursively); a unit that shares
+``ModuleDict``) is not a unit itself, its items are, and neither is a module outside
+a container that holds one below it (Hugging Face's ``model`` around ``model.layers``:
+its children are, recursively, so each decoder layer is a unit, not the whole stack); a unit that shares
 a parameter with another unit (a tied embedding and output layer) is not wrapped, so
 the shared weight stays in the root unit, which holds every parameter no unit takes.
 

@@ -14,6 +14,7 @@ one line) when the calibration on disk is missing or was measured on another hos
 
 from __future__ import annotations
 
+import numbers
 import os
 import time
 import warnings
@@ -39,6 +40,7 @@ from flexsearch.graph.tracer import trace
 from flexsearch.plan import Plan
 from flexsearch.precision import Precision, resolve
 from flexsearch.precision import precision as precision_of
+from flexsearch.sim.accounting import OPTIMIZER_STATE
 from flexsearch.sim.context import CostContext
 from flexsearch.sim.predict import predict
 from flexsearch.sim.result import Simulation
@@ -61,6 +63,12 @@ def resolve_cluster(cluster: str | os.PathLike[str] | Cluster | None, devices: i
             return Cluster.from_spec(cluster.spec, devices)
         return cluster
     return Cluster.resolve(cluster if cluster is not None else DEFAULT_CLUSTER, devices)
+
+
+def is_cpu_cluster(cluster: Cluster) -> bool:
+    """Are ``cluster``'s devices CPU processes (gloo over shared memory, as the ``cpu``
+    preset), not accelerators?"""
+    return cluster.spec.intra_node.kind == "shared-memory"
 
 
 def resolve_calibration(calibration: Calibration, cluster: Cluster) -> DeviceCalibration | None:
@@ -110,7 +118,7 @@ def plan(
     seed: int = 0,
     objective: Literal["iteration", "time_to_accuracy"] = "time_to_accuracy",
     optimizer: Literal["adam", "momentum", "sgd"] = "adam",
-    kinds: Iterable[str] | None = None,
+    kinds: str | Iterable[str] | None = None,
     precision: str = "auto",
     progress: Callable[[int, float], None] | None = None,
     decentralized: bool = True,
@@ -119,9 +127,11 @@ def plan(
     batch_norm: Literal["local", "sync"] = "local",
     workers: int | None = None,
 ) -> Plan:
-    """Search every plan kind (or those in ``kinds``, :data:`flexsearch.strategy.kinds.KINDS`)
-    for ``model`` on ``devices`` devices of ``cluster`` and return the fastest that fits
-    in memory.
+    """Search every plan kind (or those in ``kinds``, :data:`flexsearch.strategy.kinds.KINDS`:
+    an iterable of names, or one string of names separated by commas) for ``model`` on
+    ``devices`` devices of ``cluster`` and return the fastest that fits in memory.
+    Bad arguments are a :class:`~flexsearch.errors.FlexsearchError`, raised before the
+    model is traced.
 
     Budgets: ``max_iters`` (reproducible: same seed, same plan) or ``budget_s``
     (seconds for the whole call, tracing included: every phase checks the clock and the
@@ -132,29 +142,47 @@ def plan(
     measured or default factor (:mod:`flexsearch.strategy.convergence`);
     ``iteration`` by iteration time alone.
     ``decentralized=False`` keeps synchronous training: D-PSGD plans are simulated for
-    the notes but never returned. ``measured``: op costs measured by the profiler.
+    the notes but never returned (``kinds`` naming ``decentralized`` with it is an error).
+    ``optimizer``: the one the plan is priced for (state and update), adam, momentum or
+    sgd. ``batch_norm="sync"`` (SyncBatchNorm) needs GPUs: an error on a cluster of CPU
+    processes (:func:`is_cpu_cluster`). ``measured``: op costs measured by the profiler.
     ``precision`` (:mod:`flexsearch.precision`): ``auto`` is ``bf16-mixed`` on devices
-    with bf16 tensor cores, else ``fp32``; the plan's notes say which and why.
+    with fast bf16 matmuls (a GPU's tensor cores, a CPU's AVX512-BF16 or AMX), else
+    ``fp32``; the plan's notes say which and why.
     ``workers``: processes the search may use (default: this machine's CPUs); the plan
     is the same whatever the number."""
     from flexsearch.search.planner import check_kinds, plan_graph
 
     if objective not in ("iteration", "time_to_accuracy"):
         raise FlexsearchError(f"unknown objective {objective!r}; use 'iteration' or 'time_to_accuracy'")
-    if max_iters is not None and (isinstance(max_iters, bool) or max_iters < 0):
-        raise FlexsearchError(f"max_iters must be >= 0 (got {max_iters!r})")
-    if budget_s is not None and not budget_s > 0:
-        raise FlexsearchError(f"budget_s must be > 0 seconds (got {budget_s!r})")
+    if max_iters is not None:
+        if isinstance(max_iters, bool) or not isinstance(max_iters, numbers.Integral) or max_iters < 0:
+            raise FlexsearchError(f"max_iters must be a whole number >= 0 (got {max_iters!r}); pass e.g. max_iters=200")
+        max_iters = int(max_iters)
+    if budget_s is not None and (isinstance(budget_s, bool) or not isinstance(budget_s, numbers.Real)
+                                 or not budget_s > 0):
+        raise FlexsearchError(f"budget_s must be a number of seconds > 0 (got {budget_s!r})")
+    if not isinstance(optimizer, str) or optimizer not in OPTIMIZER_STATE:
+        raise FlexsearchError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATE)}")
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise FlexsearchError(f"workers must be a whole number >= 1 (got {workers!r})")
+    if isinstance(kinds, str):  # one kind, or several separated by commas (as the CLI's --kind)
+        kinds = [k.strip() for k in kinds.split(",") if k.strip()]
+    asked = None if kinds is None else tuple(kinds)
     try:
-        kinds = check_kinds(kinds)
+        kinds = check_kinds(asked)
     except ValueError as e:
         raise FlexsearchError(str(e)) from None
+    if asked is not None and "decentralized" in asked and not decentralized:
+        raise FlexsearchError("kinds asks for decentralized (D-PSGD) plans and decentralized=False rules them out; "
+                              "drop one of the two")
     if batch_norm not in ("local", "sync"):
         raise FlexsearchError(f"batch_norm is 'local' (per replica, as DDP) or 'sync' (SyncBatchNorm), "
                               f"not {batch_norm!r}")
     cl = resolve_cluster(cluster, devices)
+    if batch_norm == "sync" and is_cpu_cluster(cl):
+        raise FlexsearchError(f"SyncBatchNorm runs on GPUs only, and the {cl.name} cluster's devices are CPU "
+                              "processes; use batch_norm='local'")
     prec, why = resolve_precision(precision, cl)
     _warn_calibration(calibration, cl)
     t0 = time.perf_counter()
@@ -220,9 +248,10 @@ def with_note(plan: Plan, note: str) -> Plan:
 
 def resolve_precision(name: str, cluster: Cluster) -> tuple[Precision, str]:
     """``(precision, why)`` for ``name`` (``auto`` or a precision's name) on ``cluster``'s
-    device (:func:`flexsearch.precision.resolve`); an unknown name is a FlexsearchError."""
+    device (:func:`flexsearch.precision.resolve`, which words the reason for a CPU's
+    devices as a CPU's: :func:`is_cpu_cluster`); an unknown name is a FlexsearchError."""
     try:
-        prec, why = resolve(name, cluster.device)
+        prec, why = resolve(name, cluster.device, cpu=is_cpu_cluster(cluster))
     except ValueError as e:
         raise FlexsearchError(str(e)) from None
     if name == "auto" and prec.autocast == "bfloat16" and cluster.name == "cpu" and not precision_mod.host_runs_bf16():

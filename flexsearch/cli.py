@@ -120,6 +120,8 @@ def profile(
 
     if model is None and not comm:
         raise typer.BadParameter("give a MODEL to profile, or --comm to measure the links", param_hint="MODEL")
+    if out is not None and Path(out).is_dir():
+        raise FlexsearchError(f"--out {out} is a directory; give the path of a profile file (in it, or elsewhere)")
     from flexsearch.precision import NAMES
 
     if precision not in NAMES:
@@ -196,12 +198,30 @@ app.command()(calibrate)
 
 
 def _refuse_overwrite(path: str | None, force: bool, flag: str) -> None:
+    """FlexsearchError unless ``path`` (None: not given) can be written: not a directory,
+    not an existing file without ``--force``, in a directory that exists."""
     if path is None:
         return
+    if Path(path).is_dir():
+        raise FlexsearchError(f"{flag} {path} is a directory; give the path of a file to write (in it, or elsewhere)")
     if Path(path).exists() and not force:
         raise FlexsearchError(f"{path} exists; pass --force to overwrite it or choose another {flag} path")
     if not Path(path).parent.is_dir():
         raise FlexsearchError(f"{flag} {path}: directory {Path(path).parent} does not exist; create it first")
+
+
+def _refuse_same_file(*paths: tuple[str | None, str]) -> None:
+    """FlexsearchError when two of ``paths`` (``(path, what)`` pairs, None: not given)
+    name the same file: writing one would overwrite the other."""
+    seen: dict[Path, str] = {}
+    for path, what in paths:
+        if path is None:
+            continue
+        key = Path(path).resolve()
+        if key in seen:
+            raise FlexsearchError(f"{seen[key]} and {what} are the same file {path}: one would overwrite the "
+                                  "other; give each its own path")
+        seen[key] = what
 
 
 @app.command()
@@ -218,9 +238,11 @@ def plan(
     decentralized: Annotated[bool, typer.Option(help="Consider D-PSGD plans (each device its own model, gossip "
                                                      "averaging); --no-decentralized keeps synchronous SGD.")] = True,
     precision: Annotated[str, typer.Option(help="Training precision: auto, fp32, tf32, bf16-mixed, fp16-mixed or bf16 "
-                                                "(auto: bf16-mixed on devices with bf16 tensor cores, else fp32).")] = "auto",
+                                                "(auto: bf16-mixed on devices with fast bf16 matmuls: bf16 tensor "
+                                                "cores, a CPU's AVX512-BF16 or AMX; else fp32).")] = "auto",
     batch_norm: Annotated[str, typer.Option("--batch-norm", help="BatchNorm statistics: local (per replica, as DDP) "
-                                                                 "or sync (SyncBatchNorm over the replicas, GPUs).")] = "local",
+                                                                 "or sync (SyncBatchNorm over the replicas; GPUs only, "
+                                                                 "not the cpu cluster).")] = "local",
     kind: Annotated[list[str] | None, typer.Option("--kind", help="Only plans of this kind: data, fsdp, soap, pipeline, "
                                                                  "hybrid or decentralized (repeat or separate by commas "
                                                                  "for several).", show_default=False)] = None,
@@ -239,6 +261,7 @@ def plan(
 
     from flexsearch.api import (
         DEFAULT_CLUSTER,
+        is_cpu_cluster,
         load_measured,
         measured_note,
         resolve_calibration,
@@ -250,7 +273,7 @@ def plan(
         with_precision_note,
     )
     from flexsearch.graph import trace as trace_graph
-    from flexsearch.model_files import load_model
+    from flexsearch.model_files import load_model, split_spec
     from flexsearch.search.planner import DEFAULT_MAX_ITERS, check_kinds, plan_graph
 
     if objective not in ("iteration", "time_to_accuracy"):
@@ -261,9 +284,16 @@ def plan(
         kinds = check_kinds([k.strip() for item in kind for k in item.split(",") if k.strip()] if kind else None)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--kind") from None
+    if kind and "decentralized" in kinds and not decentralized:
+        raise typer.BadParameter("--kind decentralized asks for D-PSGD plans and --no-decentralized rules them "
+                                 "out; drop one of the two", param_hint="--kind")
+    _refuse_same_file((str(split_spec(model)[0]), "the model file"), (out, "--out"), (trace_out, "--trace"))
     _refuse_overwrite(out, force, "--out")
     _refuse_overwrite(trace_out, force, "--trace")
     cl = resolve_cluster(cluster if cluster is not None else DEFAULT_CLUSTER, devices)
+    if batch_norm == "sync" and is_cpu_cluster(cl):
+        raise typer.BadParameter(f"SyncBatchNorm runs on GPUs only, and the {cl.name} cluster's devices are CPU "
+                                 "processes; use --batch-norm local", param_hint="--batch-norm")
     prec, why = resolve_precision(precision, cl)
     from flexsearch.graph.pipedream_profile import is_profile_file
 
@@ -372,6 +402,7 @@ def simulate(
     from flexsearch.cost.hardware import Cluster
     from flexsearch.plan import Plan
 
+    _refuse_same_file((plan_file, "PLAN.json"), (trace_out, "--trace"))
     _refuse_overwrite(trace_out, force, "--trace")
     p = Plan.load(plan_file)
     cl = Cluster.from_spec(p.cluster, p.devices)
@@ -437,10 +468,15 @@ def verify(
     try:
         results = run_ranks(verify_job, n, model, p.model_dump_json(), steps, timeout_s=timeout)
     except RanksFailed as e:
-        lines = [ln for ln in str(e).splitlines() if ln.strip()]
-        err.print(f"the emitted plan failed: {lines[-1] if lines else e}", markup=False, soft_wrap=True)
-        raise typer.Exit(1) from None
-    bad = next((r for r in results if not r["ok"]), None)
+        # a rank that found a mismatch finished: the others' errors follow from it
+        bad = next((r for _, r in sorted(e.results.items()) if not r["ok"]), None)
+        if bad is None:
+            err.print(f"the emitted plan failed: {e.cause}", markup=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+        results = [e.results.get(r) or {"ok": False, "error": f"failed after another rank's mismatch: "
+                                                               f"{e.causes.get(r, 'no result')}"} for r in range(n)]
+    else:
+        bad = next((r for r in results if not r["ok"]), None)
     if as_json:
         print(json.dumps({"ok": bad is None, "ranks": results}))
     elif bad is not None:
@@ -488,6 +524,7 @@ def report(
     from flexsearch.plan import Plan
     from flexsearch.report import render
 
+    _refuse_same_file((plan_file, "PLAN.json"), (out, "--out"))
     _refuse_overwrite(out, force, "--out")
     p = Plan.load(plan_file)
     graph = _plan_graph_for(p, plan_file)

@@ -24,7 +24,7 @@ model prices a node at its dtype's peak, and ``tf32`` (which has no dtype of its
 at the TF32 peak for the matmul-class ops (:data:`MATMUL_KINDS`).
 
 :func:`resolve` picks ``auto``: ``bf16-mixed`` on a device whose bf16 peak is at least
-twice its fp32 peak (tensor cores), else ``fp32``.
+twice its fp32 peak (a GPU's tensor cores, a CPU's bf16 matrix instructions), else ``fp32``.
 """
 
 from __future__ import annotations
@@ -98,18 +98,26 @@ def bf16_tensor_cores(device) -> bool:
     return device.peak("bfloat16") >= 2 * device.peak("float32")
 
 
-def resolve(name: str, device) -> tuple[Precision, str]:
+CPU_BF16_UNITS = "AVX512-BF16 or AMX matrix instructions"
+"""What runs a CPU's bf16 matmuls fast (oneDNN's bf16 support), as the notes name it."""
+
+
+def resolve(name: str, device, *, cpu: bool = False) -> tuple[Precision, str]:
     """``(precision, why)`` for ``name`` on ``device`` (a
     :class:`~flexsearch.cost.hardware.DeviceSpec`): ``auto`` is ``bf16-mixed`` on a device
-    with bf16 tensor cores (bf16 peak >= 2x fp32 peak), else ``fp32``."""
+    with fast bf16 matrix units (bf16 peak >= 2x fp32 peak), else ``fp32``. ``why`` names
+    the units a GPU's tensor cores, or with ``cpu`` (the device is a CPU process) the
+    CPU's bf16 matrix instructions (:data:`CPU_BF16_UNITS`)."""
     if name != "auto":
         return precision(name), "chosen"
     bf16, fp32 = device.peak("bfloat16"), device.peak("float32")
     ratio = bf16 / fp32
+    units = CPU_BF16_UNITS if cpu else "bf16 tensor cores"
+    tflops = f"{bf16 / 1e12:.0f}" if bf16 >= 10e12 else f"{bf16 / 1e12:.2g}"
     if bf16_tensor_cores(device):
-        return _PRECISIONS["bf16-mixed"], (f"auto: {device.name} runs bf16 at {bf16 / 1e12:.0f} TFLOP/s, "
-                                           f"{ratio:.0f}x its fp32 peak (tensor cores)")
-    return FP32, (f"auto: {device.name} has no bf16 tensor cores (bf16 peak {ratio:.1f}x its fp32 peak); "
+        return _PRECISIONS["bf16-mixed"], (f"auto: {device.name} runs bf16 at {tflops} TFLOP/s, "
+                                           f"{ratio:.0f}x its fp32 peak ({units})")
+    return FP32, (f"auto: {device.name} has no {units} (bf16 peak {ratio:.1f}x its fp32 peak); "
                   "pass --precision bf16-mixed to plan for it anyway")
 
 

@@ -49,6 +49,25 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms"
 
 
+def microbatches(n: int) -> str:
+    """``"1 microbatch"``, ``"4 microbatches"``."""
+    return f"{n} microbatch" + ("" if n == 1 else "es")
+
+
+def schedule(p) -> str:
+    """What a pipeline or hybrid plan's schedule runs: with one pipeline stage (every
+    chunk on every device) there is no pipelining, the chunks run in turn and the
+    microbatches one after another (accumulated)."""
+    chunks, m = p.chunks or 1, p.microbatches or 1
+    recompute = f", {p.recompute} activation recomputation" if p.recompute != "none" else ""
+    if len(p.stages) // chunks == 1:
+        parts = f" in {chunks} chunks run in turn" if chunks > 1 else ""
+        accumulated = " accumulated" if m > 1 else ""
+        return f"no pipelining (one stage{parts}), {microbatches(m)}{accumulated}{recompute}"
+    per_rank = f", {chunks} chunks per rank" if chunks > 1 else ""
+    return f"{p.schedule}, {microbatches(m)}{per_rank}{recompute}"
+
+
 def plan_table(p, search_time_s: float | None, *, default_cluster: bool = False) -> Table:
     """The plan as the CLI's table (DESIGN section 2): kind, prediction, baselines, why."""
     table = Table(title=f"{p.model}: {p.devices} x {p.cluster.device.name} ({p.cluster.name})")
@@ -68,19 +87,19 @@ def plan_table(p, search_time_s: float | None, *, default_cluster: bool = False)
     if p.mfu is not None:
         rows.append(("model FLOP/s utilisation", f"{p.mfu:.1%} ({si(p.model_flops, 'FLOP')} per iteration)"))
     if p.stages:
-        chunks = f", {p.chunks} chunks per rank" if (p.chunks or 1) > 1 else ""
-        recompute = f", {p.recompute} activation recomputation" if p.recompute != "none" else ""
-        rows.append(("schedule", f"{p.schedule}, {p.microbatches} microbatches{chunks}{recompute}"))
+        rows.append(("schedule", schedule(p)))
         shape = f"{len(p.stages) // (p.chunks or 1)} x {p.stages[0].replicas} x {p.tensor_degree}"
         rows.append(("stages x replicas x tensor", shape))
+        part = "chunk" if len(p.stages) // (p.chunks or 1) == 1 and len(p.stages) > 1 else "stage"
         for i, st in enumerate(p.stages):
-            rows.append((f"stage {i}", f"{st.nodes[0]} .. {st.nodes[-1]} ({len(st.nodes)} ops) on devices "
+            rows.append((f"{part} {i}", f"{st.nodes[0]} .. {st.nodes[-1]} ({len(st.nodes)} ops) on devices "
                          f"{st.devices[0]}-{st.devices[-1]}"))
     if p.shard != "none":
         group = f", shard groups of {p.shard_group} devices, replicated across groups" if p.shard == "hsdp" else ""
         rows.append(("sharding", f"{p.shard}{group}"))
     if not p.stages and (p.recompute != "none" or (p.microbatches or 1) > 1):
-        rows.append(("training", f"{p.microbatches or 1} microbatches accumulated, {p.recompute} activation "
+        m = p.microbatches or 1
+        rows.append(("training", f"{microbatches(m)}{' accumulated' if m > 1 else ''}, {p.recompute} activation "
                                  "recomputation"))
     if p.kind == "decentralized":
         gap = "" if p.spectral_gap is None else f", spectral gap {p.spectral_gap:.4f}"

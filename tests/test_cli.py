@@ -232,3 +232,65 @@ def test_design_commands_exist():
         assert f"\n{cmd} " in "\n" + listing
         for flag in flags:
             assert f"\n{cmd} {flag} " in "\n" + listing, (cmd, flag)
+
+
+# -- verify: how a failed run reads --------------------------------------------------------
+MLP = str(ROOT / "benchmarks/models/mlp.py:mlp_tiny")
+
+
+@pytest.fixture(scope="module")
+def mlp_plan(tmp_path_factory):
+    from flexsearch.cli import main
+
+    path = tmp_path_factory.mktemp("verify") / "plan.json"
+    assert main(["plan", MLP, "--devices", "2", "--cluster", "cpu", "--kind", "data", "--max-iters", "0",
+                 "--precision", "fp32", "--out", str(path)]) == 0
+    return path
+
+
+def _verify_with(monkeypatch, capsys, plan, failure, *extra: str):
+    """``flexsearch verify`` whose ranks fail with ``failure`` (a RanksFailed)."""
+    import flexsearch.emit.launch
+    from flexsearch.cli import main
+
+    def fails(*a, **k):
+        raise failure
+
+    monkeypatch.setattr(flexsearch.emit.launch, "run_ranks", fails)
+    capsys.readouterr()
+    rc = main(["verify", MLP, "--plan", str(plan), *extra])
+    return rc, *capsys.readouterr()
+
+
+def test_verify_prints_the_root_cause_of_a_failed_rank(monkeypatch, capsys, mlp_plan):
+    """The failing rank's own error and the original one it came from, not the last line
+    of its traceback (a note) nor a peer's lost connection."""
+    from flexsearch.emit.launch import RanksFailed
+
+    failure = RanksFailed(
+        "rank 0:\nTraceback ...\nRuntimeError: [pair.cc:534] Connection closed by peer [127.0.0.1]:1\n"
+        "rank 1:\nTraceback ...\nRuntimeError: the op failed\nflexsearch: while running op linear_2 as s1.x2 on rank 1",
+        causes={0: "RuntimeError: [pair.cc:534] Connection closed by peer [127.0.0.1]:1",
+                1: "RuntimeError: the op failed (flexsearch: while running op linear_2 as s1.x2 on rank 1)\n"
+                   "caused by ValueError: mat1 and mat2 shapes cannot be multiplied (4x16 and 32x8)"})
+    rc, out, err = _verify_with(monkeypatch, capsys, mlp_plan, failure)
+    assert rc == 1 and out == ""
+    assert err.splitlines() == [
+        "the emitted plan failed: rank 1: RuntimeError: the op failed (flexsearch: while running op linear_2 as "
+        "s1.x2 on rank 1)", "caused by ValueError: mat1 and mat2 shapes cannot be multiplied (4x16 and 32x8)"], err
+
+
+def test_verify_reports_a_mismatch_over_a_peers_crash(monkeypatch, capsys, mlp_plan):
+    """A rank that found a mismatch and finished is the answer: "differs", exit 1, even
+    when another rank then failed (its peer gone)."""
+    from flexsearch.emit.launch import RanksFailed
+
+    lost = "RuntimeError: [pair.cc:534] Connection closed by peer [127.0.0.1]:1"
+    failure = RanksFailed(f"rank 1:\nTraceback ...\n{lost}", causes={1: lost},
+                          results={0: {"ok": False, "error": "gradient of fc1.weight differs: ..."}})
+    rc, out, err = _verify_with(monkeypatch, capsys, mlp_plan, failure)
+    assert rc == 1 and out == "" and err.strip() == "differs: gradient of fc1.weight differs: ...", err
+    rc, out, err = _verify_with(monkeypatch, capsys, mlp_plan, failure, "--json")
+    got = json.loads(out)
+    assert rc == 1 and not got["ok"] and got["ranks"][0]["error"].startswith("gradient of fc1.weight")
+    assert not got["ranks"][1]["ok"] and "Connection closed by peer" in got["ranks"][1]["error"]

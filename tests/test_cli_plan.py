@@ -250,13 +250,31 @@ BAD = [
     (["simulate", "{d}/other_model.json"], "made for model"),
     (["show", "{d}/bad_config.json"], "damaged"),
     (["report", "{d}/mlp.json"], "--out"),
+    # output paths refused before any work: the same file twice, a directory (even with --force)
+    (["plan", MLP, "--out", "{d}/same.json", "--trace", "{d}/same.json"], "--out and --trace are the same file"),
+    (["plan", MLP, "--out", "{d}/same.json", "--trace", "{d}/../{d_name}/same.json"], "are the same file"),
+    (["plan", "{d}/syntax.py", "--out", "{d}/syntax.py", "--force"], "the model file and --out are the same file"),
+    (["plan", MLP, "--out", "{d}", "--force"], "--out {d} is a directory"),
+    (["plan", MLP, "--trace", "{d}", "--force"], "--trace {d} is a directory"),
+    (["report", "{d}/mlp.json", "--out", "{d}", "--force"], "--out {d} is a directory"),
+    (["simulate", "{d}/mlp.json", "--trace", "{d}", "--force"], "--trace {d} is a directory"),
+    (["profile", MLP, "--out", "{d}"], "--out {d} is a directory"),
+    (["report", "{d}/mlp.json", "--out", "{d}/mlp.json", "--force"], "PLAN.json and --out are the same file"),
+    (["simulate", "{d}/mlp.json", "--trace", "{d}/mlp.json", "--force"], "PLAN.json and --trace are the same file"),
+    # options that contradict each other
+    (["plan", MLP, "--kind", "decentralized", "--no-decentralized"], "--no-decentralized rules them out"),
+    (["plan", MLP, "--kind", "data,decentralized", "--no-decentralized"], "drop one of the two"),
+    (["plan", MLP, "--cluster", "cpu", "--batch-norm", "sync"], "SyncBatchNorm runs on GPUs only"),
 ]
 
 
 @pytest.mark.parametrize(("args", "needle"), BAD, ids=[" ".join(a[:1] + [a[-1]]) + f"-{i}" for i, (a, _) in enumerate(BAD)])
 def test_bad_input_in_process(capsys, bad_files, args, needle):
-    args = [a.replace("{d}", str(bad_files)) for a in args]
+    args = [a.replace("{d}", str(bad_files)).replace("{d_name}", bad_files.name) for a in args]
+    needle = needle.replace("{d}", str(bad_files))
+    plan_before = (bad_files / "mlp.json").read_bytes()
     rc, out, err = cli(capsys, *args)
+    assert (bad_files / "mlp.json").read_bytes() == plan_before and not (bad_files / "same.json").exists()
     assert rc == 2, (out, err)
     # a calibration warning (the cpu preset on a host the calibration on disk is not from) is its own line
     lines = [ln for ln in err.strip().splitlines() if not ln.startswith("warning: ")]
@@ -321,3 +339,94 @@ def test_ctrl_c_outside_a_search_exits_130(capsys, monkeypatch):
     monkeypatch.setattr(model_files, "load_model", ctrl_c)
     rc, out, err = cli(capsys, "plan", MLP, "--devices", "2")
     assert rc == 130 and out == "" and err.strip() == "interrupted"
+
+
+# -- the Python API: bad arguments are FlexsearchErrors, before the model is traced --------
+@pytest.fixture
+def no_tracing(monkeypatch):
+    """``flexsearch.plan`` fails the test if it gets as far as tracing the model."""
+    import flexsearch.api
+
+    def traced(*a, **k):
+        raise AssertionError("the model was traced before the arguments were checked")
+
+    monkeypatch.setattr(flexsearch.api, "trace", traced)
+
+
+@pytest.mark.parametrize(("kw", "needle"), [
+    ({"optimizer": "lamb"}, "unknown optimizer 'lamb'; use one of adam, momentum, sgd"),
+    ({"optimizer": None}, "unknown optimizer None"),
+    ({"max_iters": 2.5}, "max_iters must be a whole number >= 0 (got 2.5)"),
+    ({"max_iters": True}, "max_iters must be a whole number"),
+    ({"max_iters": -1}, "max_iters must be a whole number >= 0"),
+    ({"max_iters": "5"}, "max_iters must be a whole number"),
+    ({"budget_s": "5"}, "budget_s must be a number of seconds"),
+    ({"kinds": "dat"}, "unknown plan kind 'dat'"),
+    ({"kinds": "decentralized", "decentralized": False}, "decentralized=False rules them out"),
+    ({"kinds": ["data", "decentralized"], "decentralized": False}, "drop one of the two"),
+    ({"batch_norm": "sync", "cluster": "cpu"}, "SyncBatchNorm runs on GPUs only"),
+])
+def test_api_refuses_bad_arguments_before_tracing(no_tracing, kw, needle):
+    import flexsearch
+    from flexsearch.errors import FlexsearchError
+
+    model, inputs = flexsearch.load_model(MLP)
+    with pytest.raises(FlexsearchError) as e:
+        flexsearch.plan(model, inputs, devices=2, **{"max_iters": 0, **kw})
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_api_kinds_may_be_one_string():
+    """``kinds="data"`` is the kind data (not the kinds d, a, t, a); commas separate
+    several, as the CLI's --kind."""
+    import flexsearch
+
+    model, inputs = flexsearch.load_model(MLP)
+    assert flexsearch.plan(model, inputs, devices=2, kinds="data", max_iters=0, workers=1).kind == "data"
+    assert flexsearch.plan(model, inputs, devices=2, kinds=" fsdp, data", max_iters=0, workers=1).kind in ("data",
+                                                                                                           "fsdp")
+
+
+# -- what the table and notes say ----------------------------------------------------------
+def test_precision_note_names_what_the_device_has(monkeypatch):
+    """bf16-mixed on the cpu preset is for its CPU's bf16 instructions, not tensor cores."""
+    import flexsearch.precision
+    from flexsearch.api import resolve_cluster, resolve_precision
+
+    monkeypatch.setattr(flexsearch.precision, "host_runs_bf16", lambda: True)
+    prec, why = resolve_precision("auto", resolve_cluster("cpu", 2))
+    assert prec.name == "bf16-mixed" and "tensor cores" not in why and "AVX512-BF16 or AMX" in why, why
+    prec, why = resolve_precision("auto", resolve_cluster("dgx-h100", 2))
+    assert prec.name == "bf16-mixed" and "(bf16 tensor cores)" in why and "AVX512" not in why, why
+
+
+def _table_text(p) -> str:
+    from rich.console import Console
+
+    from flexsearch.tables import plan_table
+
+    console = Console(record=True, width=240)
+    console.print(plan_table(p, None))
+    return console.export_text()
+
+
+def test_plan_table_says_a_one_stage_pipeline_does_not_pipeline():
+    """A pipeline plan of one stage (its chunks all on every device) runs no pipeline;
+    the table says so, with "1 microbatch" in the singular."""
+    import flexsearch
+    from flexsearch.plan import Stage
+
+    model, inputs = flexsearch.load_model(MLP)
+    two = flexsearch.plan(model, inputs, devices=2, cluster="cpu", kinds="pipeline", max_iters=0, workers=1,
+                          precision="fp32")
+    assert len(two.stages) == 2 and (two.chunks or 1) == 1
+    text = _table_text(two)
+    assert f"{two.schedule}, {two.microbatches} microbatch" in text and "no pipelining" not in text
+    everywhere = tuple(Stage(**{**st.model_dump(), "devices": (0, 1), "replicas": 2}) for st in two.stages)
+    one = two.model_copy(update={"stages": everywhere, "chunks": 2, "microbatches": 1, "schedule": "interleaved"})
+    text = _table_text(one)
+    assert "no pipelining (one stage in 2 chunks run in turn), 1 microbatch" in text, text
+    assert "interleaved" not in text and "1 microbatches" not in text and "chunks per rank" not in text
+    assert "chunk 0" in text and "chunk 1" in text and "1 x 2 x" in text
+    text = _table_text(one.model_copy(update={"stages": everywhere[:1], "chunks": 1, "microbatches": 4}))
+    assert "no pipelining (one stage), 4 microbatches accumulated" in text and "stage 0" in text, text

@@ -381,3 +381,104 @@ def test_pipeline_stages_reuse_receive_buffers_and_compute_what_the_model_does()
             (stage, acts, grads), = counts
             want = receive_buffers(plan.schedule, stage, 3, 8)
             assert (acts, grads) == (0 if stage == 0 else want[0], 0 if stage == 2 else want[1]), plan.schedule
+
+
+def root_cause_job(rank: int, world: int) -> None:
+    """Rank 1 fails (an error with a note, raised from the original one); rank 0 waits
+    for it in a collective and loses its peer."""
+    import torch.distributed as dist
+
+    if rank == 1:
+        try:
+            raise ValueError("mat1 and mat2 shapes cannot be multiplied (4x16 and 32x8)")
+        except ValueError as e:
+            err = RuntimeError("the op failed")
+            err.add_note("flexsearch: while running op linear_2 as s1.x2 on rank 1")
+            raise err from e
+    dist.barrier()
+
+
+def test_a_failed_job_names_the_root_cause() -> None:
+    """RanksFailed.cause: the failing rank's error with its note, and the original error
+    it was raised from, in two lines, not a peer's lost connection."""
+    with pytest.raises(RanksFailed) as e:
+        run_ranks(root_cause_job, 2, timeout_s=120, pg_timeout_s=30)
+    first, second = e.value.cause.splitlines()
+    assert first == ("rank 1: RuntimeError: the op failed (flexsearch: while running op linear_2 as s1.x2 "
+                     "on rank 1)"), e.value.cause
+    assert second == "caused by ValueError: mat1 and mat2 shapes cannot be multiplied (4x16 and 32x8)"
+    assert "Traceback" in str(e.value)  # the whole tracebacks stay in the message
+
+
+def one_rank_differs_job(rank: int, world: int, plan) -> str:
+    """verify() where only rank 0's reference differs (its loss is 1% larger; the
+    pipeline's loss is the last stage's, rank 1's): rank 0 finds a mismatch, rank 1 none."""
+    from emit_cases import FAMILIES, mse, with_target
+
+    from flexsearch.emit.verify import verify
+
+    model, x, y = with_target(FAMILIES["mlp"])
+    scale = 1.01 if rank == 0 else 1.0
+    try:
+        verify(model, plan, x, y, lambda out, target: mse(out, target) * scale, steps=3)
+    except AssertionError as e:
+        return str(e)
+    return "matches"
+
+
+def test_a_mismatch_on_one_rank_leaves_the_others_running() -> None:
+    """Every rank runs every step before a mismatch is raised: rank 0's mismatch comes
+    back as a mismatch, not as rank 1 losing its peer in the next pipeline step."""
+    plan = make_plan(FAMILIES["mlp"], 2, "1f1b")
+    assert plan is not None and len(plan.stages) == 2
+    differs, matches = run_ranks(one_rank_differs_job, 2, plan, timeout_s=300, pg_timeout_s=60)
+    assert differs.startswith("loss differs") and "more mismatch" in differs, differs
+    assert matches == "matches"
+
+
+def test_randomness_names_dropout_like_modules() -> None:
+    from torch import nn
+
+    from flexsearch.emit.verify import randomness, randomness_hint
+
+    class DropPath(nn.Module):
+        def __init__(self, drop_prob: float) -> None:
+            super().__init__()
+            self.drop_prob = drop_prob
+
+    class StochasticDepth(nn.Module):
+        def __init__(self, p: float) -> None:
+            super().__init__()
+            self.p = p
+
+    class Attention(nn.Module):  # functional dropout, as Hugging Face's layers
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention_dropout, self.dropout, self.scale = 0.1, 0.0, 0.5
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1), nn.Dropout(0.1), nn.Dropout(0.0), DropPath(0.2),
+                          DropPath(0.0), StochasticDepth(0.3), Attention())
+    assert randomness(model) == ["Dropout p=0.1 in 2 modules", "DropPath drop_prob=0.2 in 1 module",
+                                 "StochasticDepth p=0.3 in 1 module", "Attention attention_dropout=0.1 in 1 module"]
+    hint = randomness_hint(model)
+    assert "the model is random in training (Dropout p=0.1 in 2 modules" in hint and "and 1 more" in hint
+    assert "set these rates to 0" in hint
+    model[1].eval()
+    assert randomness(model)[0] == "Dropout p=0.1 in 1 module"
+    assert randomness(model.eval()) == [] and randomness_hint(model) == ""
+
+
+def test_verify_says_when_dropout_makes_the_runs_differ() -> None:
+    """A model with dropout differs from its reference whatever the plan: the mismatch
+    says the model's randomness is why and how to check without it."""
+    from flexsearch.emit.verify import verify_job
+
+    spec = "tests/data/dropout_mlp.py"
+    model, x = load(spec)
+    plan = flexsearch.plan(model, x, devices=2, cluster="cpu", kinds="data", max_iters=0, precision="fp32",
+                           workers=1)
+    from conftest import ROOT
+
+    res = run_ranks(verify_job, 2, f"{ROOT}/{spec}", plan.model_dump_json(), 2, timeout_s=300)
+    assert not res[0]["ok"]
+    assert "the model is random in training (Dropout p=0.5 in 1 module)" in res[0]["error"], res[0]["error"]

@@ -3,11 +3,12 @@
 For tests and benchmarks of emitted plans on one machine (``torchrun`` does the same
 for real jobs): ``run_ranks(fn, world, *args)`` spawns the processes, gives each a
 process group with a timeout (a failing rank fails the job instead of hanging it),
-and returns every rank's result, or raises :class:`RanksFailed` with the first rank's
-error. A job that runs past its timeout reports where each rank that was still running
-stood (at the deadline the parent asks each running rank for its Python stacks, which
-:mod:`faulthandler` writes on ``SIGUSR1``, then kills it), so a hang in CI names its
-cause.
+and returns every rank's result, or raises :class:`RanksFailed` with every failed rank's
+error (its traceback; :attr:`RanksFailed.cause`: the root cause in a line or two) and the
+results of the ranks that finished. A job that runs past its timeout reports where each
+rank that was still running stood (at the deadline the parent asks each running rank
+for its Python stacks, which :mod:`faulthandler` writes on ``SIGUSR1``, then kills it),
+so a hang in CI names its cause.
 """
 
 from __future__ import annotations
@@ -26,9 +27,57 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+"""How gloo says a peer went away: a rank that failed with one of these failed because
+another rank stopped (:attr:`RanksFailed.cause` looks past it)."""
+
 
 class RanksFailed(RuntimeError):
-    """A rank raised, died, or the job ran past its timeout."""
+    """A rank raised, died, or the job ran past its timeout. ``str()``: every failed
+    rank's traceback; ``causes``: rank -> its error in a line or two (:func:`describe`);
+    ``results``: rank -> the result of each rank that finished."""
+
+    def __init__(self, message: str, causes: dict[int, str] | None = None, results: dict[int, Any] | None = None):
+        super().__init__(message)
+        self.causes = causes or {}
+        self.results = results or {}
+
+    @property
+    def cause(self) -> str:
+        """Why the job failed, in a line or two: the first rank's error that is not a lost
+        peer (:data:`PEER_LOST`, what the other ranks see when one stops), else the first
+        rank's; without a rank's error (a timeout, a killed process), the message's first
+        line."""
+        if self.causes:
+            ranks = sorted(self.causes)
+            r = next((r for r in ranks if not any(p in self.causes[r] for p in PEER_LOST)), ranks[0])
+            return f"rank {r}: {self.causes[r]}"
+        lines = [ln for ln in str(self).splitlines() if ln.strip()]
+        return lines[0] if lines else "the ranks failed"
+
+
+def _line(exc: BaseException) -> str:
+    """``module.Type: first line of the message (notes)``, builtins without a module."""
+    t = type(exc)
+    name = t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+    text = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+    notes = "; ".join(str(n) for n in getattr(exc, "__notes__", ()))
+    return (f"{name}: {text}" if text else name) + (f" ({notes})" if notes else "")
+
+
+def describe(exc: BaseException) -> str:
+    """``exc`` in one line (type, message's first line, notes), and a second naming the
+    exception it was raised from or while handling, the first of the chain (the original
+    error), when there is one."""
+    root, seen = exc, {id(exc)}
+    while True:
+        nxt = root.__cause__ if root.__cause__ is not None else (
+            None if root.__suppress_context__ else root.__context__)
+        if nxt is None or id(nxt) in seen:
+            break
+        root = nxt
+        seen.add(id(nxt))
+    return _line(exc) if root is exc else f"{_line(exc)}\ncaused by {_line(root)}"
 
 
 def _entry(fn: Callable, rank: int, world: int, store_path: str, out: str, threads: int,
@@ -47,9 +96,11 @@ def _entry(fn: Callable, rank: int, world: int, store_path: str, out: str, threa
             dist.destroy_process_group()
         torch.save(result, os.path.join(out, f"{rank}.tmp"))
         os.replace(os.path.join(out, f"{rank}.tmp"), os.path.join(out, f"{rank}.pt"))  # whole, or not there
-    except BaseException:  # noqa: BLE001 - reported to the parent
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
         with open(os.path.join(out, f"{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
+        with open(os.path.join(out, f"{rank}.why"), "w") as f:  # else the parent takes the traceback's last line
+            f.write(describe(e))
         raise SystemExit(1) from None
 
 
@@ -78,13 +129,18 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 300, thre
             if p.is_alive():
                 p.kill()
                 p.join()
-        errors = []
+        errors, causes = [], {}
         for r in range(world):
             path = os.path.join(d, f"{r}.err")
             if os.path.exists(path):
-                errors.append(f"rank {r}:\n" + open(path).read())
+                tb = open(path).read()
+                errors.append(f"rank {r}:\n" + tb)
+                why = os.path.join(d, f"{r}.why")
+                causes[r] = open(why).read().strip() if os.path.exists(why) else tb.strip().splitlines()[-1]
         if errors:
-            raise RanksFailed("\n".join(errors))
+            done = {r: torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(world)
+                    if os.path.exists(os.path.join(d, f"{r}.pt"))}
+            raise RanksFailed("\n".join(errors), causes, done)
         if alive:
             stacks = "".join(f"\nrank {r} stood at:\n{_read(os.path.join(d, f'{r}.stack'))}" for r in alive)
             raise RanksFailed(f"ranks {alive} still running after {timeout_s:.0f} s (killed){stacks}")

@@ -23,6 +23,12 @@ ranks of the local gradients is the reference gradient, and the mean of the rank
 models after the optimizer step is the reference model after one SGD step (mixing
 identical models changes nothing; the mean of ``x - lr g_i`` is ``x - lr mean g_i``).
 Later steps take gradients at different models, so only that first step is compared.
+
+Every rank runs every step before a mismatch is raised: ranks hold different tensors (a
+pipeline's stages), and one that stopped at its own mismatch would leave the others
+waiting for it in a collective. A model that is random in training (dropout, stochastic
+depth: :func:`randomness`) differs from its reference whatever the plan, as the two draw
+different random numbers; a mismatch then says so and how to check without it.
 """
 
 from __future__ import annotations
@@ -75,6 +81,49 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: floa
         raise AssertionError(msg(f"relative error {err / ref if ref else float('inf'):.3g} (2-norm) above {rtol:.3g}"))
 
 
+_DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+_RATE_WORDS = ("dropout", "drop_prob", "drop_rate", "drop_path", "pdrop", "layerdrop")
+"""Attribute names of the rates functional dropout reads (Hugging Face models keep
+``self.dropout = config.attention_dropout`` and call ``F.dropout(x, p=self.dropout)``)."""
+
+
+def randomness(model: nn.Module) -> list[str]:
+    """What draws random numbers in ``model``'s training step: its modules in training
+    mode with a nonzero dropout-like rate (``nn.Dropout`` and its kin's ``p``; a float
+    attribute named like a dropout rate, :data:`_RATE_WORDS`; the ``p`` of a module whose
+    class is stochastic depth, ``*DropPath*`` or ``*StochasticDepth*``), one entry per
+    class, attribute and rate: ``"Dropout p=0.1 in 4 modules"``."""
+    found: dict[str, int] = {}
+    for m in model.modules():
+        if not m.training:
+            continue
+        cls = type(m).__name__
+        if isinstance(m, _DROPOUT):
+            rates = {"p": m.p}
+        else:
+            stochastic = "droppath" in cls.lower() or "stochasticdepth" in cls.lower()
+            rates = {k: v for k, v in vars(m).items()
+                     if isinstance(v, float)
+                     and ((stochastic and k == "p") or any(w in k.lower() for w in _RATE_WORDS))}
+        for k, v in rates.items():
+            if v > 0:
+                key = f"{cls} {k}={v:g}"
+                found[key] = found.get(key, 0) + 1
+    return [f"{key} in {n} module{'s' if n > 1 else ''}" for key, n in found.items()]
+
+
+def randomness_hint(model: nn.Module) -> str:
+    """The sentence a mismatch ends with when ``model`` is random in training
+    (:func:`randomness`), else ``""``."""
+    random = randomness(model)
+    if not random:
+        return ""
+    shown = ", ".join(random[:3]) + (f" and {len(random) - 3} more" if len(random) > 3 else "")
+    return (f"; the model is random in training ({shown}): the plan and the reference draw different random "
+            "numbers, so they differ even when the plan is right. To check the plan, set these rates to 0 in the "
+            "model file (e.g. dropout=0.0 in its config, or .eval() on those modules) and verify again")
+
+
 def largest(seen: list, k: int = 5) -> list[tuple[float, str]]:
     """The ``k`` largest recorded relative errors, largest first."""
     return sorted(seen, key=lambda e: -e[0])[:k]
@@ -112,8 +161,9 @@ def verify(model: nn.Module, plan: Plan, inputs: tuple, target: Any = None,
     """Emit ``plan`` for ``model`` and compare it with the original on this rank
     (tolerances: the precision's, module docstring, unless given).
 
-    Raises AssertionError (naming the tensor, with the largest relative differences
-    seen so far) on the first mismatch; returns what was checked: ``loss``,
+    Raises AssertionError after every step ran (module docstring), naming the first
+    mismatch, with the largest relative differences seen and, when the model is random
+    in training, why (:func:`randomness_hint`); returns what was checked: ``loss``,
     ``reference_loss``, ``params`` (names this rank holds) and ``largest`` (the five
     largest relative differences, ``(error, what)``)."""
     seen: list[tuple[float, str]] = []
@@ -121,7 +171,7 @@ def verify(model: nn.Module, plan: Plan, inputs: tuple, target: Any = None,
         return _compare(model, plan, inputs, target, loss_fn, steps, lr, group, rtol, atol, seen)
     except AssertionError as e:
         worst = ", ".join(f"{what} {err:.2g}" for err, what in largest(seen, 3))
-        raise AssertionError(f"{e}; largest relative differences: {worst}") from None
+        raise AssertionError(f"{e}; largest relative differences: {worst}{randomness_hint(model)}") from None
 
 
 def _compare(model, plan, inputs, target, loss_fn, steps, lr, group, rtol, atol, seen) -> dict[str, Any]:
@@ -151,13 +201,29 @@ def _compare(model, plan, inputs, target, loss_fn, steps, lr, group, rtol, atol,
         backward(out, prec, ref.parameters)
         return out
 
+    mismatches: list[str] = []
+
+    def check(compare: Callable[[], None]) -> None:  # recorded: raised once every step ran
+        try:
+            compare()
+        except AssertionError as e:
+            mismatches.append(str(e))
+
+    def result() -> dict[str, Any]:
+        if mismatches:
+            more = f" (and {len(mismatches) - 1} more mismatch{'es' if len(mismatches) > 2 else ''})" \
+                if len(mismatches) > 1 else ""
+            raise AssertionError(mismatches[0] + more)
+        return {"loss": float(loss), "reference_loss": float(ref_loss.detach()), "params": sorted(mine),
+                "largest": largest(seen)}
+
     emitted = parallelize(model, plan, group=group)
     decentralized = plan.kind == "decentralized"
     loss = emitted.train_step(inputs, target, loss_fn)
     ref_loss = ref_step()
     seen.append((relative_error(loss.float(), ref_loss.detach().float()), "loss"))
-    torch.testing.assert_close(loss.float(), ref_loss.detach().float(), rtol=rtol, atol=atol,
-                               msg=lambda m: f"loss differs: {m}")
+    check(lambda: torch.testing.assert_close(loss.float(), ref_loss.detach().float(), rtol=rtol, atol=atol,
+                                             msg=lambda m: f"loss differs: {m}"))
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
     mine = original_parameters(emitted)
     unknown = sorted(set(mine) - set(ref_params))
@@ -173,8 +239,8 @@ def _compare(model, plan, inputs, target, loss_fn, steps, lr, group, rtol, atol,
             continue
         if g is None and isinstance(mine[name], DTensor) and mine[name].device_mesh.get_coordinate() is None:
             continue
-        _close(g, ref_params[name].grad, rtol, atol, low, lambda m, name=name: f"gradient of {name} differs: {m}",
-               seen, f"gradient {name}")
+        check(lambda g=g, name=name: _close(g, ref_params[name].grad, rtol, atol, low,
+                                            lambda m: f"gradient of {name} differs: {m}", seen, f"gradient {name}"))
     opt = make_optimizer(emitted, torch.optim.SGD, lr=lr)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
     opt.step()
@@ -182,11 +248,10 @@ def _compare(model, plan, inputs, target, loss_fn, steps, lr, group, rtol, atol,
     if decentralized:
         avg = emitted.average_parameters()
         for name in sorted(mine):
-            _close(avg[name], ref_params[name].detach(), rtol * after, atol * after, low,
-                   lambda m, name=name: f"mean of the ranks' {name} differs after one step: {m}", seen,
-                   f"parameter {name}")
-        return {"loss": float(loss), "reference_loss": float(ref_loss.detach()), "params": sorted(mine),
-                "largest": largest(seen)}
+            check(lambda name=name: _close(avg[name], ref_params[name].detach(), rtol * after, atol * after, low,
+                                           lambda m: f"mean of the ranks' {name} differs after one step: {m}",
+                                           seen, f"parameter {name}"))
+        return result()
     for _ in range(steps - 1):
         opt.zero_grad()
         ref_opt.zero_grad()
@@ -198,10 +263,10 @@ def _compare(model, plan, inputs, target, loss_fn, steps, lr, group, rtol, atol,
         p = full(mine[name].detach())
         if p is None:
             continue
-        _close(p, ref_params[name].detach(), rtol * after, atol * after, low,
-               lambda m, name=name: f"parameter {name} differs after {steps} steps: {m}", seen, f"parameter {name}")
-    return {"loss": float(loss), "reference_loss": float(ref_loss.detach()), "params": sorted(mine),
-            "largest": largest(seen)}
+        check(lambda p=p, name=name: _close(p, ref_params[name].detach(), rtol * after, atol * after, low,
+                                            lambda m: f"parameter {name} differs after {steps} steps: {m}", seen,
+                                            f"parameter {name}"))
+    return result()
 
 
 def verify_job(rank: int, world: int, spec: str, plan_json: str, steps: int) -> dict[str, Any]:

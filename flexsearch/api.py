@@ -188,9 +188,10 @@ def plan(
     t0 = time.perf_counter()
     graph = trace(model, example_inputs, precision=prec)
     priced = measured_note(graph, measured, cl) if measured is not None else None
+    given = budget_s
     if budget_s is not None:  # the budget bounds the whole call, tracing included
         budget_s = max(1e-3, budget_s - (time.perf_counter() - t0))
-    p = plan_graph(graph, cl, kinds=kinds, budget_s=budget_s, max_iters=max_iters, seed=seed,
+    p = plan_graph(graph, cl, kinds=kinds, budget_s=budget_s, stated_budget_s=given, max_iters=max_iters, seed=seed,
                    optimizer=optimizer, objective=objective, progress=progress, decentralized=decentralized,
                    measured=measured, calibration=resolve_calibration(calibration, cl), batch_norm=batch_norm,
                    convergence=resolve_convergence(graph.family), workers=workers)

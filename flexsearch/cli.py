@@ -315,6 +315,7 @@ def plan(
         started = time.perf_counter()
         graph = trace_graph(module, inputs, name=model, precision=prec)
         priced = measured_note(graph, measured, cl, f"profile {profile}") if measured is not None else None
+        given = budget
         if budget is not None:  # the budget bounds the whole command, tracing included
             budget = max(1e-3, budget - (time.perf_counter() - started))
         bar.update(task, description="searching: baselines and ILP seed", total=total, completed=0)
@@ -325,7 +326,7 @@ def plan(
 
         calibration = resolve_calibration("auto", cl)
         warn_calibration(cl)
-        p = plan_graph(graph, cl, kinds=kinds, budget_s=budget, max_iters=max_iters, seed=seed, objective=objective,
+        p = plan_graph(graph, cl, kinds=kinds, budget_s=budget, stated_budget_s=given, max_iters=max_iters, seed=seed, objective=objective,
                        progress=progress, decentralized=decentralized, calibration=calibration,
                        batch_norm=batch_norm, convergence=resolve_convergence(graph.family), workers=workers,
                        measured=measured)

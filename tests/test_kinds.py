@@ -64,7 +64,9 @@ def test_each_kind_gives_a_plan_of_that_kind(gpt, kind):
 
 
 def test_soap_kind_is_not_plain_data_parallelism(gpt):
-    """Restricted to SOAP, the search never returns the data-parallel decisions."""
+    """Restricted to SOAP where tensor splits pay (2 CPU processes, the tiny GPT), the
+    search returns them, not the data-parallel decisions (which are a SOAP configuration
+    too, priced as DTensor runs them, and returned where they are the fastest)."""
     cl = Cluster.resolve("cpu", 2)
     plan = plan_graph(gpt, cl, kinds=("soap",), max_iters=30)
     data = plan_graph(gpt, cl, kinds=("data",), max_iters=0)

@@ -20,6 +20,7 @@ import zoo  # noqa: E402
 import flexsearch  # noqa: E402
 from flexsearch import Cluster, InfeasiblePlanError, trace  # noqa: E402
 from flexsearch.api import resolve_calibration  # noqa: E402
+from flexsearch.errors import PlanKindError, TraceError  # noqa: E402
 from flexsearch.precision import precision as precision_of  # noqa: E402
 from flexsearch.search.assignment import AssignmentBuilder  # noqa: E402
 from flexsearch.search.ilp import (  # noqa: E402
@@ -417,6 +418,111 @@ def test_infeasible_model_raises_one_line():
     with pytest.raises(InfeasiblePlanError) as e:
         flexsearch.plan(model, (x,), devices=1, cluster="cpu", max_iters=20)
     assert "\n" not in str(e.value)
+
+
+def _need_gib(msg: str) -> float:
+    """The GiB figure an infeasible-plan message quotes as the leanest run's need."""
+    return float(msg.split(" needs ")[1].split(" GiB")[0])
+
+
+def test_memory_errors_quote_the_leanest_run_simulated():
+    """``--kind fsdp`` quotes the leanest sharded run's need, not DDP's; the default
+    search names the leanest of everything it simulated, not of the recipes alone (a
+    Linear of 10 G parameters on 2 H100s: DDP needs 186 GiB, ZeRO-1 130 GiB)."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(100_000, 100_000))
+        x = torch.empty(64, 100_000)
+    g = trace(model, (x,), precision="fp32")
+    cl = Cluster.preset("dgx-h100", 2)
+    msgs = {}
+    for kinds in (("data",), ("fsdp",), None):
+        with pytest.raises(InfeasiblePlanError) as e:
+            plan_graph(g, cl, kinds=kinds, max_iters=10)
+        msgs[kinds] = str(e.value)
+        assert "\n" not in msgs[kinds]
+    assert "the leanest simulated, DDP," in msgs["data",]
+    assert "the leanest simulated, zero" in msgs["fsdp",]
+    assert _need_gib(msgs["fsdp",]) < _need_gib(msgs["data",])
+    assert "the leanest plan simulated, zero" in msgs[None]
+    assert _need_gib(msgs[None]) == _need_gib(msgs["fsdp",])
+
+
+def test_fsdp_on_a_batch_the_devices_do_not_divide_says_so():
+    """Batch 7 on 2 devices: no sharded data parallelism because the batch does not
+    split, not because of memory (it used to say it "needs 0.0 GiB")."""
+    torch.manual_seed(0)
+    g = trace(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)), (torch.randn(7, 64),))
+    with pytest.raises(PlanKindError, match=r"no fsdp plan on 2 devices: the batch of 7 does not split evenly") as e:
+        plan_graph(g, Cluster.preset("dgx-h100", 2), kinds=("fsdp",), max_iters=0)
+    assert "GiB" not in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("model", [nn.Sequential(), nn.Flatten()], ids=["empty", "view"])
+def test_a_model_with_no_operations_is_a_one_line_error(model):
+    """Nothing to parallelize (the lower bound is 0): a TraceError, not a ZeroDivisionError."""
+    with pytest.raises(TraceError, match="has no operations to parallelize") as e:
+        flexsearch.plan(model, (torch.randn(8, 4, 2),), devices=2, max_iters=10)
+    assert "\n" not in str(e.value)
+
+
+def test_a_spent_budget_returns_the_fastest_baseline(monkeypatch):
+    """A budget already spent (by tracing) gets the lower bound and the fastest baseline:
+    no pipeline search, ILP or MCMC (BERT tiny on 4 PipeDream-A GPUs, where a pipeline
+    would win; the search used to run on for a second on a large graph)."""
+    from flexsearch.search import planner
+
+    g = zoo_graph("bert_tiny")
+    cl = Cluster.preset("pipedream-a", 4)
+    searched = []
+    monkeypatch.setattr(planner, "pipeline_candidates", lambda *a: searched.append(a) or ([], None, False))
+    plan = plan_graph(g, cl, budget_s=1e-9, workers=1)
+    assert not searched and plan.kind == "data" and plan.search.iterations == 0
+    assert plan.search.ilp == "skipped: past the budget"
+    assert any(n.startswith("budget 1e-09 s: cut short: ") and "pipeline layouts" in n for n in plan.notes)
+    # restricted to SOAP: the data-parallel configuration simulated as SOAP (it used to be
+    # excluded, and nothing else was simulated: "no soap plan other than data parallelism")
+    mlp = zoo_graph("mlp_tiny")
+    cl = Cluster.preset("dgx-h100", 4)
+    soap = plan_graph(mlp, cl, kinds=("soap",), budget_s=1e-9, workers=1)
+    assert soap.kind == "soap"
+    assert soap.predicted.iteration_time_s == predict(mlp, soap.strategy(mlp), CostContext(cl)).iteration_time_s
+
+
+def test_budget_notes_quote_the_stated_budget():
+    """The caller that spent part of the budget (tracing) passes what is left and the
+    budget it was given: the notes and the search record quote the one given."""
+    g = zoo_graph("bert_tiny")
+    cl = Cluster.preset("pipedream-a", 4)
+    plan = plan_graph(g, cl, budget_s=1e-9, stated_budget_s=2.5, workers=1)
+    assert plan.search.budget_s == 2.5
+    budget = [n for n in plan.notes if n.startswith("budget")]
+    assert budget and all(n.startswith("budget 2.5 s:") for n in budget)
+
+
+def test_the_soap_baseline_is_a_soap_configuration():
+    """BERT tiny on 4 PipeDream-A GPUs: a pipeline wins, and the ``soap`` baseline it
+    reports is the best SOAP configuration simulated as SOAP (it used to be DDP's time),
+    which the search restricted to SOAP matches or beats."""
+    g = zoo_graph("bert_tiny")
+    cl = Cluster.preset("pipedream-a", 4)
+    best = plan_graph(g, cl, max_iters=30, decentralized=False)
+    assert best.kind == "pipeline"
+    assert best.baselines["soap"] != best.baselines["data"]
+    soap = plan_graph(g, cl, kinds=("soap",), max_iters=30)
+    assert soap.kind == "soap"
+    assert soap.predicted.iteration_time_s <= best.baselines["soap"] * (1 + 1e-12)
+
+
+def test_a_soap_plan_may_be_data_parallel_in_every_op():
+    """Small weights on fast links: restricted to SOAP, the fastest configuration is data
+    parallel in every op (a SOAP configuration too), and the plan says DDP runs it."""
+    model, inputs = _small_weights_models()["mlp"]
+    g = trace(model, inputs)
+    cl = Cluster.preset("dgx-h100", 8)
+    plan = plan_graph(g, cl, kinds=("soap",), max_iters=100)
+    space = Space(g, 8)
+    assert plan.kind == "soap" and plan.decision_configs() == baselines.data_parallel(space)
+    assert any(n.startswith("data parallel in every op") for n in plan.notes)
 
 
 def test_plan_argument_errors():

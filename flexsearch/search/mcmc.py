@@ -1,7 +1,8 @@
 """FlexFlow's MCMC search over SOAP decisions (Metropolis-Hastings).
 
 State: a configuration per decision unit (:class:`~flexsearch.strategy.space.Space`).
-Cost: the simulated iteration time; a plan that does not fit in memory costs
+Cost: the simulated iteration time, as a SOAP plan runs (on DTensor: never priced as
+DDP, even where every op is data parallel); a plan that does not fit in memory costs
 ``time * (1 + OVERFLOW_PENALTY * overflow)`` with ``overflow = peak / capacity - 1``, so
 the chain can cross infeasible states but the best kept is always the best *feasible*
 one (``exclude``: states never kept as the best, e.g. plain data parallelism when the
@@ -136,8 +137,8 @@ def mcmc(
         for c in options:
             by_mesh.setdefault(name, {}).setdefault((c.s, c.t, c.first), []).append(c)
 
-    def run(dec: Mapping[str, Config]) -> Simulation:
-        return simulator.simulate(space.expand(dec), timeline=False)
+    def run(dec: Mapping[str, Config]) -> Simulation:  # as a SOAP plan runs: on DTensor, never DDP
+        return simulator.simulate(space.expand(dec), timeline=False, ddp=False)
 
     excluded = [dict(e) for e in exclude]
 
@@ -204,7 +205,7 @@ def mcmc(
             raise
         interrupted = True
     if best_dec is not None:
-        best_sim = simulator.simulate(space.expand(best_dec))  # with the timeline
+        best_sim = simulator.simulate(space.expand(best_dec), ddp=False)  # with the timeline
     return SearchResult(best_dec, best_sim, it, accepted, tuple(improvements),
                         time.perf_counter() - t0, interrupted)
 

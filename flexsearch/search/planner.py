@@ -22,17 +22,22 @@ Every candidate is a strategy value (:mod:`flexsearch.strategy.kinds`) predicted
 measured op costs, calibration). The data-parallel baseline is what DDP runs.
 
 **Choice.** The data plan or the best SOAP plan, whichever is faster; a pipeline or
-hybrid plan replaces it when strictly faster (the other family's time is then the
-``soap`` or ``pipeline`` baseline); a D-PSGD plan replaces the result when its
-effective time under the objective is shorter by more than
-:data:`DECENTRALIZED_MARGIN`. The default objective is
-``time_to_accuracy``: a D-PSGD plan's iteration time times the iterations it needs
+hybrid plan replaces it when strictly faster (the other family's time is then a
+baseline: ``pipeline``; or ``soap``, the best SOAP configuration as SOAP runs it, and
+``fsdp``, the best sharded data-parallel plan; ``data`` is DDP's); decisions data
+parallel in every op are a SOAP plan too (DTensor runs it; ``kinds=("soap",)`` returns
+it when it is the fastest). A D-PSGD plan replaces the result when its effective time
+under the objective is shorter by more than :data:`DECENTRALIZED_MARGIN`. The default
+objective is ``time_to_accuracy``: a D-PSGD plan's iteration time times the iterations it needs
 relative to synchronous SGD (1 for every synchronous kind), from the model family's
 measured convergence (:mod:`flexsearch.strategy.convergence`) or conservative defaults;
 ``iteration`` compares iteration times alone. ``kinds`` restricts the choice to
 some plan kinds (:data:`~flexsearch.strategy.kinds.KINDS`; ``fsdp`` is a data plan
 sharded with FSDP2, and is only searched when named): the best plan of those kinds,
-or :class:`~flexsearch.errors.PlanKindError` saying why there is none.
+or :class:`~flexsearch.errors.PlanKindError` saying why there is none (a memory
+message quotes the leanest run simulated; :class:`~flexsearch.errors.InfeasiblePlanError`
+of the default search, the leanest of the baselines, data-parallel variants and
+pipeline layouts).
 
 Graphs too large for the op-level simulator (ops x devices > ``soap_max_tasks``, e.g.
 GPT-3 on 1,024 devices: one op-level simulation takes about 30 s there) skip steps 3-4;
@@ -55,7 +60,7 @@ from flexsearch.cost.alignment import misaligned_note
 from flexsearch.cost.calibration import DeviceCalibration
 from flexsearch.cost.compute import MeasuredCosts
 from flexsearch.cost.hardware import Cluster
-from flexsearch.errors import InfeasiblePlanError, PlanKindError
+from flexsearch.errors import InfeasiblePlanError, PlanKindError, TraceError
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.graph.tracer import AUTOCAST_FSDP
 from flexsearch.plan import Plan, SearchInfo
@@ -72,9 +77,16 @@ from flexsearch.search.pipeline import (
     search_pipelines,
     tensor_degrees,
 )
-from flexsearch.search.reasons import fsdp_note, no_plan_reason, sharding_note
+from flexsearch.search.reasons import (
+    data_label,
+    fsdp_note,
+    leanest,
+    no_plan_reason,
+    pipeline_label,
+    sharding_note,
+)
 from flexsearch.search.results import graph_inputs, plan_from, predicted
-from flexsearch.search.variants import fitting_variant, shardings, splits
+from flexsearch.search.variants import fitting_variant, shardings, splits, unsplit_reason
 from flexsearch.search.workers import cycles_paused, submit, worker_count
 from flexsearch.search.workers import pool as worker_pool
 from flexsearch.sim.context import CostContext
@@ -211,6 +223,7 @@ def plan_graph(
     decentralized: bool = True,
     batch_norm: str = "local",
     convergence: Constants | None = None,
+    stated_budget_s: float | None = None,
     **kw,
 ) -> Plan:
     """The best plan for ``graph`` on ``cluster`` (module docstring) under the cost
@@ -221,7 +234,10 @@ def plan_graph(
     with ``decentralized=False`` they are reported, never returned), their iterations
     factors from ``convergence`` (default: the shipped measurement of the graph's model
     family, :func:`flexsearch.strategy.convergence.constants_for`;
-    :func:`flexsearch.api.resolve_convergence` also reads this machine's)."""
+    :func:`flexsearch.api.resolve_convergence` also reads this machine's).
+    ``stated_budget_s``: the budget the caller was given, when it spent part of it before
+    (tracing) and passes what is left as ``budget_s``: the notes and the plan's search
+    record quote it (default ``budget_s``)."""
     t0 = time.perf_counter()
     kinds = check_kinds(kinds)
     default = kinds == DEFAULT_KINDS
@@ -241,12 +257,14 @@ def plan_graph(
         plan = plan_synchronous(graph, ctx, kinds=("data", "soap", "pipeline", "hybrid"), optimizer=optimizer,
                                 objective=objective, **{**kw, "max_iters": 0, "budget_s": None})
     else:
-        plan = plan_synchronous(graph, ctx, kinds=sync_kinds, optimizer=optimizer, objective=objective, **kw)
+        plan = plan_synchronous(graph, ctx, kinds=sync_kinds, optimizer=optimizer, objective=objective,
+                                stated_budget_s=stated_budget_s, **kw)
     if plan.interrupted:
         return plan
     budget_s = kw.get("budget_s")
     if budget_s is not None and time.perf_counter() - t0 >= budget_s and sync_kinds:
-        notes.append(f"budget {budget_s:g} s: spent before the decentralized candidates; D-PSGD not simulated")
+        stated = stated_budget_s if stated_budget_s is not None else budget_s
+        notes.append(f"budget {stated:g} s: spent before the decentralized candidates; D-PSGD not simulated")
     elif "decentralized" in kinds or default:
         plan = with_decentralized(plan, graph, ctx, allow=decentralized and "decentralized" in kinds,
                                   require=not sync_kinds,
@@ -336,22 +354,26 @@ def with_decentralized(plan: Plan, graph: OpGraph, ctx: CostContext, *, allow: b
                      iterations_factor=best.iterations_factor)
 
 
-def _infeasible(base: dict[str, BaselineRun], cluster: Cluster) -> InfeasiblePlanError:
-    if not base:
+def _infeasible(tried: Sequence[tuple[str, Simulation]], cluster: Cluster) -> InfeasiblePlanError:
+    """Why no plan fits: the leanest of everything simulated (``tried``: label and
+    simulation of the baselines, the data-parallel variants and the pipeline layouts),
+    what it needs on its fullest device and in all."""
+    lean = leanest(tried)
+    if lean is None:
         return InfeasiblePlanError(
             f"no plan runs on {cluster.devices} devices: the batch does not split over them and no pipeline "
             "layout fits the model; use fewer devices or a batch that is a multiple of the device count")
-    best = min(base.values(), key=lambda b: b.simulation.peak_memory_bytes)
-    cap = best.simulation.capacity_bytes
-    total = sum(best.simulation.memory_bytes)
+    name, best = lean
+    cap = best.capacity_bytes
+    total = sum(best.memory_bytes)
     worth = math.ceil(total / cap)
     spread = (f"{total / 2**30:.1f} GiB in all, {worth} devices' worth" if worth > cluster.devices else
               f"{total / 2**30:.1f} GiB in all, which {cluster.devices} devices could hold only if "
               "it were spread evenly")
     return InfeasiblePlanError(
         f"no plan fits in {cap / 2**30:.1f} GiB per device on {cluster.devices} x "
-        f"{cluster.device.name} (the leanest baseline, {best.name}, needs "
-        f"{best.simulation.peak_memory_bytes / 2**30:.1f} GiB on its fullest device and {spread}); "
+        f"{cluster.device.name} (the leanest plan simulated, {name}, needs "
+        f"{best.peak_memory_bytes / 2**30:.1f} GiB on its fullest device and {spread}); "
         "use more devices, a smaller batch, or a cluster with more memory"
     )
 
@@ -373,6 +395,7 @@ def plan_synchronous(
     soap_max_tasks: int = 400_000,
     schedules: Sequence[str] = SYNC_SCHEDULES,
     workers: int | None = None,
+    stated_budget_s: float | None = None,
 ) -> Plan:
     """The best synchronous plan of ``kinds`` for ``graph`` on ``ctx``'s cluster
     (module docstring, steps 1-5; pipelines before the SOAP search, which they may make
@@ -380,7 +403,11 @@ def plan_synchronous(
     schedules tried. ``workers``: processes to use (default: the CPUs this process may
     run on); with two or more, step 3 runs in a forked worker while steps 1 and 2 run
     here, then step 4. Each step is deterministic, so the plan does not depend on
-    ``workers``."""
+    ``workers``. Past the ``budget_s`` deadline every step stops at what it has, and
+    the ones after it run only while nothing found fits: a budget spent before the
+    search (``stated_budget_s``, the budget the notes quote, less tracing) gets the
+    lower bound and the fastest baseline. A graph with no op that takes time is a
+    :class:`~flexsearch.errors.TraceError`."""
     t0 = time.perf_counter()
     cluster = ctx.cluster
     if max_iters is None and budget_s is None:
@@ -397,7 +424,9 @@ def plan_synchronous(
     ilp_early = want_ilp and len(graph.nodes) * cluster.devices <= ILP_EARLY_MAX
     ilp_limit = ilp_time_limit_s if budget_s is None else min(ilp_time_limit_s, budget_s / 4)
     pool = pending = ilp_pending = None
-    if (want_pipes or ilp_early) and worker_count(workers) > 1:  # the pipeline search and the ILP on another core
+    stated = stated_budget_s if budget_s is not None and stated_budget_s is not None else budget_s
+    # the pipeline search and the ILP on another core (not when the budget is spent already)
+    if (want_pipes or ilp_early) and not past(deadline) and worker_count(workers) > 1:
         pool = worker_pool()
         if want_pipes:
             pending = submit(pool, pipeline_candidates, graph, ctx, tuple(kinds), optimizer, tuple(schedules),
@@ -406,6 +435,9 @@ def plan_synchronous(
             ilp_pending = submit(pool, ilp_seed, space, ctx, optimizer, ilp_limit, seed, budget_s is None)
     try:
         bound = lower_bound(graph, ctx, optimizer)
+        if not bound > 0:
+            raise TraceError(f"the model {graph.model!r} has no operations to parallelize: its forward only returns "
+                             "its inputs (or views of them); pass a model whose forward computes something")
         sim = None
         if large:
             base = flat_baselines(graph, ctx, optimizer, deadline)
@@ -416,10 +448,12 @@ def plan_synchronous(
             ilp_status = "skipped: no SOAP plan asked for"
         # the op-level candidates: data parallel as DDP (or FSDP) runs it, then the best SOAP plan
         candidates: list[tuple[str, object, Simulation]] = []
+        data_runs: list[tuple[DataParallel, Simulation]] = []  # every data-parallel run simulated, for the errors
         if "data" in kinds and "data" in base:
+            data_runs.append((data_strategy, base["data"].simulation))
             if base["data"].simulation.feasible:
                 candidates.append(("data", data_strategy, base["data"].simulation))
-            elif (fit := fitting_variant(graph, data_strategy, ctx, optimizer, sim, deadline)) is not None:
+            elif (fit := fitting_variant(graph, data_strategy, ctx, optimizer, sim, deadline, data_runs)) is not None:
                 candidates.append(("data", *fit))
         notes: list[str] = []
         if "fsdp" in kinds and len(graph.nodes) * cluster.devices > FSDP_MAX_TASKS:
@@ -429,7 +463,7 @@ def plan_synchronous(
             simulators = {id(graph): sim} if sim is not None else {}  # per runtime graph (predict.runtime_graph)
             units = fsdp_units(graph.modules)
             for shard, group in shardings(cluster):
-                if past(deadline):
+                if past(deadline) and any(c[2].feasible for c in candidates):
                     cut.append("sharded data parallelism")
                     break
                 sharded = dataclasses.replace(data_strategy, shard=shard, shard_group=group,
@@ -439,14 +473,17 @@ def plan_synchronous(
                 if shared is None:
                     shared = simulators[id(runs)] = Simulator(runs, ctx, optimizer=optimizer)
                 fsdp_sim = predict(graph, sharded, ctx, optimizer=optimizer, timeline=False, simulator=shared)
+                data_runs.append((sharded, fsdp_sim))
                 if fsdp_sim.feasible:
                     candidates.append(("fsdp", sharded, fsdp_sim))
-                elif (fit := fitting_variant(graph, sharded, ctx, optimizer, shared, deadline)) is not None:
+                elif (fit := fitting_variant(graph, sharded, ctx, optimizer, shared, deadline, data_runs)) is not None:
                     candidates.append(("fsdp", *fit))
         pipes: list[PipelineResult] = []
         dream = None
         interrupted = False
-        if want_pipes:
+        if want_pipes and pending is None and past(deadline) and any(c[2].feasible for c in candidates):
+            cut.append("pipeline layouts")  # past the budget with a plan that fits: none searched
+        elif want_pipes:
             try:
                 pipes, dream, pipes_cut = pending.result() if pending is not None else \
                     pipeline_candidates(graph, ctx, tuple(kinds), optimizer, tuple(schedules), deadline)
@@ -458,7 +495,6 @@ def plan_synchronous(
                 pipes, dream, interrupted = [], None, True
         if "soap" in kinds and sim is not None and not interrupted:
             seeds = [b.decisions for b in base.values()]
-            exclude = [] if "data" in kinds else [base["data"].decisions]
             found = [c[2].iteration_time_s for c in candidates if c[2].feasible]
             found += [r.simulation.iteration_time_s for r in pipes if r.simulation.feasible]
             close = bool(found) and min(found) <= (1 + BOUND_GAP) * bound  # little left for SOAP to gain
@@ -479,14 +515,19 @@ def plan_synchronous(
                               "lower bound's gap was found")
             remaining = None if budget_s is None else max(0.0, budget_s - (time.perf_counter() - t0))
             if past(deadline):  # no time to simulate the seeds again: the best baseline as simulated
-                runs = [b for b in base.values() if b.simulation.feasible
-                        and not any(b.decisions == e for e in exclude)]
+                # the data baseline is simulated as DDP runs it; a SOAP plan of its decisions runs on DTensor
+                runs = [b for k, b in base.items() if b.simulation.feasible and k != "data"]
+                if not runs and "data" not in kinds and "data" in base:  # the one SOAP configuration to simulate
+                    dec = base["data"].decisions
+                    runs = [BaselineRun("data", dec, predict(graph, Soap(space.expand(dec), dec), ctx,
+                                                             optimizer=optimizer, timeline=False, simulator=sim))]
+                    runs = [b for b in runs if b.simulation.feasible]
                 top = min(runs, key=lambda b: b.simulation.iteration_time_s, default=None)
                 result = SearchResult(None if top is None else top.decisions, None if top is None else top.simulation,
                                       0, 0, (), 0.0)
             else:
                 result = mcmc(space, sim, seeds, max_iters=0 if close else max_iters,
-                              budget_s=None if close else remaining, seed=seed, progress=progress, exclude=exclude)
+                              budget_s=None if close else remaining, seed=seed, progress=progress)
             interrupted = result.interrupted  # Ctrl-C: keep the best so far
             if not close and past(deadline) and result.iterations < (max_iters or math.inf):
                 cut.append(f"MCMC after {result.iterations} steps")
@@ -502,9 +543,12 @@ def plan_synchronous(
         oplevel = min(candidates, key=lambda c: (not c[2].feasible, c[2].iteration_time_s, c[2].peak_memory_bytes),
                       default=None)
         if oplevel is None and pipe is None:
+            runs = [(data_label(st), s) for st, s in data_runs]
             if set(kinds) >= {"data", "soap", "pipeline", "hybrid"}:
-                raise _infeasible(base, cluster)
-            raise PlanKindError(no_plan_reason(kinds, base, pipes, cluster))
+                raise _infeasible([*((f"the {k} baseline", b.simulation) for k, b in base.items()), *runs,
+                                   *((pipeline_label(r), r.simulation) for r in pipes)], cluster)
+            raise PlanKindError(no_plan_reason(kinds, base, pipes, cluster, data_runs=runs,
+                                               unsplit=unsplit_reason(graph, cluster.devices)))
         baselines = {k: b.simulation.iteration_time_s for k, b in base.items() if b.simulation.feasible}
         infeasible = [k for k, b in base.items() if not b.simulation.feasible]
         if dream is not None:
@@ -513,15 +557,20 @@ def plan_synchronous(
             else:
                 infeasible.append("pipedream")
         if cut:
-            notes.append(f"budget {budget_s:g} s: cut short: {', '.join(cut)} (the best plan found so far)")
-        search = SearchInfo(seed=seed, max_iters=max_iters, budget_s=budget_s, iterations=result.iterations,
+            notes.append(f"budget {stated:g} s: cut short: {', '.join(cut)} (the best plan found so far)")
+        search = SearchInfo(seed=seed, max_iters=max_iters, budget_s=stated, iterations=result.iterations,
                             ilp=ilp_status, curve=tuple((it, t) for it, _, t in result.improvements))
         spread = ctx.calibration.step_spread if ctx.calibration is not None else None
         common = dict(lower_bound_s=bound, search=search, optimizer=optimizer, objective=objective,
                       infeasible_baselines=tuple(infeasible), noise=spread.value if spread is not None else None)
         if pipe is not None and (oplevel is None or pipe.simulation.iteration_time_s < oplevel[2].iteration_time_s):
-            if oplevel is not None and not large:  # the best op-level plan (SOAP or data parallel)
-                baselines["soap"] = oplevel[2].iteration_time_s
+            # the best SOAP configuration (data parallel in every op is one too) and the best sharded
+            # data-parallel plan; the data baseline is DDP's
+            if result.simulation is not None and result.simulation.feasible:
+                baselines["soap"] = result.simulation.iteration_time_s
+            if (fsdp := min((c[2] for c in candidates if c[0] == "fsdp" and c[2].feasible), default=None,
+                            key=lambda f: f.iteration_time_s)) is not None:
+                baselines["fsdp"] = fsdp.iteration_time_s
             plan = plan_from(graph, cluster, pipe.strategy, pipe.simulation, baselines=baselines,
                              configs=pipe.configs, **common)
             if pipe.shard != "none":
@@ -534,6 +583,9 @@ def plan_synchronous(
         assert oplevel is not None
         _, strategy, s = oplevel
         plan = plan_from(graph, cluster, strategy, s, baselines=baselines, **common)
+        if isinstance(strategy, Soap) and strategy.configs == data_strategy.configs and "data" in baselines:
+            notes.append(f"data parallel in every op: the fastest SOAP configuration found, on DTensor; DDP runs "
+                         f"it in {baselines['data'] * 1e3:.3f} ms (--kind data)")
         if notes:
             plan = plan.model_copy(update={"notes": (*plan.notes, *notes)})
         if isinstance(strategy, DataParallel) and (strategy.recompute != "none" or strategy.microbatches > 1):

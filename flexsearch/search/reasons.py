@@ -57,9 +57,43 @@ def fsdp_note(strategy, sim: Simulation, candidates: Sequence[tuple]) -> str:
             + (f" (also simulated: {tried})" if tried else ""))
 
 
+def data_label(strategy) -> str:
+    """A data-parallel strategy in a few words: its runtime (DDP, or the sharding), and its
+    activation checkpointing and accumulated microbatches when it has them."""
+    what = "DDP" if strategy.shard == "none" else f"{strategy.shard} data parallelism"
+    if strategy.recompute != "none":
+        what += f" with {strategy.recompute} activation checkpointing"
+    if strategy.microbatches > 1:
+        what += f" over {strategy.microbatches} accumulated microbatches"
+    return what
+
+
+def pipeline_label(pipe: PipelineResult) -> str:
+    """A pipeline or hybrid layout in a few words: stages x replicas x tensor degree, its
+    schedule and microbatches, and its sharding and checkpointing when it has them."""
+    what = (f"{pipe.kind} {len(pipe.stages) // max(pipe.chunks, 1)} x {pipe.replicas} x {pipe.tensor} "
+            f"({pipe.schedule}, {pipe.microbatches} microbatches")
+    if pipe.shard != "none":
+        what += f", {pipe.shard}"
+    if pipe.recompute != "none":
+        what += f", {pipe.recompute} activation checkpointing"
+    return what + ")"
+
+
+def leanest(tried: Sequence[tuple[str, Simulation]]) -> tuple[str, Simulation] | None:
+    """The run of ``tried`` (label, simulation) that needs the least memory on its fullest
+    device (None when nothing was simulated)."""
+    return min(tried, key=lambda t: t[1].peak_memory_bytes, default=None)
+
+
 def no_plan_reason(kinds: Sequence[str], base: dict[str, BaselineRun], pipes: list[PipelineResult],
-                   cluster: Cluster) -> str:
-    """One line: why no plan of ``kinds`` exists here."""
+                   cluster: Cluster, *, data_runs: Sequence[tuple[str, Simulation]] = (),
+                   unsplit: str | None = None) -> str:
+    """One line: why no plan of ``kinds`` exists here. ``data_runs``: the data-parallel
+    runs of ``kinds`` simulated (label, simulation: DDP, the shardings and their
+    checkpointed or accumulating variants), the leanest of which a memory message quotes;
+    ``unsplit``: why the batch does not split over the devices, which sharded data
+    parallelism needs (None when it does)."""
     what = "/".join(kinds)
     if {"pipeline", "hybrid"} & set(kinds):
         if pipes:
@@ -74,10 +108,17 @@ def no_plan_reason(kinds: Sequence[str], base: dict[str, BaselineRun], pipes: li
                 f"{cluster.devices} devices with the batch splitting over replicas and microbatches; "
                 "change --devices or the batch")
     if "soap" in kinds:
-        return ("no soap plan other than data parallelism fits: every op's other configurations do not fit in "
-                "memory or do not exist on this device count; use --kind data")
+        lean = leanest([(name, b.simulation) for name, b in base.items()])
+        need = f" (the leanest baseline, {lean[0]}, needs {lean[1].peak_memory_bytes / 2**30:.1f} GiB)" if lean else ""
+        return (f"no {what} plan fits in memory on {cluster.devices} x {cluster.device.name}{need}: no SOAP "
+                "configuration the search simulated fits; use more devices or a smaller batch")
     if set(kinds) == {"fsdp"} and cluster.devices < 2:
         return "no fsdp plan on one device: sharded data parallelism needs 2 or more; use --kind data or more devices"
-    lean = base["data"].simulation if "data" in base else None
-    need = f" (it needs {lean.peak_memory_bytes / 2**30:.1f} GiB per device)" if lean is not None else ""
+    if set(kinds) == {"fsdp"} and unsplit is not None:
+        return (f"no fsdp plan on {cluster.devices} devices: {unsplit} (sharded data parallelism gives every "
+                f"device an equal share); use a batch that is a multiple of {cluster.devices}, or a device count "
+                "that divides the batch")
+    lean = leanest(data_runs)
+    need = (f" (the leanest simulated, {lean[0]}, needs {lean[1].peak_memory_bytes / 2**30:.1f} GiB per device)"
+            if lean is not None else "")
     return f"no {what} plan fits in memory on {cluster.devices} x {cluster.device.name}{need}; use more devices"

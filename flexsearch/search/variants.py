@@ -33,16 +33,25 @@ def shardings(cluster: Cluster) -> list[tuple[str, int]]:
     return out
 
 
+def unsplit_reason(graph: OpGraph, devices: int) -> str | None:
+    """Why the batch does not split evenly over ``devices`` (a sharded data-parallel
+    plan's premise), in a few words; None when it does."""
+    try:
+        batch = batch_size(graph)
+    except ValueError:
+        return "the model's inputs have no batch dimension to split"
+    return None if batch % devices == 0 else f"the batch of {batch} does not split evenly over {devices} devices"
+
+
 def splits(graph: OpGraph, devices: int) -> bool:
     """Does the batch split evenly over ``devices`` (a data-parallel plan's premise)?"""
-    try:
-        return batch_size(graph) % devices == 0
-    except ValueError:
-        return False
+    return unsplit_reason(graph, devices) is None
 
 
 def fitting_variant(graph: OpGraph, strategy: DataParallel, ctx: CostContext, optimizer: str,
-                    sim: Simulator | None, deadline: float | None = None) -> tuple[DataParallel, Simulation] | None:
+                    sim: Simulator | None, deadline: float | None = None,
+                    seen: list[tuple[DataParallel, Simulation]] | None = None,
+                    ) -> tuple[DataParallel, Simulation] | None:
     """The fastest variant of a data-parallel strategy that does not fit as it is, with
     activation checkpointing (:data:`~flexsearch.search.pipeline.RECOMPUTE_ORDER`) and, for
     DDP, ZeRO-1 and ZeRO-2 (:data:`~flexsearch.strategy.kinds.ACCUMULATING_SHARDINGS`),
@@ -54,7 +63,8 @@ def fitting_variant(graph: OpGraph, strategy: DataParallel, ctx: CostContext, op
     where full checkpointing costs 27%, ``tests/test_sharding.py``). Past
     ``deadline``, the first variant that fits. Without an op-level simulator (``sim``
     None: a graph too large for it) every variant is simulated as one pipeline stage on
-    every device (:func:`flexsearch.sim.predict.data_stage`), as accumulation always is."""
+    every device (:func:`flexsearch.sim.predict.data_stage`), as accumulation always is.
+    ``seen``: a list every simulated variant is appended to, with its simulation."""
     try:
         per_device = batch_size(graph) // ctx.cluster.devices
     except ValueError:
@@ -76,6 +86,8 @@ def fitting_variant(graph: OpGraph, strategy: DataParallel, ctx: CostContext, op
                     got = predict(graph, variant, ctx, optimizer=optimizer, timeline=False, simulator=sim)
             except ValueError:
                 continue
+            if seen is not None:
+                seen.append((variant, got))
             if got.feasible:
                 if best is None or got.iteration_time_s < best[1].iteration_time_s:
                     best = (variant, got)

@@ -294,3 +294,42 @@ def test_verify_reports_a_mismatch_over_a_peers_crash(monkeypatch, capsys, mlp_p
     got = json.loads(out)
     assert rc == 1 and not got["ok"] and got["ranks"][0]["error"].startswith("gradient of fc1.weight")
     assert not got["ranks"][1]["ok"] and "Connection closed by peer" in got["ranks"][1]["error"]
+
+
+UNSEEDED = '''
+import torch
+from torch import nn
+
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(16, 16)
+
+    def forward(self, x, mask=None):
+        h = self.l(x)
+        if mask is not None:
+            h = h * mask
+        return h
+
+
+def build_model():
+    return M(), (torch.randn(8, 16),)
+'''
+
+
+def test_an_unseeded_model_called_without_its_optional_argument_plans_and_verifies(tmp_path):
+    """``forward(x, mask=None)`` called without ``mask``: symbolic tracing would take the
+    ``mask is not None`` branch, so the model is traced with ``torch.export`` as called;
+    and a model file that seeds nothing builds the same weights on every rank of
+    ``verify`` (each rank built its own: DDP's copy of rank 0's differed from rank 1's
+    reference, and a correct plan was reported as differing)."""
+    model = tmp_path / "unseeded.py"
+    model.write_text(UNSEEDED)
+    plan = tmp_path / "plan.json"
+    r = run("plan", str(model), "--devices", "2", "--cluster", "cpu", "--kind", "data", "--max-iters", "0",
+            "--precision", "fp32", "--out", str(plan))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(run("trace", str(model), "--json").stdout)["via"] == "export"
+    v = run("verify", str(model), "--plan", str(plan))
+    assert v.returncode == 0 and "matches on 2 ranks" in v.stdout, v.stdout + v.stderr

@@ -276,6 +276,7 @@ def verify_job(rank: int, world: int, spec: str, plan_json: str, steps: int) -> 
     from flexsearch.emit.inputs import default_objective
     from flexsearch.model_files import load_model
 
+    torch.manual_seed(0)  # every rank builds the same model, whatever the file seeds (DDP and FSDP take rank 0's)
     model, inputs = load_model(spec)
     plan = Plan.model_validate_json(plan_json)
     target, loss_fn = default_objective(model, inputs)

@@ -50,6 +50,7 @@ def lift(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, s
     """The graph module, how it was made, and the flat list of its placeholder values."""
     try:
         gm = fx_graph_module(model)
+        _unused_defaults(gm, args, kwargs)
         return gm, "fx", flat_inputs(gm, args, kwargs)
     except Exception as fx_error:
         try:
@@ -67,6 +68,17 @@ def lift(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, s
         _drop_checks(gm)
         _devices_to_cpu(gm)
         return gm, "export", export_inputs(ep, model, args, kwargs)
+
+
+def _unused_defaults(gm: fx.GraphModule, args: tuple, kwargs: dict) -> None:
+    """TraceError when ``gm`` reads a ``forward`` argument the call leaves at its default
+    ``None`` (``forward(x, mask=None)`` called without ``mask``): symbolic tracing binds
+    a proxy to it, so ``if mask is not None`` took the branch this call does not run.
+    ``torch.export``, which traces the call as made, is tried instead."""
+    for ph in [n for n in gm.graph.nodes if n.op == "placeholder"][len(args):]:
+        if ph.target not in kwargs and ph.args and ph.args[0] is None and ph.users:
+            raise TraceError(f"forward() argument {ph.target!r} is not given (None), and symbolic tracing "
+                             "ran the code that uses it")
 
 
 DEVICE_NAME = re.compile(r"(meta|cuda|mps|xpu|hpu)(:\d+)?")

@@ -565,3 +565,21 @@ def test_replayed_calls_trace_the_graph_running_every_call_gives(case, monkeypat
         assert traced[True][1] == traced[False][1], (case, precision)
         assert traced[False][2] == 0, (case, precision)
         assert traced[True][2] > 0 or case in _NOTHING_REPEATED, (case, precision)
+
+
+def test_an_op_that_cannot_run_on_fake_tensors_is_one_line_naming_the_fix(caplog):
+    """Inputs of the wrong shape: the op's own check, one line (fx's node dump and the
+    fake-tensor kernel's logged traceback left out) asking to check the inputs; a shape
+    that depends on the data: the advice to make the model shape-only."""
+    import logging
+
+    class Masked(nn.Module):
+        def forward(self, x):
+            return x[x > 0] * 2
+
+    with caplog.at_level(logging.ERROR), pytest.raises(TraceError) as wrong:
+        trace(nn.Linear(4, 4), (torch.randn(8, 5),))
+    assert "\n" not in str(wrong.value) and "example inputs have the shapes" in str(wrong.value)
+    assert not [r for r in caplog.records if r.name.startswith("torch._subclasses")]
+    with pytest.raises(TraceError, match="make it shape-only"):
+        trace(Masked(), (torch.randn(8, 5),))

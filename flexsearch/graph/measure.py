@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -21,7 +22,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
@@ -119,12 +126,20 @@ REPLAY = True
 tests trace with it off to compare)."""
 
 
+_NOT_SHAPE_ONLY = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException,
+                   GuardOnDataDependentSymNode, NotImplementedError)
+"""Why an op cannot run on fake tensors that the model's code must change for (a value
+read off a tensor, an output shape that depends on data, an op without a fake kernel);
+any other failure is the op's own check of its inputs (shapes that do not fit)."""
+
+
 class Measure(fx.Interpreter):
     """Runs the graph on fake tensors and records one :class:`OpNode` per op."""
 
     def __init__(self, gm: fx.GraphModule, model: nn.Module, fake_mode: FakeTensorMode, cast: str | None = None,
                  cast_buffers: bool = True, replay: bool | None = None):
         super().__init__(gm, garbage_collect_values=False)
+        self.extra_traceback = False  # fx would append the node and its source to our one-line errors
         self.replay = REPLAY if replay is None else replay
         self._replays: dict[tuple, Replay | None] = {}
         self.replayed = 0  # calls not run again
@@ -202,11 +217,24 @@ class Measure(fx.Interpreter):
         except Exception as exc:
             src = _source(n)
             where = f" ({src})" if src else ""
+            fix = ("make it shape-only (no .item(), .tolist(), data-dependent shapes) or report the op"
+                   if isinstance(exc, _NOT_SHAPE_ONLY) else
+                   "check that the model file's example inputs have the shapes and dtypes the model takes")
             raise TraceError(
                 f"cannot run op {n.name} ({n.op} {_target_name(n, None) if n.op != 'call_module' else n.target})"
-                f"{where} on fake tensors: {short_reason(exc)}; make it shape-only "
-                "(no .item(), .tolist(), data-dependent shapes) or report the op"
+                f"{where} on fake tensors: {short_reason(exc)}; {fix}"
             ) from exc
+
+    def run(self, *args, **kwargs) -> Any:
+        """The graph on fake tensors, torch's fake-tensor logger quiet (a failing op is
+        one line of :class:`TraceError`, not the kernel's traceback logged first)."""
+        logger = logging.getLogger("torch._subclasses.fake_tensor")
+        level = logger.level
+        logger.setLevel(logging.CRITICAL)
+        try:
+            return super().run(*args, **kwargs)
+        finally:
+            logger.setLevel(level)
 
     def _placeholder(self, n: fx.Node) -> Any:
         value = super().run_node(n)

@@ -583,3 +583,24 @@ def test_an_op_that_cannot_run_on_fake_tensors_is_one_line_naming_the_fix(caplog
     assert not [r for r in caplog.records if r.name.startswith("torch._subclasses")]
     with pytest.raises(TraceError, match="make it shape-only"):
         trace(Masked(), (torch.randn(8, 5),))
+
+
+def test_a_constant_made_in_forward_is_no_model_input():
+    """``torch.export`` lifts a tensor made inside ``forward`` (Falcon's and Whisper's
+    attention make some) to a graph input: it is a constant of the graph, not an input of
+    the model (recorded as one, every plan of such a model asked for inputs the model
+    does not take, and no plan could be emitted)."""
+
+    class Lifted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(2, 8)
+
+        def forward(self, x):
+            if x.shape[1] > 4:  # symbolic tracing cannot follow this: torch.export
+                x = x * 2
+            return self.l(x[:, torch.tensor([0, 1])])
+
+    g = trace(Lifted(), (torch.randn(8, 16),))
+    assert g.via == "export"
+    assert [tuple(n.outputs[0].shape) for n in g.nodes if n.kind == "input"] == [(8, 16)]

@@ -226,6 +226,15 @@ class StateRef:
     name: str
 
 
+@dataclass(frozen=True, eq=False)
+class Constant:
+    """Placeholder value standing for a tensor ``torch.export`` lifted out of ``forward``
+    (``torch.tensor([0, 1])`` made inside it, Falcon's and Whisper's): a constant of
+    the graph, as a tensor attribute is, not an input of the model."""
+
+    value: torch.Tensor
+
+
 def export_inputs(ep, model: nn.Module, args: tuple, kwargs: dict) -> list:
     """Values for the exported graph's placeholders in the order of its signature: the
     user inputs, and :class:`StateRef` references for parameters and buffers."""
@@ -241,6 +250,8 @@ def export_inputs(ep, model: nn.Module, args: tuple, kwargs: dict) -> list:
             values.append(next(user))
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER) and spec.target in state:
             values.append(StateRef(canon[id(state[spec.target])]))
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            values.append(Constant(ep.constants[spec.target]))
         else:
             values.append(ep.constants[spec.target])
     return values

@@ -39,6 +39,7 @@ from flexsearch.graph.calls import ArgTensor, OpCall
 from flexsearch.graph.lift import (
     OWN_DIR,
     TORCH_DIR,
+    Constant,
     StateRef,
     canonical_names,
     clean_path,
@@ -240,6 +241,9 @@ class Measure(fx.Interpreter):
         value = super().run_node(n)
         if isinstance(value, StateRef):  # export: a parameter or buffer comes in as input
             return self.fakes[value.name]
+        if isinstance(value, Constant):  # export: a constant made in forward, no model input
+            with self.fake_mode:
+                return fake_like(value.value)
         if isinstance(value, torch.Tensor):
             with self.fake_mode:
                 fake = fake_like(value) if not isinstance(value, torch._subclasses.FakeTensor) else value

@@ -481,14 +481,18 @@ class Measure(fx.Interpreter):
     def _signature(self, n: fx.Node, module, args, kwargs) -> tuple:
         """Identity of an op call up to names: target, configuration, shapes, constants,
         and which floating inputs need no gradient (a model input, a table made from
-        buffers: the op's backward computes less, and the profiler measures it apart;
-        marked only then, so that every other op's identity is as before)."""
+        buffers) and which parameters are frozen (``requires_grad=False``): the op's
+        backward computes less, and the profiler measures it apart; marked only then, so
+        that every other op's identity is as before (a frozen layer and its trainable
+        twin shared one backward count: the first measured)."""
 
         def norm(x: Any) -> Any:
             if isinstance(x, torch.Tensor):
                 param = id(x) in self.param_of
                 if x.is_floating_point() and not param and not x.requires_grad:
                     return ("T", tuple(x.shape), str(x.dtype), param, "no grad")
+                if param and self.is_param[self.param_of[id(x)]] and not x.requires_grad:
+                    return ("T", tuple(x.shape), str(x.dtype), param, "frozen")
                 return ("T", tuple(x.shape), str(x.dtype), param)
             if isinstance(x, (int, float, bool, str, type(None), torch.dtype, torch.device)):
                 return x
@@ -497,7 +501,9 @@ class Measure(fx.Interpreter):
         config = ""
         if module is not None:
             config = (type(module).__qualname__, module.extra_repr(), module.training)
-            shapes = tuple((k, tuple(v.shape), str(v.dtype)) for k, v in module.state_dict(keep_vars=True).items())
+            frozen = {k for k, v in module.named_parameters() if not v.requires_grad}
+            shapes = tuple((k, tuple(v.shape), str(v.dtype), *(("frozen",) if k in frozen else ()))
+                           for k, v in module.state_dict(keep_vars=True).items())
             config = (config, shapes)
         target = n.target if isinstance(n.target, str) else getattr(n.target, "__qualname__", repr(n.target))
         return (n.op, target if module is None else "", config, tree_map(norm, (args, kwargs)))

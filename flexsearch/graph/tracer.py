@@ -95,6 +95,13 @@ def trace_calls(
     unused = sum(p.numel() for n, p in model.named_parameters() if n not in used)
     if any(moe.is_grouped_mm(n.target) for n in nodes):
         notes.append(moe.NOTE)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    if frozen:
+        total = sum(p.numel() for p in model.parameters())
+        notes.append(f"{frozen:,} of {total:,} parameters are frozen (requires_grad=False): their backward is "
+                     "costed without weight gradients, but memory and time still count their gradients, "
+                     "optimizer state and gradient synchronisation as if they trained (not modelled yet): "
+                     "the plan overestimates a fine-tuning run")
     blocks, refs = find_blocks(nodes, measure.signature, measure.module_types)
     graph = OpGraph(
         model=name or type(model).__name__,

@@ -60,7 +60,7 @@ from flexsearch.cost.alignment import misaligned_note
 from flexsearch.cost.calibration import DeviceCalibration
 from flexsearch.cost.compute import MeasuredCosts
 from flexsearch.cost.hardware import Cluster
-from flexsearch.errors import InfeasiblePlanError, PlanKindError, TraceError
+from flexsearch.errors import PlanKindError, TraceError
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.graph.tracer import AUTOCAST_FSDP
 from flexsearch.plan import Plan, SearchInfo
@@ -79,9 +79,9 @@ from flexsearch.search.pipeline import (
 )
 from flexsearch.search.reasons import (
     data_label,
-    fsdp_note,
-    leanest,
+    infeasible_error,
     no_plan_reason,
+    oplevel_notes,
     pipeline_label,
     sharding_note,
 )
@@ -354,30 +354,6 @@ def with_decentralized(plan: Plan, graph: OpGraph, ctx: CostContext, *, allow: b
                      iterations_factor=best.iterations_factor)
 
 
-def _infeasible(tried: Sequence[tuple[str, Simulation]], cluster: Cluster) -> InfeasiblePlanError:
-    """Why no plan fits: the leanest of everything simulated (``tried``: label and
-    simulation of the baselines, the data-parallel variants and the pipeline layouts),
-    what it needs on its fullest device and in all."""
-    lean = leanest(tried)
-    if lean is None:
-        return InfeasiblePlanError(
-            f"no plan runs on {cluster.devices} devices: the batch does not split over them and no pipeline "
-            "layout fits the model; use fewer devices or a batch that is a multiple of the device count")
-    name, best = lean
-    cap = best.capacity_bytes
-    total = sum(best.memory_bytes)
-    worth = math.ceil(total / cap)
-    spread = (f"{total / 2**30:.1f} GiB in all, {worth} devices' worth" if worth > cluster.devices else
-              f"{total / 2**30:.1f} GiB in all, which {cluster.devices} devices could hold only if "
-              "it were spread evenly")
-    return InfeasiblePlanError(
-        f"no plan fits in {cap / 2**30:.1f} GiB per device on {cluster.devices} x "
-        f"{cluster.device.name} (the leanest plan simulated, {name}, needs "
-        f"{best.peak_memory_bytes / 2**30:.1f} GiB on its fullest device and {spread}); "
-        "use more devices, a smaller batch, or a cluster with more memory"
-    )
-
-
 def plan_synchronous(
     graph: OpGraph,
     ctx: CostContext,
@@ -545,7 +521,7 @@ def plan_synchronous(
         if oplevel is None and pipe is None:
             runs = [(data_label(st), s) for st, s in data_runs]
             if set(kinds) >= {"data", "soap", "pipeline", "hybrid"}:
-                raise _infeasible([*((f"the {k} baseline", b.simulation) for k, b in base.items()), *runs,
+                raise infeasible_error([*((f"the {k} baseline", b.simulation) for k, b in base.items()), *runs,
                                    *((pipeline_label(r), r.simulation) for r in pipes)], cluster)
             raise PlanKindError(no_plan_reason(kinds, base, pipes, cluster, data_runs=runs,
                                                unsplit=unsplit_reason(graph, cluster.devices)))
@@ -583,19 +559,9 @@ def plan_synchronous(
         assert oplevel is not None
         _, strategy, s = oplevel
         plan = plan_from(graph, cluster, strategy, s, baselines=baselines, **common)
-        if isinstance(strategy, Soap) and strategy.configs == data_strategy.configs and "data" in baselines:
-            notes.append(f"data parallel in every op: the fastest SOAP configuration found, on DTensor; DDP runs "
-                         f"it in {baselines['data'] * 1e3:.3f} ms (--kind data)")
+        notes += oplevel_notes(strategy, s, candidates, data_strategy, baselines)
         if notes:
             plan = plan.model_copy(update={"notes": (*plan.notes, *notes)})
-        if isinstance(strategy, DataParallel) and (strategy.recompute != "none" or strategy.microbatches > 1):
-            how = [f"{strategy.recompute} activation checkpointing"] if strategy.recompute != "none" else []
-            how += [f"{strategy.microbatches} accumulated microbatches"] if strategy.microbatches > 1 else []
-            plain = "data parallelism" if strategy.shard == "none" else f"{strategy.shard} data parallelism"
-            plan = plan.model_copy(update={"notes": (*plan.notes, (
-                f"{' and '.join(how)}: {plain} without them does not fit in memory"),)})
-        if isinstance(strategy, DataParallel) and strategy.shard != "none":
-            plan = plan.model_copy(update={"notes": (*plan.notes, fsdp_note(strategy, s, candidates))})
         if interrupted:
             plan = plan.model_copy(update={"notes": (*plan.notes, (
                 f"search interrupted (Ctrl-C) after {result.iterations} MCMC steps: the best plan found so far, "

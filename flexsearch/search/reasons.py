@@ -1,5 +1,6 @@
-"""The planner's one-line explanations: why a pipeline or a data-parallel plan shards its
-state as it does (a note in the plan), and why no plan of the asked kinds exists (the message of
+"""The planner's one-line explanations: the notes of a plan (why a pipeline or a
+data-parallel plan shards its state as it does, :func:`oplevel_notes`), why no plan
+fits (:func:`infeasible_error`), and why no plan of the asked kinds exists (the message of
 :class:`~flexsearch.errors.PlanKindError`)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from flexsearch.cost.hardware import Cluster
+from flexsearch.errors import InfeasiblePlanError
 from flexsearch.search.pipeline import PipelineResult
 from flexsearch.sim.result import Simulation
 
@@ -122,3 +124,49 @@ def no_plan_reason(kinds: Sequence[str], base: dict[str, BaselineRun], pipes: li
     need = (f" (the leanest simulated, {lean[0]}, needs {lean[1].peak_memory_bytes / 2**30:.1f} GiB per device)"
             if lean is not None else "")
     return f"no {what} plan fits in memory on {cluster.devices} x {cluster.device.name}{need}; use more devices"
+
+
+def infeasible_error(tried: Sequence[tuple[str, Simulation]], cluster: Cluster) -> InfeasiblePlanError:
+    """Why no plan fits: the leanest of everything simulated (``tried``: label and
+    simulation of the baselines, the data-parallel variants and the pipeline layouts),
+    what it needs on its fullest device and in all."""
+    lean = leanest(tried)
+    if lean is None:
+        return InfeasiblePlanError(
+            f"no plan runs on {cluster.devices} devices: the batch does not split over them and no pipeline "
+            "layout fits the model; use fewer devices or a batch that is a multiple of the device count")
+    name, best = lean
+    cap = best.capacity_bytes
+    total = sum(best.memory_bytes)
+    worth = math.ceil(total / cap)
+    spread = (f"{total / 2**30:.1f} GiB in all, {worth} devices' worth" if worth > cluster.devices else
+              f"{total / 2**30:.1f} GiB in all, which {cluster.devices} devices could hold only if "
+              "it were spread evenly")
+    return InfeasiblePlanError(
+        f"no plan fits in {cap / 2**30:.1f} GiB per device on {cluster.devices} x "
+        f"{cluster.device.name} (the leanest plan simulated, {name}, needs "
+        f"{best.peak_memory_bytes / 2**30:.1f} GiB on its fullest device and {spread}); "
+        "use more devices, a smaller batch, or a cluster with more memory"
+    )
+
+
+def oplevel_notes(strategy, sim: Simulation, candidates: Sequence[tuple], data_strategy,
+                  baselines: dict[str, float]) -> list[str]:
+    """The notes of an op-level plan (``strategy``, predicted ``sim``): a SOAP plan data
+    parallel in every op (the fastest SOAP configuration; DDP's time beside it), a data
+    plan's checkpointing or accumulation (what does not fit without them) and its
+    sharding (:func:`fsdp_note`)."""
+    from flexsearch.strategy.kinds import DataParallel, Soap
+
+    notes = []
+    if isinstance(strategy, Soap) and strategy.configs == data_strategy.configs and "data" in baselines:
+        notes.append(f"data parallel in every op: the fastest SOAP configuration found, on DTensor; DDP runs "
+                     f"it in {baselines['data'] * 1e3:.3f} ms (--kind data)")
+    if isinstance(strategy, DataParallel) and (strategy.recompute != "none" or strategy.microbatches > 1):
+        how = [f"{strategy.recompute} activation checkpointing"] if strategy.recompute != "none" else []
+        how += [f"{strategy.microbatches} accumulated microbatches"] if strategy.microbatches > 1 else []
+        plain = "data parallelism" if strategy.shard == "none" else f"{strategy.shard} data parallelism"
+        notes.append(f"{' and '.join(how)}: {plain} without them does not fit in memory")
+    if isinstance(strategy, DataParallel) and strategy.shard != "none":
+        notes.append(fsdp_note(strategy, sim, candidates))
+    return notes

@@ -17,9 +17,17 @@ data parallelism: the Hugging Face model was predicted at 487.7 ms, 3.2x the fig
     python benchmarks/hf_models.py [--devices 16] [--cluster dgx-h100] [--max-iters 0]
     python benchmarks/hf_models.py --quick      # 2 layers, 128 wide, batch 8 x 64, 2 `cpu` devices
 
+And Hugging Face's Llama (16 layers, 2,048 wide, vocabulary 32,000, batch 32 x 1,024;
+``--quick``: 2 layers, 128 wide), which only ``torch.export`` traces, planned on 8
+devices as data parallelism (DDP) and sharded (``kinds=["fsdp"]``): its RMSNorms begin
+with a cast the export leaves as ``aten.to.dtype``. While that was opaque, every sharded
+plan ran the norms on the whole batch on every device.
+
 Last line: ``hf_ms=`` and ``zoo_ms=`` (predicted per iteration), ``ratio=`` (HF over
-zoo), both plans' kinds and model FLOP/s utilisations, and ``extra_flops=`` (HF's FLOPs
-per iteration over the zoo model's: its loss, negligible next to the matmuls). Measured
+zoo), both plans' kinds and model FLOP/s utilisations, ``extra_flops=`` (HF's FLOPs
+per iteration over the zoo model's: its loss, negligible next to the matmuls), and the
+Llama's ``llama_ddp_ms=``, ``llama_fsdp_ms=`` with its sharding, their ratio
+``llama_fsdp_over_ddp=`` and its FSDP units (``llama_fsdp_units=``). Measured
 on this host: ``hf_ms=152.828 zoo_ms=67.126 ratio=2.277`` (the Hugging Face model's
 elementwise GELU about 56 ms and its fp32 loss about 30 ms of its 140 ms of op time per
 device).
@@ -59,6 +67,21 @@ def zoo_gpt2(layers: int, width: int, heads: int, vocab: int, positions: int, ba
     return _build(cfg, batch, seq, meta=True)
 
 
+def hf_llama(layers: int, width: int, heads: int, vocab: int, batch: int, seq: int):
+    """Hugging Face's Llama on the meta device (grouped keys: a quarter of the heads),
+    given its labels. ``torch.export`` traces it (``fx`` cannot follow its code)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=width * 11 // 4,
+                                   num_hidden_layers=layers, num_attention_heads=heads,
+                                   num_key_value_heads=max(1, heads // 4), max_position_embeddings=seq)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, vocab, (batch, seq))
+    return model, (ids, {"labels": ids})
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--devices", type=int, default=16)
@@ -85,9 +108,21 @@ def main(argv: list[str] | None = None) -> int:
               f"{plan.model_flops / 1e12:8.2f} TFLOP/iter  precision {plan.precision}  "
               f"({time.perf_counter() - t0:.1f} s)")
     hf, zoo = rows["hf"], rows["zoo"]
+    # Hugging Face's Llama (exported), data parallel as DDP runs it and sharded (--kind fsdp)
+    llama_shape = (2, 128, 4, 1024, 8, 64) if args.quick else (16, 2048, 16, 32000, 32, 1024)
+    llama_devices, llama_cluster = (2, "cpu") if args.quick else (8, args.cluster)
+    model, inputs = hf_llama(*llama_shape)
+    llama = {k: flexsearch.plan(model, inputs, devices=llama_devices, cluster=llama_cluster, kinds=[k],
+                                max_iters=args.max_iters, calibration=None) for k in ("data", "fsdp")}
+    for k, plan in llama.items():
+        print(f"llama {k:<5} {plan.kind}/{plan.shard:<6} {plan.predicted.iteration_time_s * 1e3:10.3f} ms  "
+              f"peak {plan.predicted.peak_memory_bytes / 2**30:6.2f} GiB  units {len(plan.fsdp_units)}")
+    ddp_s, fsdp_s = (llama[k].predicted.iteration_time_s for k in ("data", "fsdp"))
     print(f"hf_ms={hf.predicted.iteration_time_s * 1e3:.3f} zoo_ms={zoo.predicted.iteration_time_s * 1e3:.3f} "
           f"ratio={hf.predicted.iteration_time_s / zoo.predicted.iteration_time_s:.3f} hf_kind={hf.kind} zoo_kind={zoo.kind} "
-          f"hf_mfu={hf.mfu:.3f} zoo_mfu={zoo.mfu:.3f} extra_flops={hf.model_flops / zoo.model_flops:.3f}")
+          f"hf_mfu={hf.mfu:.3f} zoo_mfu={zoo.mfu:.3f} extra_flops={hf.model_flops / zoo.model_flops:.3f} "
+          f"llama_ddp_ms={ddp_s * 1e3:.3f} llama_fsdp_ms={fsdp_s * 1e3:.3f} llama_fsdp_shard={llama['fsdp'].shard} "
+          f"llama_fsdp_over_ddp={fsdp_s / ddp_s:.3f} llama_fsdp_units={len(llama['fsdp'].fsdp_units)}")
     return 0
 
 

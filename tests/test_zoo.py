@@ -153,10 +153,13 @@ def test_tiny_runs_forward_backward_deterministically(entry):
     gm = torch.fx.symbolic_trace(model2)
     torch.testing.assert_close(gm(*inputs2), out.detach())
 
-    with torch.no_grad():
-        start = time.perf_counter()
-        model(*inputs)
-        assert time.perf_counter() - start < 1.0
+    with torch.no_grad():  # tiny: the fastest of three forwards (another test's ranks may hold the cores)
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            model(*inputs)
+            times.append(time.perf_counter() - start)
+        assert min(times) < 1.0, times
 
 
 HEADLINE = {

@@ -241,9 +241,9 @@ def measured_note(graph: OpGraph, measured: MeasuredCosts, cluster: Cluster, sou
     return f"{MEASURED_NOTE} {hits} of {total} ops measured ({source}){rest}"
 
 
-def with_note(plan: Plan, note: str) -> Plan:
-    """``plan`` with ``note`` added last (its search time kept)."""
-    out = plan.model_copy(update={"notes": (*plan.notes, note)})
+def with_note(plan: Plan, note: str, *, first: bool = False) -> Plan:
+    """``plan`` with ``note`` added last (``first``: first), its search time kept."""
+    out = plan.model_copy(update={"notes": (note, *plan.notes) if first else (*plan.notes, note)})
     return out.with_search_time(plan.search_time_s) if plan.search_time_s is not None else out
 
 
@@ -263,8 +263,7 @@ def resolve_precision(name: str, cluster: Cluster) -> tuple[Precision, str]:
 
 def with_precision_note(plan: Plan, why: str) -> Plan:
     """``plan`` with a first note saying which precision it uses and why."""
-    out = plan.model_copy(update={"notes": (f"precision {plan.precision} ({why})", *plan.notes)})
-    return out.with_search_time(plan.search_time_s) if plan.search_time_s is not None else out
+    return with_note(plan, f"precision {plan.precision} ({why})", first=True)
 
 
 def simulate(graph: OpGraph, plan: Plan, cluster: str | os.PathLike[str] | Cluster | None = None, *,

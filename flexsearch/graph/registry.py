@@ -340,24 +340,15 @@ def _einsum(c: Call) -> Ruling:
     "masked_fill", "masked_fill_", "float", "half", "bfloat16", "to", "type", "type_as",
     "add_", "mul_", "div_", "sin", "cos", "tril", "triu", "sign", "__add__", "__mul__",
     "__radd__", "__rmul__", "__sub__", "__truediv__", "clone",
-)  # fmt: skip
-def _elementwise(c: Call) -> Ruling:
-    b = _follow_batch(c)
-    return Ruling("elementwise", ParallelDims(output=_dims(c.out_shape, b)), b)
-
-
-@rule(
+    # ATen ops torch.export leaves without the `pointwise` tag: casts (an exported RMSNorm's
+    # first op), `where` with a scalar, the mask algebra and the *_like factories
     aten.to, aten._to_copy, aten.type_as, aten.where, aten.__and__, aten.__or__, aten.__xor__,
     aten.bitwise_and, aten.bitwise_or, aten.bitwise_xor, aten.bitwise_not, aten.logical_and, aten.logical_or,
     aten.logical_not, aten.full_like, aten.empty_like, aten.zeros_like, aten.ones_like,
 )  # fmt: skip
-def _aten_elementwise(c: Call) -> Ruling:
-    """ATen ops ``torch.export`` leaves that act element by element but carry no
-    ``pointwise`` tag: dtype and device casts (``x.to(torch.float32)``, an RMSNorm's
-    first op in every Hugging Face decoder), ``where`` with a scalar, the mask algebra
-    (``&``, ``|``, ``~``) and the ``*_like`` factories. Opaque, they ran on the whole batch
-    on every device under data parallelism (an exported Llama's norms, masks and loss)."""
-    return _elementwise(c)
+def _elementwise(c: Call) -> Ruling:
+    b = _follow_batch(c)
+    return Ruling("elementwise", ParallelDims(output=_dims(c.out_shape, b)), b)
 
 
 @rule(

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from flexsearch.search.ilp import AssignmentProblem, AssignmentResult, solve_assignment
+from flexsearch.search.mcmc import sigint_restored
 from flexsearch.sim.accounting import param_copies
 from flexsearch.sim.context import CostContext
 from flexsearch.sim.gradients import without_gradient
@@ -157,3 +158,14 @@ class AssignmentBuilder:
         if not res.choice:
             return None, res
         return {u.name: self.cands[i][a] for i, (u, a) in enumerate(zip(self.units, res.choice, strict=True))}, res
+
+
+def ilp_seed(space: Space, ctx: CostContext, optimizer: str, limit_s: float, seed: int,
+             deterministic: bool) -> tuple[dict[str, Config] | None, str]:
+    """The planner's step 4 (:mod:`flexsearch.search.planner`): the exact solver's assignment (None when it found
+    none) and its status; ``deterministic`` limits the solver by deterministic time, so
+    runs without a seconds budget are reproducible."""
+    with sigint_restored():  # CP-SAT would leave Ctrl-C killing the process
+        dec, res = AssignmentBuilder(space, ctx, optimizer).solve(time_limit_s=limit_s, seed=seed,
+                                                                  deterministic=deterministic)
+    return dec, res.status

@@ -66,9 +66,9 @@ from flexsearch.graph.tracer import AUTOCAST_FSDP
 from flexsearch.plan import Plan, SearchInfo
 from flexsearch.precision import precision as precision_of
 from flexsearch.search import decentralized as dz
-from flexsearch.search.assignment import AssignmentBuilder
+from flexsearch.search.assignment import ilp_seed
 from flexsearch.search.clock import past
-from flexsearch.search.mcmc import SearchResult, mcmc, sigint_restored
+from flexsearch.search.mcmc import SearchResult, mcmc
 from flexsearch.search.pipedream import pipedream_plan
 from flexsearch.search.pipeline import (
     SYNC_SCHEDULES,
@@ -588,17 +588,6 @@ def pipeline_candidates(graph: OpGraph, ctx: CostContext, kinds: tuple[str, ...]
                  if (r := even_pipeline(graph, ctx, s, t, optimizer=optimizer)) is not None and r.kind in kinds]
         pipes.sort(key=lambda r: (not r.simulation.feasible, r.simulation.iteration_time_s))
     return pipes, pipedream_plan(graph, ctx, optimizer=optimizer), False
-
-
-def ilp_seed(space: Space, ctx: CostContext, optimizer: str, limit_s: float, seed: int,
-             deterministic: bool) -> tuple[dict[str, Config] | None, str]:
-    """Step 4 (module docstring): the exact solver's assignment (None when it found
-    none) and its status; ``deterministic`` limits the solver by deterministic time, so
-    runs without a seconds budget are reproducible."""
-    with sigint_restored():  # CP-SAT would leave Ctrl-C killing the process
-        dec, res = AssignmentBuilder(space, ctx, optimizer).solve(time_limit_s=limit_s, seed=seed,
-                                                                  deterministic=deterministic)
-    return dec, res.status
 
 
 __all__ = ["DEFAULT_KINDS", "DEFAULT_MAX_ITERS", "plan_graph", "graph_inputs", "predicted"]

@@ -503,3 +503,40 @@ def test_two_branch_model_space():
     assert out[adds[0].name] == Config(1, "a", 2, 1)
     for n in g.nodes:
         assert legal(n, out[n.name], 4)
+
+
+class _Losses(torch.nn.Module):
+    """Reductions to a number at the end of a model: which split by the samples."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 8)
+        self.register_buffer("w", torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x, y):
+        h = self.fc(x)
+        F = torch.nn.functional
+        return (F.cross_entropy(h, y), F.cross_entropy(h, y, weight=self.w), F.mse_loss(h, torch.zeros_like(h)),
+                h.pow(2).mean(), h.amax(), h.mean(-1))
+
+
+def test_a_loss_over_the_samples_splits_by_them():
+    """A cross-entropy, NLL, sum or mean over the batch into a number has the samples as
+    its reduced dim: each device its samples' share (a reduce split), the data-parallel
+    configuration; weighted means, the MSE (no DTensor rule) and maxima stay whole."""
+    g = trace(_Losses(), (torch.randn(8, 16), torch.randint(0, 8, (8,))))
+    ce, weighted, mse, mean, amax, rows = (g.node(nm) for nm in g.nodes[-1].inputs)  # the output's
+    assert [n.dims.over_samples for n in (ce, weighted, mse, mean, amax, rows)] == \
+        [True, False, False, True, False, False]
+    assert ce.dims.reduced[0].size == 8 and rows.dims.of_kind("sample")
+    sp = Space(g, 4)
+    for node in (ce, mean):
+        assert legal(node, Config(1, "r", 4, 0), 4) and legal(node, Config(1, "r", 2, 0), 4)
+        assert not legal(node, Config(2, "r", 2, 0), 4)  # no samples left in the output to split
+        assert not legal(node, Config(1, "r", 4, 1), 4)
+        assert sp.data_parallel(node.name) == Config(1, "r", 4, 0)
+    assert not legal(mean, Config(1, "r", 3, 0), 6)  # 8 samples do not split 3 ways
+    for node in (weighted, mse, amax):
+        assert not any(c.kind == "r" for c in sp.candidates(node.name))
+        assert sp.data_parallel(node.name) == Config(1, "x", 4)
+    assert sp.data_parallel(rows.name) == Config(4)

@@ -283,6 +283,8 @@ def partitioned_call(node: OpNode, call: OpCall, p: Partition) -> OpCall:
                 shape = _split(shape, 1, p.reduce)
             elif kind == "matmul":
                 shape = _split(shape, -1 if position == 0 else -2, p.reduce)
+            elif node.dims.over_samples:
+                shape = _split(shape, t.batch, p.reduce)
         if p.parameter > 1 and kind == "norm" and len(shape) > 1:
             shape = _split(shape, 1, p.parameter)
         return ArgTensor(shape, t.dtype, t.batch, t.state, t.grad)

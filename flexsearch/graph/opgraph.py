@@ -77,11 +77,17 @@ class OutputDim(_Frozen):
     size: int
 
 
+SAMPLES = "samples"
+"""The :class:`ReducedDim` name of the batch, when an op sums or averages over it (a
+loss reduced to a number, ``x.sum()``)."""
+
+
 class ReducedDim(_Frozen):
     """A dimension the node sums over; splitting it leaves partial sums to be reduced.
 
-    ``name`` says which (``in_features``, ``in_channels``, ``k``, ``vocab``);
-    ``parameter`` is true when splitting it also splits the node's parameters.
+    ``name`` says which (``in_features``, ``in_channels``, ``k``, ``vocab``,
+    :data:`SAMPLES`); ``parameter`` is true when splitting it also splits the node's
+    parameters.
     """
 
     name: str
@@ -98,6 +104,11 @@ class ParallelDims(_Frozen):
 
     def of_kind(self, kind: DimKind) -> tuple[OutputDim, ...]:
         return tuple(d for d in self.output if d.kind == kind)
+
+    @property
+    def over_samples(self) -> bool:
+        """Is the (first) reduced dim the batch (:data:`SAMPLES`)?"""
+        return bool(self.reduced) and self.reduced[0].name == SAMPLES
 
 
 class BlockRef(_Frozen):

@@ -204,8 +204,11 @@ def dim_map(node: OpNode, k: int, in_shape: Sequence[int]) -> DimMap:
 def reduced_input_dims(node: OpNode, k: int, in_shape: Sequence[int]) -> tuple[int, ...]:
     """The dims of input ``k`` that a split of the node's (first) reduced dim splits:
     the last dim of a Linear's input, ``k`` of a matmul (``in0[-1]``, ``in1[-2]``), the
-    channels of a conv input; none for an embedding (its vocab splits the table)."""
+    channels of a conv input, the samples of a loss's input and targets (a sum's
+    input); none for an embedding (its vocab splits the table)."""
     r = len(in_shape)
+    if node.dims.over_samples:  # a loss's input and targets, a sum's input: batch-first
+        return (0,) if k < 2 and r and in_shape[0] == node.dims.reduced[0].size else ()
     if node.kind == "linear" and k == 0 and r:
         return (r - 1,)
     if node.kind == "matmul" and r >= 2:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flexsearch.graph.opgraph import (
+    SAMPLES,
     DimKind,
     NodeKind,
     OutputDim,
@@ -382,9 +383,20 @@ def _softmax(c: Call) -> Ruling:
 # ----------------------------------------------------------------------------- reductions
 
 
-@rule(torch.sum, torch.mean, torch.amax, torch.amin, torch.max, torch.min, torch.logsumexp,
-      "sum", "mean", "amax", "amin", "max", "min", "logsumexp", "norm", torch.norm,
-      aten.sum, aten.mean, aten.amax, aten.amin)
+def _samples(c: Call) -> tuple[ReducedDim, ...]:
+    """The samples as the reduced dim of an op that sums (or averages) over the batch
+    into an output without one (a loss, ``x.sum()``), when every tensor input is
+    batch-first with the same number of samples: split, each device sums its samples
+    and an all-reduce adds the partial results, as a data-parallel step does."""
+    shapes = [s for s, b in zip(c.in_shapes, c.in_batch, strict=False) if b is not None]
+    if not shapes or c.batch != 0 or any(b not in (0, None) for b in c.in_batch) or \
+            len({s[0] for s in shapes if s}) != 1 or not shapes[0]:
+        return ()
+    return (ReducedDim(name=SAMPLES, size=shapes[0][0], parameter=False),)
+
+
+@rule(torch.amax, torch.amin, torch.max, torch.min, torch.logsumexp,
+      "amax", "amin", "max", "min", "logsumexp", "norm", torch.norm, aten.amax, aten.amin)
 def _reduction(c: Call) -> Ruling:
     out = c.out_shape or ()
     shape = c.in_shapes[0] if c.in_shapes else ()
@@ -403,6 +415,16 @@ def _reduction(c: Call) -> Ruling:
     return Ruling("reduction", ParallelDims(output=_dims(out, ob)), ob)
 
 
+@rule(torch.sum, torch.mean, "sum", "mean", aten.sum, aten.mean)
+def _sum(c: Call) -> Ruling:
+    """A sum or mean; over the samples (no batch dim left), splittable by them
+    (:func:`_samples`)."""
+    r = _reduction(c)
+    if r.out_batch is not None:
+        return r
+    return replace(r, dims=ParallelDims(output=r.dims.output, reduced=_samples(c)))
+
+
 @rule(nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
       F.max_pool1d, F.max_pool2d, F.avg_pool2d, F.avg_pool1d,
       aten.max_pool2d, aten.avg_pool2d, aten.max_pool2d_with_indices)
@@ -419,10 +441,22 @@ def _adaptive_pool(c: Call) -> Ruling:
     return Ruling("pool", ParallelDims(output=_dims(shape, b, skip=tuple(range(2, len(shape))))), b)
 
 
-@rule(nn.CrossEntropyLoss, nn.MSELoss, nn.NLLLoss, nn.BCEWithLogitsLoss, nn.L1Loss,
-      F.cross_entropy, F.mse_loss, F.nll_loss, F.binary_cross_entropy_with_logits, F.l1_loss)
+@rule(nn.MSELoss, nn.BCEWithLogitsLoss, nn.L1Loss, F.mse_loss, F.binary_cross_entropy_with_logits, F.l1_loss)
 def _loss(c: Call) -> Ruling:
     return Ruling("loss", ParallelDims(), None)
+
+
+@rule(nn.CrossEntropyLoss, nn.NLLLoss, F.cross_entropy, F.nll_loss,
+      aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, aten.nll_loss_forward)
+def _class_loss(c: Call) -> Ruling:
+    """Cross entropy and NLL reduced to a number: splittable by the samples (DTensor
+    runs them so, ``Partial`` sums or means); without class weights, whose mean would
+    weigh the shards unevenly."""
+    out = c.out_shape or ()
+    weighted = len(c.in_shapes) > 2 or c.arg(2, "weight") is not None
+    if c.module is not None:
+        weighted = getattr(c.module, "weight", None) is not None
+    return Ruling("loss", ParallelDims(reduced=() if out or weighted else _samples(c)), None)
 
 
 # ----------------------------------------------------------------------------- data movement

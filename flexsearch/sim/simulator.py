@@ -268,7 +268,7 @@ class Simulator:
                 continue
             node, c = self.graph.nodes[i], configs[self.graph.nodes[i].name]
             again = {t.resources[0]: t.duration for t in f.forward if t.kind == "fwd"}
-            split = activation_split(c)
+            split = activation_split(c, node)
             own = kept_bytes(node) / split
             whole = node.output_bytes / split if cp.boundary[i] else 0.0
             acts = dict(f.activations)
@@ -424,7 +424,7 @@ class Simulator:
             p, c = self.graph.node(name), configs.get(name)
             if c is None or not p.outputs:
                 continue
-            share = p.outputs[0].nbytes / (1 if whole else activation_split(c))
+            share = p.outputs[0].nbytes / (1 if whole else activation_split(c, p))
             y, t = loss_held_bytes(p, share), loss_working_bytes(p, share)
             for d in range(self.cluster.devices) if whole else c.devices:
                 held[d] = held.get(d, 0.0) + y

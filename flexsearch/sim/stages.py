@@ -125,7 +125,7 @@ def node_costs(graph: OpGraph, configs: Mapping[str, Config], ctx: CostContext) 
             earlier = [sim.fragment(r, configs) for i in node.inputs for r in readers[i] if index[r] < index[node.name]]
             mine = merged_reductions([*earlier, frag])[-1]  # those an earlier reader does not run for it
             bw = [t for t in frag.backward if not any(k[0] == "s" for k in t.defines)] + mine
-            split = activation_split(configs[node.name])
+            split = activation_split(configs[node.name], node)
             share, grad = node.output_bytes / split, grad_bytes(node) / split
             hit = memo[key] = NodeCost(_span(fw), _span(bw), frag.params.get(0, 0.0), frag.activations.get(0, 0.0),
                                        frag.tensors.get(0, 0), frag.largest.get(0, 0.0), frag.cast.get(0, 0.0),

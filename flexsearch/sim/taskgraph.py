@@ -124,10 +124,13 @@ class Fragment:
     first and reduce once (:func:`~flexsearch.sim.gradients.merged_reductions`)."""
 
 
-def activation_split(c: Config) -> int:
+def activation_split(c: Config, node: OpNode | None = None) -> int:
     """Into how many pieces a node's activations are split under ``c`` (its sample
-    split, times its attribute or parameter split)."""
-    return c.s * (c.t if c.kind in ("a", "p") else 1)
+    split, times its attribute or parameter split, or its reduce split when ``node``
+    reduces over the samples: a loss, whose saved log-probabilities and input gradient
+    are its samples')."""
+    over = c.kind == "r" and node is not None and node.dims.over_samples
+    return c.s * (c.t if c.kind in ("a", "p") or over else 1)
 
 
 def out_region(node: OpNode, c: Config, i_s: int, i_t: int) -> Region:
@@ -441,9 +444,9 @@ def node_tasks(
     fwd_time, bwd_time = ctx.op_cost(node, c, first)
     if not backward:
         bwd_time = 0.0
-    out_bytes = kept_bytes(node) / activation_split(c)
+    out_bytes = kept_bytes(node) / activation_split(c, node)
     keeps = out_bytes > 0
-    grad = grad_bytes(node) / activation_split(c)
+    grad = grad_bytes(node) / activation_split(c, node)
     for _, _, d in parts:
         frag.forward.append(Task("fwd", n, fwd_time, (d,), tuple(needs.get(d, ())), (("f", n, d),),
                                  detail=c.text, copies=copies))

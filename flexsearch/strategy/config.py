@@ -24,8 +24,11 @@ computes from the same slice of its inputs (not conv/pool spatial dims, which ne
 halo; not an RNN's time; for attention only the heads dim, since a causal mask on a
 slice of queries is not the op); a parameter split only on a dim that indexes the op's
 own parameters (Linear/Conv out features, embedding columns, BatchNorm channels); a
-reduce split only for Linear (row-wise), Embedding (vocab-wise) and matmul (``k``);
-opaque ops only whole (``s = 1``, replicated or on one device).
+reduce split only for Linear (row-wise), Embedding (vocab-wise), matmul (``k``) and
+an op that sums or averages over the samples into a number (a cross-entropy or NLL
+loss, ``x.sum()``, ``x.mean()``: each device its share of the samples, as DTensor runs
+it on a batch-sharded input); opaque ops only whole (``s = 1``, replicated or on one
+device).
 
 **Decisions and followers.** Searches choose configurations for *decision* ops (layers
 and compute ops: :data:`DECISION_KINDS`). Data-movement and pointwise ops follow the
@@ -145,13 +148,11 @@ def legal(node: OpNode, c: Config, devices: int) -> bool:
         return True
     if c.kind == "r":
         red = node.dims.reduced
-        return (
-            node.kind in _REDUCE_KINDS
-            and c.dim == 0
-            and bool(red)
-            and red[0].size % c.t == 0
-            and (node.kind == "matmul" or red[0].parameter)
-        )
+        if not red or c.dim != 0 or red[0].size % c.t:
+            return False
+        if node.dims.over_samples:
+            return node.kind in ("loss", "reduction")
+        return node.kind in _REDUCE_KINDS and (node.kind == "matmul" or red[0].parameter)
     want = "attribute" if c.kind == "a" else "parameter"
     dims = {d.dim: d for d in node.dims.output if d.kind == want}
     if c.dim not in dims or dims[c.dim].size % c.t:

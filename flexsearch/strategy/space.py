@@ -131,9 +131,13 @@ class Space:
 
     def data_parallel(self, unit: Unit | str) -> Config:
         """The unit's data-parallel configuration: the largest sample split over all
-        devices that is legal, the rest of the devices replicating."""
+        devices that is legal, the rest of the devices replicating; for an op that sums
+        over the samples into a number (a loss), its samples split over all the devices
+        (a reduce split, each device its replica's loss)."""
         cands = self.candidates(unit, full_block_only=True)
-        return max(c for c in cands if c.kind in ("", "x"))
+        over = self.graph.node(self.unit(unit).nodes[0]).dims.over_samples
+        return max((c for c in cands if c.kind in ("", "x") or c.kind == "r" and over),
+                   key=lambda c: (c.s * (c.t if c.kind == "r" else 1), c))
 
     def check(self, decisions: Mapping[str, Config]) -> None:
         """Raise ValueError naming the first unknown unit or illegal configuration."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 from conftest import ROOT
@@ -16,6 +17,17 @@ TINY = str(ROOT / "benchmarks/models/gpt.py:gpt_tiny")
 
 def run(*args: str, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "flexsearch", *args], capture_output=True, text=True, cwd=cwd or ROOT, timeout=300)
+
+
+def invoke(capsys, *args: str) -> SimpleNamespace:
+    """:func:`run` in this process (``flexsearch.cli.main``: the exit code, one-line errors
+    and output as the command prints them), without a new interpreter's two seconds."""
+    from flexsearch.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
 
 
 def test_trace_prints_summary_and_table():
@@ -46,8 +58,9 @@ def test_trace_json_is_one_object():
         (["frobnicate"], "No such command"),
     ],
 )
-def test_bad_input_is_one_line_exit_2(args, needle):
-    r = run(*args)
+def test_bad_input_is_one_line_exit_2(args, needle, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    r = invoke(capsys, *args)
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
@@ -84,36 +97,37 @@ def test_model_file_errors_through_cli(model_file):
     assert "control.py:11" in r.stderr and "if x.mean() > 0:" in r.stderr
 
 
-def test_profile_writes_cache(tmp_path):
+def test_profile_writes_cache(tmp_path, capsys):
+    """The first command in a new process, the others in this one (:func:`invoke`)."""
     out = tmp_path / "prof.json"
     spec = str(ROOT / "benchmarks/models/mlp.py:mlp_tiny")
     r = run("profile", spec, "--out", str(out), "--repeats", "1", "--warmup", "0")
     assert r.returncode == 0, r.stderr
     assert out.exists() and "measured" in r.stdout
-    again = run("profile", spec, "--out", str(out), "--repeats", "1", "--warmup", "0")
+    again = invoke(capsys, "profile", spec, "--out", str(out), "--repeats", "1", "--warmup", "0")
     assert " 0 measured" in " ".join(again.stdout.split())  # rich wraps long paths
 
     # plan and simulate price the ops from it (--profile), and say how many
     plan_file = tmp_path / "plan.json"
     common = ("--devices", "2", "--cluster", "cpu", "--max-iters", "20", "--no-decentralized")
-    r = run("plan", spec, *common, "--precision", "fp32", "--profile", str(out), "--out", str(plan_file), "--json")
+    r = invoke(capsys, "plan", spec, *common, "--precision", "fp32", "--profile", str(out), "--out", str(plan_file), "--json")
     assert r.returncode == 0, r.stderr
     notes = json.loads(r.stdout)["notes"]
     assert f"op costs: 7 of 7 ops measured (profile {out})" in notes
-    sim = run("simulate", str(plan_file), "--json")
+    sim = invoke(capsys, "simulate", str(plan_file), "--json")
     assert "pass --profile to re-predict it as planned" in " ".join(sim.stderr.split())
-    again = json.loads(run("simulate", str(plan_file), "--profile", str(out), "--json").stdout)
+    again = json.loads(invoke(capsys, "simulate", str(plan_file), "--profile", str(out), "--json").stdout)
     assert again["iteration_time_s"] == again["planned_iteration_time_s"]
     assert json.loads(sim.stdout)["iteration_time_s"] != again["iteration_time_s"]  # the roofline's times differ
     # a profile that prices none of the ops, or none at all: one line, exit 2
     for args, needle in (((str(out), "--precision", "bf16-mixed"), "flexsearch profile MODEL --precision bf16-mixed"),
                          ((str(tmp_path / "nope.json"),), "does not exist")):
-        bad = run("plan", spec, *common, "--profile", *args)
+        bad = invoke(capsys, "plan", spec, *common, "--profile", *args)
         assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and needle in bad.stderr, bad.stderr
     # profiled at that precision, it does
-    assert run("profile", spec, "--out", str(out), "--repeats", "1", "--warmup", "0",
+    assert invoke(capsys, "profile", spec, "--out", str(out), "--repeats", "1", "--warmup", "0",
                "--precision", "bf16-mixed").returncode == 0
-    r = run("plan", spec, *common, "--precision", "bf16-mixed", "--profile", str(out), "--json")
+    r = invoke(capsys, "plan", spec, *common, "--precision", "bf16-mixed", "--profile", str(out), "--json")
     assert f"op costs: 7 of 7 ops measured (profile {out})" in json.loads(r.stdout)["notes"], r.stderr
 
 
@@ -132,8 +146,8 @@ def test_cluster_lists_and_shows_presets():
         (["cluster", "dgx-h100", "--devices", "0"], "--devices"),
     ],
 )
-def test_cluster_bad_input(args, needle):
-    r = run(*args)
+def test_cluster_bad_input(args, needle, capsys):
+    r = invoke(capsys, *args)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     assert needle in r.stderr
 

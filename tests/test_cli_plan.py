@@ -6,7 +6,7 @@ import json
 
 import pytest
 from conftest import ROOT
-from test_cli import run
+from test_cli import invoke, run
 
 from flexsearch.plan import PLAN_VERSION
 from flexsearch.search.planner import REFERENCE_BASELINES
@@ -79,8 +79,9 @@ def test_plan_refuses_to_overwrite(planned):
         (["show", "absent.json"], "does not exist"),
     ],
 )
-def test_bad_input_is_one_line_exit_2(args, needle):
-    r = run(*args)
+def test_bad_input_is_one_line_exit_2(args, needle, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    r = invoke(capsys, *args)
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr

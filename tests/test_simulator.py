@@ -357,6 +357,57 @@ def test_data_parallel_gradient_all_reduces(name):
     assert min(u.start for u in updates) >= last_sync * (1 - 1e-12)
 
 
+def test_frozen_layers_synchronise_and_update_nothing():
+    """Three Linear layers of 1 MB, the first two frozen (fine-tuning the last): every
+    simulator synchronises and updates the last one's gradients only (DDP's op-level
+    all-reduces, FSDP's reduce-scatters, the stage-level one-bucket all-reduce, the
+    pipeline's per-stage syncs and D-PSGD's gossip), and counts its gradients and
+    optimizer state alone; the parameters held are all three."""
+    from flexsearch.sim.context import CostContext
+    from flexsearch.sim.predict import predict
+    from flexsearch.strategy import topology
+    from flexsearch.strategy.kinds import DataParallel, Decentralized, Pipelined
+
+    def build(frozen: bool):
+        model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(3)])
+        for layer in model[:2]:
+            layer.requires_grad_(not frozen)
+        return trace(model, (torch.randn(64, 512),))
+
+    ctx = CostContext(cluster("dgx-h100", 4))
+    layer = 512 * 513 * 4
+    out = {}
+    for frozen in (False, True):
+        g = build(frozen)
+        space = Space(g, 4)
+        configs = space.expand(baselines.data_parallel(space))
+        dec = baselines.data_parallel(space)
+        sims = {
+            "ddp": Simulator(g, ctx).simulate(configs, ddp=True),
+            "zero3": predict(g, DataParallel(configs, dec, shard="zero3", fsdp_units=("0", "1", "2")), ctx),
+            "flat": predict(g, Pipelined(((0, len(g.nodes)),), tensor=1, replicas=4, schedule="1f1b",
+                                         microbatches=1), ctx),
+            "pipeline": predict(g, Pipelined(((0, 3), (3, len(g.nodes))), tensor=1, replicas=2, schedule="1f1b",
+                                             microbatches=2), ctx),
+            "dpsgd": predict(g, Decentralized(topology.build("ring", 4)), ctx),
+        }
+        out[frozen] = sims
+        synced = {k: sorted(t.task.nbytes for t in s.timeline if t.task.kind == "coll" and t.task.nbytes)
+                  for k, s in sims.items() if k != "dpsgd"}
+        if frozen:
+            assert synced["ddp"] == synced["flat"] == synced["pipeline"] == [layer]
+            gossip = {t.task.detail for t in sims["dpsgd"].timeline if "models of" in t.task.detail}
+            assert gossip == {f"ring step 0: 8 models of {layer} bytes"}
+            assert sum(t.task.nbytes for t in sims["zero3"].timeline if "reduce_scatter" in t.task.detail) == layer
+            assert sims["ddp"].memory_terms[0].grads == layer and sims["ddp"].memory_terms[0].params == 3 * layer
+            assert sims["ddp"].memory_terms[0].optimizer == 2 * layer
+            assert sims["zero3"].memory_terms[0].grads == layer / 4
+    for k in out[True]:
+        fine, full = out[True][k], out[False][k]
+        assert fine.iteration_time_s < full.iteration_time_s, k
+        assert fine.peak_memory_bytes < full.peak_memory_bytes, k
+
+
 @pytest.mark.parametrize("name", ["mlp_tiny", "gpt_tiny", "alexnet_tiny", "branchy"])
 def test_single_device_plan_has_no_communication(name):
     g = graph(name)

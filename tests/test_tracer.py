@@ -606,14 +606,16 @@ def test_a_constant_made_in_forward_is_no_model_input():
     assert [tuple(n.outputs[0].shape) for n in g.nodes if n.kind == "input"] == [(8, 16)]
 
 
-def test_frozen_layers_count_no_weight_gradient_and_the_notes_say_what_is_not_modelled():
+def test_frozen_layers_count_no_weight_gradient_and_the_notes_say_so():
     """A frozen layer (``requires_grad=False``) and its trainable twin of the same shapes
     are measured apart: only the trainable one's backward computes a weight gradient (they
-    shared the first one's count); the graph's notes say the frozen parameters' state is
-    still counted as trained."""
+    shared the first one's count); each node records its frozen bytes, and the graph's
+    notes say how many parameters are frozen."""
     layers = nn.Sequential(*[nn.Linear(32, 32) for _ in range(3)])
     for i, layer in enumerate(layers):
         layer.requires_grad_(i == 2)
     g = trace(layers, (torch.randn(4, 32),))
     assert [n.backward_flops for n in g.nodes if n.flops] == [0, 0, 2 * 4 * 32 * 32]
     assert any("2,112 of 3,168 parameters are frozen" in n for n in g.notes)
+    assert [(n.param_bytes, n.trained_param_bytes) for n in g.nodes if n.param_bytes] == \
+        [(1056 * 4, 0), (1056 * 4, 0), (1056 * 4, 1056 * 4)]

@@ -261,7 +261,8 @@ class ShardedModule(nn.Module):
                         d = distribute_tensor(p.detach(), mesh, pl, src_data_rank=0)  # the mesh's first rank's values
                         if isinstance(p, nn.Parameter):
                             d = nn.Parameter(d, requires_grad=p.requires_grad)
-                            d.register_post_accumulate_grad_hook(_sync_grad)
+                            if p.requires_grad:  # a frozen one has no gradient to synchronise
+                                d.register_post_accumulate_grad_hook(_sync_grad)
                         done[id(p)] = d
                     table[key] = done[id(p)]
             if isinstance(mod, nn.RNNBase):

@@ -337,6 +337,8 @@ class PipelineModule(nn.Module):
         over the stage's replicas under ``zero1`` (:class:`LocalZero`); under ``zero2``
         the weights are FSDP2's shards, so ``cls`` holds and updates this replica's."""
         weights = [q for q in self._weights() if q.requires_grad]
+        if not weights:  # every weight of this rank's stages frozen: nothing to step (torch refuses no tensors)
+            weights = [nn.Parameter(torch.empty(0, device=self._rt.device_type))]
         if self._plan.shard != "zero1":
             return cls(weights, **kwargs)
         return LocalZero(weights, cls, self._dp_group, **kwargs)

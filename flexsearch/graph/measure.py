@@ -532,6 +532,8 @@ class Measure(fx.Interpreter):
                 params=tuple(params),
                 num_params=sum(self.fakes[p].numel() for p in owned),
                 param_bytes=sum(self.fakes[p].numel() * self.fakes[p].element_size() for p in owned),
+                frozen_param_bytes=sum(self.fakes[p].numel() * self.fakes[p].element_size() for p in owned
+                                       if not self.fakes[p].requires_grad),
                 used_param_bytes=int(used_param_bytes),
                 dims=dims.dims if isinstance(dims.dims, ParallelDims) else ParallelDims(),
                 opaque=dims.opaque,

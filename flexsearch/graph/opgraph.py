@@ -140,6 +140,10 @@ class OpNode(_Frozen):
     num_params: int = 0
     param_bytes: int = 0
     """Bytes of the parameters the node owns (the first node to use a parameter owns it)."""
+    frozen_param_bytes: int = 0
+    """Of those, the bytes of frozen ones (``requires_grad=False``): held, read and
+    gathered like the others, but without gradient, optimizer state, update or gradient
+    synchronisation (:attr:`trained_param_bytes` has those)."""
     used_param_bytes: int = 0
     """Bytes of every parameter the node reads, owned or not (a tied output layer's
     embedding table)."""
@@ -163,6 +167,12 @@ class OpNode(_Frozen):
     @property
     def output_shapes(self) -> tuple[tuple[int, ...], ...]:
         return tuple(t.shape for t in self.outputs)
+
+    @property
+    def trained_param_bytes(self) -> int:
+        """Bytes of the owned parameters that train: what has gradients, optimizer state
+        and an update, and what data parallelism synchronises."""
+        return self.param_bytes - self.frozen_param_bytes
 
     @property
     def output_bytes(self) -> int:

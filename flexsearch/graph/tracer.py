@@ -98,10 +98,8 @@ def trace_calls(
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     if frozen:
         total = sum(p.numel() for p in model.parameters())
-        notes.append(f"{frozen:,} of {total:,} parameters are frozen (requires_grad=False): their backward is "
-                     "costed without weight gradients, but memory and time still count their gradients, "
-                     "optimizer state and gradient synchronisation as if they trained (not modelled yet): "
-                     "the plan overestimates a fine-tuning run")
+        notes.append(f"{frozen:,} of {total:,} parameters are frozen (requires_grad=False): held and gathered, "
+                     "without weight gradients, optimizer state, update or gradient synchronisation")
     blocks, refs = find_blocks(nodes, measure.signature, measure.module_types)
     graph = OpGraph(
         model=name or type(model).__name__,

@@ -154,9 +154,9 @@ def simulate_gossip(ctx: CostContext, cost: StageCost, topology: Topology, *, op
     n = _check(ctx, optimizer)
     if topology.n != n:
         raise ValueError(f"topology {topology.name!r} has {topology.n} ranks, the cluster {n} devices")
-    p = cost.param_bytes
+    p = cost.trains  # the emitter averages the parameters that train
     period = max(1, int(topology.period))
-    upd = update_s(ctx, optimizer, cost.param_bytes, cost.tensors, "decentralized")
+    upd = update_s(ctx, optimizer, p, cost.tensors, "decentralized")
     snap = snapshot_time(ctx, p)
     ordered: list[Task] = []
     in_max = [0] * n
@@ -176,8 +176,9 @@ def simulate_gossip(ctx: CostContext, cost: StageCost, topology: Topology, *, op
             ordered.append(Task("update", "average", average_time(ctx, p, d_in), (i,), (("x", t), ("b", t, i)),
                                 (("a", t, i),), detail=f"{1 + d_in} models"))
             ordered.append(Task("update", "optimizer", upd, (i,), (("a", t, i),), (("u", t, i),)))
-    largest = stage_largest(cost.largest_param_bytes, p)
-    terms = [DeviceMemory(p, p, OPTIMIZER_STATE[optimizer] * p, cost.stash_bytes, largest, (1 + in_max[i]) * p,
+    largest = stage_largest(cost.largest_param_bytes, cost.param_bytes)
+    terms = [DeviceMemory(cost.param_bytes, p, OPTIMIZER_STATE[optimizer] * p, cost.stash_bytes, largest,
+                          (1 + in_max[i]) * p,
                           loss_grad=cost.loss_bytes, rebuilt=cost.working_bytes,
                           grad_working=cost.grad_working_bytes, update_working=UPDATE_WORKING[optimizer] * p,
                           loss_working=cost.loss_working_bytes)
@@ -193,7 +194,7 @@ def simulate_parameter_server(ctx: CostContext, cost: StageCost, *, servers: Seq
     srv = tuple(sorted(set(servers)))
     if not srv or any(not 0 <= s < n for s in srv):
         raise ValueError(f"servers {tuple(servers)} must be devices of the {n}-device cluster")
-    p = cost.param_bytes
+    p = cost.trains  # gradients pushed, updated parameters pulled: those that train
     shard = p / len(srv)
     ordered: list[Task] = []
     for i in range(n):
@@ -210,7 +211,7 @@ def simulate_parameter_server(ctx: CostContext, cost: StageCost, *, servers: Seq
     ordered.append(exchange_task(ctx, "pull parameters", pull, tuple(("u", s) for s in srv), (("pull",),),
                                  f"{len(srv)} server(s), {len(pull)} shards of {shard:.0f} bytes"))
     k = OPTIMIZER_STATE[optimizer]
-    terms = [DeviceMemory(p, p, k * shard if i in srv else 0.0, cost.stash_bytes, buffers=shard if i in srv else 0.0,
+    terms = [DeviceMemory(cost.param_bytes, p, k * shard if i in srv else 0.0, cost.stash_bytes, buffers=shard if i in srv else 0.0,
                           loss_grad=cost.loss_bytes, rebuilt=cost.working_bytes, grad_working=cost.grad_working_bytes,
                           update_working=UPDATE_WORKING[optimizer] * shard if i in srv else 0.0,
                           loss_working=cost.loss_working_bytes) for i in range(n)]

@@ -191,7 +191,7 @@ def _stage_sync(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLa
     """The all-reduce of ``stage``'s gradients over its replicas (one per tensor-parallel
     rank; FSDP2 stages: a reduce-scatter); a no-op task when there is nothing to reduce."""
     reps = layout.replicas(stage)
-    nbytes = costs[stage].param_bytes
+    nbytes = costs[stage].trains
     if len(reps) < 2 or nbytes <= 0:
         return [Task("coll", name, 0.0, (), deps, (key,))]
     out = []
@@ -311,7 +311,7 @@ def action_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineL
                             ordered.extend(_stage_sync(ctx, costs, layout, f"sync {s}/{q}", s, deps, skey))
                             reps = layout.ranks[r]
                             for jj in members:
-                                ordered.extend(_updates(ctx, layout, optimizer, reps[jj % n], c_s.param_bytes,
+                                ordered.extend(_updates(ctx, layout, optimizer, reps[jj % n], c_s.trains,
                                                         c_s.tensors, (skey,), Updated(stage=s, microbatch=jj)))
                             done.add(skey)
                         waits[lane] = skey
@@ -339,14 +339,15 @@ def _stage_gathers(ctx: CostContext, costs: Sequence[StageCost], layout: Pipelin
             for q in range(len(reps[0]))]
 
 
-def held_params(costs: Sequence[StageCost], layout: PipelineLayout, devices: int) -> tuple[list[float], list[int]]:
-    """Per device, the parameter bytes and tensors of the stages it hosts."""
+def trained_params(costs: Sequence[StageCost], layout: PipelineLayout, devices: int) -> tuple[list[float], list[int]]:
+    """Per device, the bytes of the parameters that train (what it updates) and the
+    parameter tensors of the stages it hosts."""
     held = [0.0] * devices
     tensors = [0] * devices
     for s in range(layout.stages):
         for rep in layout.replicas(s):
             for d in rep:
-                held[d] += costs[s].param_bytes
+                held[d] += costs[s].trains
                 tensors[d] += costs[s].tensors
     return held, tensors
 
@@ -359,7 +360,7 @@ def sync_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLay
     (``mirrored``: on replica 0's devices only, each standing for every replica's,
     :func:`mirror`)."""
     ordered: list[Task] = []
-    held, tensors = held_params(costs, layout, ctx.cluster.devices)
+    held, tensors = trained_params(costs, layout, ctx.cluster.devices)
     after: dict[int, list] = {}
     for s in range(layout.stages):
         r = layout.rank_of(s)

@@ -39,6 +39,14 @@ class StageCost:
     checkpointing, above the largest unit's rebuilt ones (``working_bytes``, ``C``: the
     two count together, ``C + W``; :func:`flexsearch.sim.footprint.backward_working`)."""
 
+    trained_bytes: float | None = None
+    """Of ``param_bytes``, those that train (None: all of them): what has gradients,
+    optimizer state, an update and a synchronisation."""
+
+    @property
+    def trains(self) -> float:
+        return self.param_bytes if self.trained_bytes is None else self.trained_bytes
+
     @property
     def loss_working_bytes(self) -> float:
         """``T``: the loss's fp32 working tensor over one microbatch's output, the part

@@ -63,8 +63,8 @@ def occupancy(by_lane: Mapping[tuple[int, int], Sequence[Action]], costs: Sequen
     """Each lane's :data:`Occupancy`, walking its actions (``grad_copies``: gradient
     bytes per parameter byte, :attr:`~flexsearch.sim.pipeline_layout.PipelineLayout.grad_copies`)."""
     stash = {s: microbatch_bytes(c) for s, c in enumerate(costs)}
-    stage_grads = {s: c.param_bytes for s, c in enumerate(costs)}
-    made = {s: c.param_bytes * (grad_copies - 1) for s, c in enumerate(costs)}
+    stage_grads = {s: c.trains for s, c in enumerate(costs)}
+    made = {s: c.trains * (grad_copies - 1) for s, c in enumerate(costs)}
     return {lane: (in_flight(acts), held_with_gradients(acts, stash, stage_grads, made))
             for lane, acts in by_lane.items()}
 
@@ -80,6 +80,7 @@ def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: Pipeli
     lane's :data:`Occupancy`."""
     devices = ctx.cluster.devices
     params = [0.0] * devices
+    trained = [0.0] * devices
     acts = [0.0] * devices
     largest = [0.0] * devices
     buffers = [0.0] * devices  # PipeDream's weight versions; FSDP2's gathered parameters
@@ -97,6 +98,7 @@ def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: Pipeli
             c_s = costs[s]
             for d in layout.ranks[r][i]:
                 params[d] += c_s.param_bytes
+                trained[d] += c_s.trains
                 acts[d] += c_s.stash_bytes * q + c_s.loss_copy_bytes * (q - 1)  # the one run backward: in Y
                 rebuilt[d] = max(rebuilt[d], c_s.working_bytes)  # one backward, one unit, at a time
                 loss[d] = max(loss[d], c_s.loss_bytes)
@@ -110,16 +112,17 @@ def pipeline_memory(ctx: CostContext, costs: Sequence[StageCost], layout: Pipeli
         for d in range(devices):
             buffers[d] += layout.gather * params[d]
             params[d] /= shards[d]
+            trained[d] /= shards[d]
             largest[d] /= shards[d]
         shards = [1] * devices
     ddp = layout.runtime == "ddp"  # DDP's gradient buckets: a flat copy of the gradients
     touched = {d for r, i in by_lane for d in layout.ranks[r][i]}
     idle = DeviceMemory(0.0, 0.0, 0.0, 0.0)  # a device none of the lanes given runs on
     state, working = OPTIMIZER_STATE[optimizer], UPDATE_WORKING[optimizer]
-    return [DeviceMemory(params[d], params[d], state * params[d] / shards[d], acts[d], largest=largest[d],
-                         buffers=buffers[d], grad_buckets=params[d] if ddp else 0.0, loss_grad=loss[d],
+    return [DeviceMemory(params[d], trained[d], state * trained[d] / shards[d], acts[d], largest=largest[d],
+                         buffers=buffers[d], grad_buckets=trained[d] if ddp else 0.0, loss_grad=loss[d],
                          rebuilt=rebuilt[d], grad_working=grads[d], held_with_grads=held[d],
-                         update_working=working * params[d] / shards[d], loss_working=loss_work[d])
+                         update_working=working * trained[d] / shards[d], loss_working=loss_work[d])
             if d in touched else idle for d in range(devices)]
 
 
@@ -171,9 +174,9 @@ def peak_memory(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLa
         for r in range(p):
             w = m if layout.schedule == "gpipe" else min(m, p - r)
             c = costs[r]
-            held = c.param_bytes * layout.grad_copies + (w - 1) * microbatch_bytes(c)
+            held = c.trains * layout.grad_copies + (w - 1) * microbatch_bytes(c)
             if m > w:
-                held = max(held, c.param_bytes + w * microbatch_bytes(c))
+                held = max(held, c.trains + w * microbatch_bytes(c))
             occupied[(r, 0)] = ({r: w}, held)
     else:
         by_lane = lanes(layout)

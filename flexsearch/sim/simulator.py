@@ -318,6 +318,7 @@ class Simulator:
         units = param_units(self.graph, given)
         unit_of = {i: u for u, idx in units.items() for i in idx}
         size = {u: sum(frags[i].params.get(0, 0.0) for i in idx) for u, idx in units.items()}
+        grads = {u: sum(frags[i].trained.get(0, 0.0) for i in idx) for u, idx in units.items()}
         gather = ctx.precision.gather_factor(self.graph.param_dtype)
 
         def coll(op: str, u: str, members: list[int], nbytes: float, key: tuple, deps: tuple = ()) -> list[Task]:
@@ -358,11 +359,11 @@ class Simulator:
                 ordered.extend(gathers(u, "agb"))
             ordered.extend(waiting(frags[i].backward, "agb" if reshard else "ag", u))
             ordered.extend(partial[i])
-            if i == units[u][0]:
+            if i == units[u][0] and grads[u]:  # a frozen unit has no gradients to reduce
                 scattered = []
                 for k, members in enumerate(groups):
                     deps = tuple(("b", self.graph.nodes[j].name, d) for j in units[u] for d in members)
-                    scattered += coll("reduce_scatter", u, members, size[u], ("rs", u, k), deps)
+                    scattered += coll("reduce_scatter", u, members, grads[u], ("rs", u, k), deps)
                 ordered.extend(scattered)
                 if len(groups) == 1:
                     reduced.extend(scattered)
@@ -370,12 +371,12 @@ class Simulator:
                 for j in range(g):  # HSDP: the shard's replicas, one device per group
                     across = [members[j] for members in groups]
                     deps = tuple(("rs", u, k) for k in range(len(groups)))
-                    mine = coll("all_reduce", u, across, size[u] / g, ("ar", u, j), deps)
+                    mine = coll("all_reduce", u, across, grads[u] / g, ("ar", u, j), deps)
                     reduced += mine
                     ordered += mine
         peak = sorted(size.values(), reverse=True)
         held = sum(peak[:2]) if reshard else sum(peak)
-        unsharded = gather * held + (peak[0] if peak else 0.0)
+        unsharded = gather * held + max(grads.values(), default=0.0)  # and one unit's unreduced gradients
         return self._schedule(frags, ordered, keep_timeline, True, reduced, shards=g,
                               unsharded=unsharded, configs=configs, rebuilt=rebuilt, replica=replica)
 
@@ -393,13 +394,13 @@ class Simulator:
         size, tensors, cap = 0.0, 0, cal.ddp_first_bucket_bytes.value
         nodes = self.graph.nodes
         for i in reversed(range(len(frags))):
-            b = frags[i].params.get(0, 0.0)
+            b = frags[i].trained.get(0, 0.0)
             if not b:
                 continue
             members.append(nodes[i].name)
             size += b
             tensors += frags[i].tensors.get(0, 0)
-            if size >= cap or not any(frags[j].params.get(0) for j in range(i)):
+            if size >= cap or not any(frags[j].trained.get(0) for j in range(i)):
                 k = len(out)
                 deps = tuple(("b", m, d) for m in members for d in devices)
                 task = collective_task(self.ctx.as_ddp(), "all_reduce", devices, size, f"bucket {k}", deps,
@@ -480,6 +481,7 @@ class Simulator:
 
         # Optimizer update per device, after its gradient synchronisations.
         params = [0.0] * devices
+        trained = [0.0] * devices
         tensors = [0] * devices
         largest = [0.0] * devices
         acts = [0.0] * devices
@@ -487,6 +489,8 @@ class Simulator:
         for f in frags:
             for d, b in f.params.items():
                 params[d] += b
+            for d, b in f.trained.items():
+                trained[d] += b
             for d, k in f.tensors.items():
                 tensors[d] += k
             for d, b in f.largest.items():
@@ -500,6 +504,7 @@ class Simulator:
                 after[d].append(key)
         if shards > 1:
             params = [p / shards for p in params]
+            trained = [p / shards for p in trained]
             largest = [b / shards for b in largest]
         for b in buckets:
             for d in range(devices):
@@ -507,9 +512,9 @@ class Simulator:
         sharded = (not ddp and devices > 1) or shards > 1  # DTensor parameters
         mode = "fsdp" if shards > 1 else "sharded" if sharded else "ddp" if ddp else "plain"
         dev = self.cluster.device
-        owned = [p / devices for p in params] if zero1 else params  # the share each device updates
+        owned = [p / devices for p in trained] if zero1 else trained  # the share each device updates
         for d in range(devices):
-            if not params[d]:
+            if not trained[d]:
                 continue
             share = tensors[d] / devices if zero1 else tensors[d]
             dur = update_s(self.ctx, self.optimizer, owned[d], share, mode, sharded=sharded)
@@ -523,8 +528,8 @@ class Simulator:
             if keep_timeline:
                 timeline.append(Scheduled(t, start, start + dur))
         if zero1 and devices > 1:  # after every update, the updated shares all-gathered over every device
-            t = collective_task(self.ctx.as_ddp(), "all_gather", list(range(devices)), max(params), "zero1 params",
-                                tuple(("u", d) for d in range(devices) if params[d]), (("zero1",),),
+            t = collective_task(self.ctx.as_ddp(), "all_gather", list(range(devices)), max(trained), "zero1 params",
+                                tuple(("u", d) for d in range(devices) if trained[d]), (("zero1",),),
                                 "ZeRO-1 parameter broadcast")
             if cal is not None and cal.zero1_per_tensor_s is not None:  # the optimizer's bookkeeping per tensor
                 t = replace(t, duration=t.duration + cal.zero1_per_tensor_s.value * max(tensors) + cal.step("zero1"))
@@ -541,8 +546,8 @@ class Simulator:
         backward = self._backward_working(frags, rebuilt)
         working = rebuilt.working if rebuilt is not None else {}
         width = replica.width if replica is not None else devices
-        terms = [DeviceMemory(params[d], params[d], OPTIMIZER_STATE[self.optimizer] * owned[d], acts[d], largest[d],
-                              unsharded, params[d] if buckets_held else 0.0, loss_grad.get(d, 0.0),
+        terms = [DeviceMemory(params[d], trained[d], OPTIMIZER_STATE[self.optimizer] * owned[d], acts[d], largest[d],
+                              unsharded, trained[d] if buckets_held else 0.0, loss_grad.get(d, 0.0),
                               working.get(d, 0.0),  # checkpointing: one unit's activations rebuilt at a time
                               backward.get(d, 0.0), update_working=UPDATE_WORKING[self.optimizer] * owned[d],
                               loss_working=loss_work.get(d, 0.0))

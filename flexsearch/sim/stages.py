@@ -85,6 +85,13 @@ class NodeCost:
     (:func:`~flexsearch.sim.footprint.loss_copy_bytes`)."""
     view: bool = False
     """Its output is a view of its input (:func:`~flexsearch.sim.footprint.aliases`)."""
+    trained_bytes: float | None = None
+    """Of ``param_bytes``, those that train (None: all of them; frozen ones have no
+    gradient, optimizer state or synchronisation)."""
+
+    @property
+    def trains(self) -> float:
+        return self.param_bytes if self.trained_bytes is None else self.trained_bytes
 
 
 def _span(tasks) -> float:
@@ -131,7 +138,7 @@ def node_costs(graph: OpGraph, configs: Mapping[str, Config], ctx: CostContext) 
                                        frag.tensors.get(0, 0), frag.largest.get(0, 0.0), frag.cast.get(0, 0.0),
                                        share, loss_held_bytes(node, share) if node.name in returned else 0.0, grad,
                                        loss_copy_bytes(node, share) if node.name in returned else 0.0,
-                                       aliases(node))
+                                       aliases(node), frag.trained.get(0, 0.0))
         out[node.name] = hit
     return out
 
@@ -270,15 +277,17 @@ def rebuilt_bytes(c: NodeCost, i: int, cp: Checkpointing) -> float:
     return c.cast_bytes + (max(0.0, c.stash_bytes - c.output_bytes) if cp.boundary[i] else c.stash_bytes)
 
 
-def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float], extra_params: float = 0.0,
-               recompute: Checkpointing | None = None, edges: BoundaryCopies | None = None) -> StageCost:
+def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float],
+               extra_params: tuple[float, float] = (0.0, 0.0), recompute: Checkpointing | None = None,
+               edges: BoundaryCopies | None = None) -> StageCost:
     """A stage's cost (nodes ``[a, b)``), keeping ``edges``' copies at its edges
     (:class:`BoundaryCopies`; default none: a profile's chain). With checkpointing
     (:class:`~flexsearch.strategy.recompute.Checkpointing`), a dropped node reruns its
     forward in the backward and keeps nothing per microbatch unless its output leaves
     its unit (a unit's output is the next one's input, kept); a stage whose first node
     is dropped keeps the input it received; one unit's dropped activations are rebuilt at a time
-    (``working_bytes``, the largest unit's)."""
+    (``working_bytes``, the largest unit's). ``extra_params``: the bytes of tied weights
+    another stage owns, and of those the bytes that train (:func:`tied_weights`)."""
     cp = recompute or Checkpointing.none(len(costs))
     seg = range(a, b)
     fwd = sum(costs[i].forward_s for i in seg)
@@ -302,7 +311,8 @@ def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float],
     return StageCost(
         forward_s=fwd,
         backward_s=sum(costs[i].backward_s for i in seg) + again,
-        param_bytes=sum(costs[i].param_bytes for i in seg) + extra_params,
+        param_bytes=sum(costs[i].param_bytes for i in seg) + extra_params[0],
+        trained_bytes=sum(costs[i].trains for i in seg) + extra_params[1],
         stash_bytes=kept + inputs,
         send_bytes=cuts[b] if b < len(costs) else 0.0,
         working_bytes=max(rebuilt.values(), default=0.0),
@@ -317,9 +327,10 @@ def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float],
 
 
 def tied_weights(graph: OpGraph, costs: Sequence[NodeCost], bounds: Sequence[tuple[int, int]]):
-    """Extra parameter bytes per stage for weights owned by another stage, and the
-    (stage a, stage b, bytes) all-reduces of their gradients."""
-    extra = [0.0] * len(bounds)
+    """Extra parameter bytes per stage for weights owned by another stage (and of those,
+    the bytes that train), and the (stage a, stage b, bytes) all-reduces of their
+    gradients (none for a frozen weight)."""
+    extra = [(0.0, 0.0)] * len(bounds)
     tied = []
     stage_of = {}
     for k, (a, b) in enumerate(bounds):
@@ -328,11 +339,13 @@ def tied_weights(graph: OpGraph, costs: Sequence[NodeCost], bounds: Sequence[tup
     for _p, users in shared_params(graph).items():
         owner = next((i for i in users if graph.nodes[i].param_bytes), users[0])
         nbytes = costs[owner].param_bytes / max(1, len(graph.nodes[owner].params))
+        trains = nbytes * (costs[owner].trains / costs[owner].param_bytes if costs[owner].param_bytes else 1.0)
         stages = sorted({stage_of[i] for i in users})
         for k in stages:
             if k != stage_of[owner]:
-                extra[k] += nbytes
-                tied.append((min(k, stage_of[owner]), max(k, stage_of[owner]), nbytes))
+                extra[k] = (extra[k][0] + nbytes, extra[k][1] + trains)
+                if trains:
+                    tied.append((min(k, stage_of[owner]), max(k, stage_of[owner]), trains))
     return extra, tuple(tied)
 
 

@@ -20,8 +20,8 @@ Per node ``n`` with configuration ``c`` (:class:`~flexsearch.strategy.config.Con
   masks) has no gradient (:mod:`flexsearch.sim.gradients`);
 - a reduce split leaves partial sums: an **all-reduce** of the output over each group
   of ``t`` partitions follows the forward;
-- **gradient synchronisation**: an all-reduce of the node's (owned) parameter
-  gradients over each group of devices holding the same parameter shard;
+- **gradient synchronisation**: an all-reduce of the node's (owned, trained)
+  parameter gradients over each group of devices holding the same parameter shard;
 - memory terms: parameter shard, activations kept for the backward pass
   (:func:`~flexsearch.sim.footprint.kept_bytes`: what autograd saves, as traced, a recurrent layer's gates; and
   received inputs).
@@ -111,6 +111,7 @@ class Fragment:
     backward: list[Task] = field(default_factory=list)
     grad_local: list[tuple[int, Key]] = field(default_factory=list)  # (d, G key) b on d defines
     params: dict[int, float] = field(default_factory=dict)  # device -> parameter bytes
+    trained: dict[int, float] = field(default_factory=dict)  # device -> of those, bytes that train
     tensors: dict[int, int] = field(default_factory=dict)  # device -> parameter tensors
     largest: dict[int, float] = field(default_factory=dict)  # device -> bytes of its largest parameter tensor
     activations: dict[int, float] = field(default_factory=dict)  # device -> bytes kept
@@ -482,11 +483,15 @@ def node_tasks(
     if node.param_bytes:
         sharded = c.kind in ("p", "r")
         shard = node.param_bytes / (c.t if sharded else 1)
+        trained = node.trained_param_bytes / (c.t if sharded else 1)
         count = max(1, len(node.params))
         for _, _, d in parts:
             frag.params[d] = frag.params.get(d, 0.0) + shard
+            frag.trained[d] = frag.trained.get(d, 0.0) + trained
             frag.tensors[d] = frag.tensors.get(d, 0) + count
             frag.largest[d] = max(frag.largest.get(d, 0.0), largest_tensor(shard, count))
+        if not trained:  # frozen: no gradient to synchronise
+            return frag
         groups = (
             [[c.device(i, j) for i in range(c.s)] for j in range(c.t)] if sharded else [list(c.devices)]
         )
@@ -499,7 +504,7 @@ def node_tasks(
             # the DTensor emitter all-reduces each parameter's gradient on its own
             calls = count if ctx.calibration is not None else 1
             frag.backward += kept(replica, collective_task(
-                ctx, "all_reduce", group, shard, n, tuple(("b", n, d) for d in group), (key,),
+                ctx, "all_reduce", group, trained, n, tuple(("b", n, d) for d in group), (key,),
                 "gradients", calls), group)
             frag.sync.extend((d, key) for d in group if d < width)
     return frag

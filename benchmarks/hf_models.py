@@ -27,7 +27,10 @@ Last line: ``hf_ms=`` and ``zoo_ms=`` (predicted per iteration), ``ratio=`` (HF 
 zoo), both plans' kinds and model FLOP/s utilisations, ``extra_flops=`` (HF's FLOPs
 per iteration over the zoo model's: its loss, negligible next to the matmuls), and the
 Llama's ``llama_ddp_ms=``, ``llama_fsdp_ms=`` with its sharding, their ratio
-``llama_fsdp_over_ddp=`` and its FSDP units (``llama_fsdp_units=``). Measured
+``llama_fsdp_over_ddp=`` and its FSDP units (``llama_fsdp_units=``); and the Llama
+fine-tuned, its embedding and first three quarters of its layers frozen, as DDP:
+``llama_tune_ms=``, ``llama_tune_over_ddp=`` (over training all of it) and
+``llama_tune_gib=`` (its predicted peak per device). Measured
 on this host: ``hf_ms=152.828 zoo_ms=67.126 ratio=2.277`` (the Hugging Face model's
 elementwise GELU about 56 ms and its fp32 loss about 30 ms of its 140 ms of op time per
 device).
@@ -114,15 +117,24 @@ def main(argv: list[str] | None = None) -> int:
     model, inputs = hf_llama(*llama_shape)
     llama = {k: flexsearch.plan(model, inputs, devices=llama_devices, cluster=llama_cluster, kinds=[k],
                                 max_iters=args.max_iters, calibration=None) for k in ("data", "fsdp")}
+    # fine-tuning: the embedding and the first three quarters of the layers frozen
+    keep = llama_shape[0] - llama_shape[0] // 4
+    for name, p in model.named_parameters():
+        if name.startswith("model.embed_tokens.") or any(name.startswith(f"model.layers.{i}.") for i in range(keep)):
+            p.requires_grad_(False)
+    llama["tune"] = flexsearch.plan(model, inputs, devices=llama_devices, cluster=llama_cluster, kinds=["data"],
+                                    max_iters=args.max_iters, calibration=None)
     for k, plan in llama.items():
         print(f"llama {k:<5} {plan.kind}/{plan.shard:<6} {plan.predicted.iteration_time_s * 1e3:10.3f} ms  "
               f"peak {plan.predicted.peak_memory_bytes / 2**30:6.2f} GiB  units {len(plan.fsdp_units)}")
-    ddp_s, fsdp_s = (llama[k].predicted.iteration_time_s for k in ("data", "fsdp"))
+    ddp_s, fsdp_s, tune_s = (llama[k].predicted.iteration_time_s for k in ("data", "fsdp", "tune"))
     print(f"hf_ms={hf.predicted.iteration_time_s * 1e3:.3f} zoo_ms={zoo.predicted.iteration_time_s * 1e3:.3f} "
           f"ratio={hf.predicted.iteration_time_s / zoo.predicted.iteration_time_s:.3f} hf_kind={hf.kind} zoo_kind={zoo.kind} "
           f"hf_mfu={hf.mfu:.3f} zoo_mfu={zoo.mfu:.3f} extra_flops={hf.model_flops / zoo.model_flops:.3f} "
           f"llama_ddp_ms={ddp_s * 1e3:.3f} llama_fsdp_ms={fsdp_s * 1e3:.3f} llama_fsdp_shard={llama['fsdp'].shard} "
-          f"llama_fsdp_over_ddp={fsdp_s / ddp_s:.3f} llama_fsdp_units={len(llama['fsdp'].fsdp_units)}")
+          f"llama_fsdp_over_ddp={fsdp_s / ddp_s:.3f} llama_fsdp_units={len(llama['fsdp'].fsdp_units)} "
+          f"llama_tune_ms={tune_s * 1e3:.3f} llama_tune_over_ddp={tune_s / ddp_s:.3f} "
+          f"llama_tune_gib={llama['tune'].predicted.peak_memory_bytes / 2**30:.2f}")
     return 0
 
 

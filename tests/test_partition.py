@@ -101,6 +101,22 @@ def test_memory_infeasible_returns_none():
     assert partition(chain, [Level(2, 1.0)], memory=Memory(capacity=5.0, weight_factor=1.0)) is None
 
 
+def test_frozen_weights_are_held_once():
+    """Two layers of 100 frozen bytes each fit one device of 250 bytes: held once, no
+    gradient or optimizer state (counted as training, Adam's four copies, they need
+    four devices' worth); the search and the definition agree."""
+    mem = Memory(capacity=250.0, weight_factor=4.0)
+    frozen = Chain(compute=(1.0, 1.0), params=(0.0, 0.0), cut_bytes=(0.0, 1e9, 0.0), frozen=(100.0, 100.0))
+    trained = Chain(compute=(1.0, 1.0), params=(100.0, 100.0), cut_bytes=(0.0, 1e9, 0.0))
+    one = [Level(1, 1e9, 0.0)]
+    assert partition(frozen, one, memory=mem) is not None
+    assert partition(trained, one, memory=mem) is None
+    assert pipeline_time(frozen, one, (Stage(0, 2, 1),), memory=mem) == 2.0
+    assert pipeline_time(frozen, one, (Stage(0, 2, 1),), memory=Memory(199.0, 4.0)) == math.inf
+    with pytest.raises(ValueError, match="frozen"):
+        Chain(compute=(1.0,), params=(0.0,), cut_bytes=(0.0, 0.0), frozen=(1.0, 2.0))
+
+
 def test_nested_pipeline_time_reads_the_definition():
     chain = Chain(compute=(4.0, 4.0), params=(0.0, 0.0), cut_bytes=(0.0, 10.0, 0.0))
     levels = [Level(2, bandwidth=10.0), Level(2, bandwidth=1.0)]

@@ -402,6 +402,14 @@ def test_frozen_layers_synchronise_and_update_nothing():
             assert sims["ddp"].memory_terms[0].grads == layer and sims["ddp"].memory_terms[0].params == 3 * layer
             assert sims["ddp"].memory_terms[0].optimizer == 2 * layer
             assert sims["zero3"].memory_terms[0].grads == layer / 4
+    # the pipeline partitioner's chain: trained bytes all-reduced, frozen ones held once
+    from flexsearch.graph.microbatch import microbatch_graph
+    from flexsearch.search.pipeline import stage_chain
+    from flexsearch.sim.stages import cut_bytes, stage_node_costs
+
+    mg = microbatch_graph(build(True), 1)
+    chain = stage_chain(stage_node_costs(mg, ctx, 1), cut_bytes(mg))
+    assert sum(chain.params) == layer and sum(chain.frozen) == 2 * layer
     for k in out[True]:
         fine, full = out[True][k], out[False][k]
         assert fine.iteration_time_s < full.iteration_time_s, k

@@ -92,6 +92,10 @@ class Chain:
     cut_bytes: tuple[float, ...]
     stash: tuple[float, ...] = ()
     names: tuple[str, ...] = ()
+    frozen: tuple[float, ...] = ()
+    """Per layer, the bytes of frozen parameters besides ``params`` (those that train,
+    whose gradients are all-reduced): held once, without gradient or optimizer state
+    (:attr:`Memory.frozen_factor`)."""
 
     def __post_init__(self) -> None:
         n = len(self.compute)
@@ -101,7 +105,9 @@ class Chain:
             raise ValueError("chain arrays disagree: params needs L entries, cut_bytes L + 1")
         if self.stash and len(self.stash) != n:
             raise ValueError("chain stash needs one entry per layer")
-        for name in ("compute", "params", "cut_bytes", "stash"):
+        if self.frozen and len(self.frozen) != n:
+            raise ValueError("chain frozen needs one entry per layer")
+        for name in ("compute", "params", "cut_bytes", "stash", "frozen"):
             if any(not (v >= 0 and np.isfinite(v)) for v in getattr(self, name)):
                 raise ValueError(f"chain {name} must be finite and >= 0")
 
@@ -113,14 +119,15 @@ class Chain:
 @dataclass(frozen=True)
 class Memory:
     """Per-device memory rule of a stage replica holding layers with ``W`` parameter
-    bytes and ``S`` stashed activation bytes (per minibatch), with ``q =
-    in_flight(replicas)`` minibatches in flight:
-    ``W * (weight_factor + (q - 1 if weight_stashing else 0)) + S * q <= capacity``."""
+    bytes that train, ``F`` frozen and ``S`` stashed activation bytes (per minibatch),
+    with ``q = in_flight(replicas)`` minibatches in flight:
+    ``W * (weight_factor + (q - 1 if weight_stashing else 0)) + F * frozen_factor + S * q <= capacity``."""
 
     capacity: float
     weight_factor: float
     in_flight: Callable[[int], int] = field(default=lambda r: 1)
     weight_stashing: bool = False
+    frozen_factor: float = 1.0
 
     def per_replica(self, replicas: int) -> tuple[float, float]:
         """(bytes per parameter byte, bytes per stashed activation byte)."""
@@ -203,7 +210,8 @@ def pipeline_time(chain: Chain, levels: Sequence[Level], stages: Sequence[Stage]
             if memory is not None:
                 wf, sf = memory.per_replica(rep * st.replicas)
                 stash = float(sum(chain.stash[st.start:st.end])) if chain.stash else 0.0
-                if weights * wf + stash * sf > memory.capacity:
+                frozen = float(sum(chain.frozen[st.start:st.end])) if chain.frozen else 0.0
+                if weights * wf + frozen * memory.frozen_factor + stash * sf > memory.capacity:
                     return float("inf")
         else:
             inner = pipeline_time(chain, levels, st.inner, memory=memory, k=k - 1, rep=rep * st.replicas)
@@ -222,6 +230,7 @@ class _Solver:
         self.wpre = np.concatenate([[0.0], np.cumsum(chain.params)])
         stash = chain.stash or (0.0,) * n
         self.spre = np.concatenate([[0.0], np.cumsum(stash)])
+        self.fpre = np.concatenate([[0.0], np.cumsum(chain.frozen or (0.0,) * n)])
         self.cuts = np.asarray(chain.cut_bytes, dtype=float)
         self._info: dict[tuple, dict] = {}
 
@@ -236,7 +245,8 @@ class _Solver:
         e = self._furthest(self.cpre, x)
         if self.memory is not None:
             wf, sf = self.memory.per_replica(rep)
-            e = np.minimum(e, self._furthest(self.wpre * wf + self.spre * sf, self.memory.capacity))
+            held = self.wpre * wf + self.fpre * self.memory.frozen_factor + self.spre * sf
+            e = np.minimum(e, self._furthest(held, self.memory.capacity))
         return e
 
     def reach(self, k: int, x: float, rep: int) -> np.ndarray:

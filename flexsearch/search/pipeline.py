@@ -291,8 +291,9 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
         # ZeRO-1: the optimizer state's copies over the replicas; FSDP2 stages: the gathered
         # parameters and the whole gradients, the rest over the replicas
         state = {"zero1": 2 + (copies - 2) / d, "zero2": gather + grads + (copies - 1) / d}.get(shard, copies)
+        held = gather + 1 / d if shard == "zero2" else 1.0  # a frozen parameter's bytes per byte
         # a rank holds v chunks: each within its share of the memory
-        memory = Memory(cap / v, state, in_flight=lambda r: q)
+        memory = Memory(cap / v, state, in_flight=lambda r: q, frozen_factor=held)
         for recompute in modes:
             part = partition(chain_for(d * m, t, recompute, shard == "zero2"), [Level(p * v, bw, lat)], memory=memory,
                              replicate=False)
@@ -483,11 +484,12 @@ def stage_chain(costs: Sequence[NodeCost], cuts: Sequence[float], recompute: Che
     drops) and the bytes it keeps per microbatch (:func:`flexsearch.sim.stages.stage_cost`'s
     rule; ``whole``: every stage checkpointed as one unit, keeping only its input, which
     the partitioner's cut bytes already count)."""
+    params = tuple(c.trains for c in costs)
+    frozen = tuple(c.param_bytes - c.trains for c in costs) if any(c.trains < c.param_bytes for c in costs) else ()
     if whole:
-        return Chain(compute=tuple(2 * c.forward_s + c.backward_s for c in costs),
-                     params=tuple(c.param_bytes for c in costs), cut_bytes=tuple(cuts),
-                     stash=(0.0,) * len(costs))
+        return Chain(compute=tuple(2 * c.forward_s + c.backward_s for c in costs), params=params,
+                     cut_bytes=tuple(cuts), stash=(0.0,) * len(costs), frozen=frozen)
     cp = recompute or Checkpointing.none(len(costs))
     stash = [kept_bytes(c, i, cp) for i, c in enumerate(costs)]
     return Chain(compute=tuple(c.forward_s * (2 if cp.dropped[i] else 1) + c.backward_s for i, c in enumerate(costs)),
-                 params=tuple(c.param_bytes for c in costs), cut_bytes=tuple(cuts), stash=tuple(stash))
+                 params=params, cut_bytes=tuple(cuts), stash=tuple(stash), frozen=frozen)

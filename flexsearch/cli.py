@@ -7,6 +7,7 @@ no traceback), 1 internal error.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import warnings
@@ -225,8 +226,8 @@ def plan(
         graph = trace_graph(module, inputs, name=model, precision=prec)
         priced = measured_note(graph, measured, cl, f"profile {profile}") if measured is not None else None
         given = budget
-        if budget is not None:  # the budget bounds the whole command, tracing included
-            budget = max(1e-3, budget - (time.perf_counter() - started))
+        if budget is not None:  # the budget bounds the whole command: start-up, loading and tracing included
+            budget = max(1e-3, budget - max(time.perf_counter() - started, _process_age_s()))
         bar.update(task, description="searching: baselines and ILP seed", total=total, completed=0)
 
         def progress(it: int, best: float) -> None:
@@ -522,8 +523,29 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def _process_age_s() -> float:
+    """Seconds since this process started (Linux: from ``/proc``; else 0), so that a
+    budget counts the interpreter's start and the imports too."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def entry() -> None:
-    sys.exit(main())
+    """The ``flexsearch`` command: :func:`main`, then out without the interpreter's
+    teardown. Every output is written and flushed and every worker joined by then; what
+    is left is freeing torch's and the search's objects, 0.7 s after loading a model and
+    1.3 s after planning GPT-2 XL on this host (``os._exit`` against a normal exit), time a
+    ``--budget`` would otherwise pay for nothing."""
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

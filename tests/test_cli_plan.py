@@ -431,3 +431,16 @@ def test_plan_table_says_a_one_stage_pipeline_does_not_pipeline():
     assert "chunk 0" in text and "chunk 1" in text and "1 x 2 x" in text
     text = _table_text(one.model_copy(update={"stages": everywhere[:1], "chunks": 1, "microbatches": 4}))
     assert "no pipelining (one stage), 4 microbatches accumulated" in text and "stage 0" in text, text
+
+
+def test_a_budget_counts_from_the_process_start():
+    """``--budget`` bounds the whole command: the process's age (its start-up and imports,
+    before any clock of ours) is taken off it, as tracing is."""
+    import time
+
+    from flexsearch.cli import _process_age_s
+
+    assert _process_age_s() >= time.thread_time() - 0.05  # this thread ran that long on the CPU, at least
+    r = run("plan", TINY, "--devices", "2", "--cluster", "cpu", "--budget", "0.5", "--json")
+    assert r.returncode == 0, r.stderr
+    assert any("budget 0.5 s" in n for n in json.loads(r.stdout)["notes"])  # spent by start-up, tracing

@@ -22,8 +22,10 @@ solution seeds the MCMC, which optimises the simulated (overlapped) time.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
+from flexsearch.search.clock import past
 from flexsearch.search.ilp import AssignmentProblem, AssignmentResult, solve_assignment
 from flexsearch.search.mcmc import sigint_restored
 from flexsearch.sim.accounting import param_copies
@@ -160,11 +162,21 @@ class AssignmentBuilder:
         return {u.name: self.cands[i][a] for i, (u, a) in enumerate(zip(self.units, res.choice, strict=True))}, res
 
 
+SKIPPED_LATE = "skipped: past the budget"
+"""The ILP's status when the budget was spent before it started."""
+
+
 def ilp_seed(space: Space, ctx: CostContext, optimizer: str, limit_s: float, seed: int,
-             deterministic: bool) -> tuple[dict[str, Config] | None, str]:
+             deterministic: bool, deadline: float | None = None) -> tuple[dict[str, Config] | None, str]:
     """The planner's step 4 (:mod:`flexsearch.search.planner`): the exact solver's assignment (None when it found
     none) and its status; ``deterministic`` limits the solver by deterministic time, so
-    runs without a seconds budget are reproducible."""
+    runs without a seconds budget are reproducible. Started past ``deadline`` (a
+    ``time.perf_counter()`` time: a worker that ran the pipeline search first), it
+    skips; else the solver stops at the deadline too."""
+    if past(deadline):
+        return None, SKIPPED_LATE
+    if deadline is not None:
+        limit_s = max(0.0, min(limit_s, deadline - time.perf_counter()))
     with sigint_restored():  # CP-SAT would leave Ctrl-C killing the process
         dec, res = AssignmentBuilder(space, ctx, optimizer).solve(time_limit_s=limit_s, seed=seed,
                                                                   deterministic=deterministic)

@@ -316,37 +316,40 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
             gather_memo[t, d] = ctx.collective("all_gather", tuple(range(0, d * t, t)), 1e9).time_s / 1e9
         return gather_memo[t, d] * largest
 
-    estimates = []
-    for t in tensor_degrees(cluster):
-        if estimates and past(deadline):
-            break
-        # one stage: Megatron's tensor x data parallelism with accumulation (t = 1 is a data plan)
-        for p in range(1 if t > 1 else 2, min(n // t, max_stages or layers, layers) + 1):
-            if (n // t) % p:
-                continue
-            d = n // (t * p)
-            if batch % d:
-                continue
-            for m in microbatch_options(batch // d, p, smallest=SMALLEST_EXPORTED if graph.via == "export" else 1):
-                if costs_for(d * m, t) is None:
+    def grid():
+        """(t, p, d, m) of every layout, tensor degree by tensor degree."""
+        for t in tensor_degrees(cluster):
+            # one stage: Megatron's tensor x data parallelism with accumulation (t = 1 is a data plan)
+            for p in range(1 if t > 1 else 2, min(n // t, max_stages or layers, layers) + 1):
+                if (n // t) % p or batch % (n // (t * p)):
                     continue
-                modes = modes_of(t)
-                for schedule in schedules:
-                    v = 2 if schedule == "interleaved" else 1
-                    if v * p > layers:
-                        continue
-                    q = peak_in_flight(schedule, p, m, v)
-                    if q is None:
-                        continue
-                    plain = estimate(t, p, d, m, schedule, v, q, "none", modes)
-                    if plain is not None:
-                        estimates.append(plain)
-                    lighter = modes[:modes.index(plain[7])] if plain is not None else modes
-                    if d > 1 and lighter:  # sharding where it lets the layout checkpoint less
-                        for shard in pipeline_shardings(t, d, schedule)[1:]:
-                            sharded = estimate(t, p, d, m, schedule, v, q, shard, lighter)
-                            if sharded is not None:
-                                estimates.append(sharded)
+                d = n // (t * p)
+                for m in microbatch_options(batch // d, p, smallest=SMALLEST_EXPORTED if graph.via == "export" else 1):
+                    yield t, p, d, m
+
+    estimates = []
+    for t, p, d, m in grid():
+        if estimates and past(deadline):  # each new microbatch size costs the stages again
+            break
+        if costs_for(d * m, t) is None:
+            continue
+        modes = modes_of(t)
+        for schedule in schedules:
+            v = 2 if schedule == "interleaved" else 1
+            if v * p > layers:
+                continue
+            q = peak_in_flight(schedule, p, m, v)
+            if q is None:
+                continue
+            plain = estimate(t, p, d, m, schedule, v, q, "none", modes)
+            if plain is not None:
+                estimates.append(plain)
+            lighter = modes[:modes.index(plain[7])] if plain is not None else modes
+            if d > 1 and lighter:  # sharding where it lets the layout checkpoint less
+                for shard in pipeline_shardings(t, d, schedule)[1:]:
+                    sharded = estimate(t, p, d, m, schedule, v, q, shard, lighter)
+                    if sharded is not None:
+                        estimates.append(sharded)
     # a heap by estimate (ties: cheaper savings, then the order found); a layout found over
     # memory comes back with the next checkpointing mode that the partitioner fits
     queue = [(e[0], SAVINGS.index((e[7], e[9])), i, e) for i, e in enumerate(estimates)]

@@ -66,7 +66,7 @@ from flexsearch.graph.tracer import AUTOCAST_FSDP
 from flexsearch.plan import Plan, SearchInfo
 from flexsearch.precision import precision as precision_of
 from flexsearch.search import decentralized as dz
-from flexsearch.search.assignment import ilp_seed
+from flexsearch.search.assignment import SKIPPED_LATE, ilp_seed
 from flexsearch.search.clock import past
 from flexsearch.search.mcmc import SearchResult, mcmc
 from flexsearch.search.pipedream import pipedream_plan
@@ -408,7 +408,7 @@ def plan_synchronous(
             pending = submit(pool, pipeline_candidates, graph, ctx, tuple(kinds), optimizer, tuple(schedules),
                               deadline)
         if ilp_early:
-            ilp_pending = submit(pool, ilp_seed, space, ctx, optimizer, ilp_limit, seed, budget_s is None)
+            ilp_pending = submit(pool, ilp_seed, space, ctx, optimizer, ilp_limit, seed, budget_s is None, deadline)
     try:
         bound = lower_bound(graph, ctx, optimizer)
         if not bound > 0:
@@ -478,8 +478,10 @@ def plan_synchronous(
             if ilp_pending is not None or (want_ilp and (ilp_early or not close)):
                 if ilp_pending is not None:
                     dec, ilp_status = ilp_pending.result()
+                    if ilp_status == SKIPPED_LATE:
+                        cut.append("ILP")
                 elif past(deadline):
-                    dec, ilp_status = None, "skipped: past the budget"
+                    dec, ilp_status = None, SKIPPED_LATE
                     cut.append("ILP")
                 else:
                     left = ilp_limit if deadline is None else min(ilp_limit, (deadline - time.perf_counter()) / 4)

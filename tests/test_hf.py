@@ -127,14 +127,21 @@ def hf_job(rank: int, world: int, cases: list) -> list:
     sys.path.insert(0, str(ROOT / "tests" / "data"))
     out = []
     for name, plan in cases:
-        if name == "single_file_gpt":
+        if name.startswith("single_file_gpt"):
             import single_file_gpt as sf
 
             model, x = sf.with_targets()
+            if name.endswith("+frozen_tok"):  # its token table (tied to the head) frozen
+                model.tok.weight.requires_grad_(False)
             r = verify(model, plan, x)  # the model's own loss: no loss_fn, no target
         elif name.endswith("+labels"):  # a Hugging Face LM on its own loss
             model, (ids,) = build(name.removesuffix("+labels"))
             r = verify(model, plan, (ids, {"labels": ids}))
+        elif name.endswith("+padded"):  # the first sequence's second half padded (ignored): uneven shards
+            model, (ids,) = build(name.removesuffix("+padded"))
+            labels = ids.clone()
+            labels[0, ids.shape[1] // 2:] = -100
+            r = verify(model, plan, (ids, {"labels": labels}))
         else:
             model, x = build(name)
             torch.manual_seed(1)
@@ -421,8 +428,10 @@ def test_a_model_s_own_loss_splits_by_samples_as_data_parallel_runs_it(graphs):
     ZeRO-3 predictions of a 1B Llama on 8 H100s were 109.6 ms and 89.2 ms, now 86.6 ms
     and 66.3 ms, ``benchmarks/hf_models.py``); the simulated loss keeps half its
     log-probabilities per device on 2; and a SOAP plan with that split, emitted on
-    DTensor (a ``Partial`` mean over the samples), computes the model's loss and
-    gradients (2 gloo ranks)."""
+    DTensor, computes the model's loss and gradients (2 gloo ranks), also when one
+    rank's samples hold most of the ignored (padded) labels: each rank sums its samples'
+    losses and counts its labels, where DTensor's ``Partial`` average of the shards'
+    means was another number (``emit/losses.py``)."""
     from flexsearch.precision import precision
     from flexsearch.search.results import plan_from
     from flexsearch.sim.context import CostContext
@@ -447,6 +456,32 @@ def test_a_model_s_own_loss_splits_by_samples_as_data_parallel_runs_it(graphs):
     assert [t.detail.split()[:2] for t in frag.forward if t.kind == "coll"] == [["partial", "sums"]]
     strategy = Soap(configs, dec)
     plan = plan_from(g, cluster, strategy, predict(g, strategy, ctx), baselines={}, lower_bound_s=0.0)
-    for rank in run_ranks(hf_job, 2, [("llama+labels", plan)]):
+    for rank in run_ranks(hf_job, 2, [("llama+labels", plan), ("llama+padded", plan)]):
+        for _, kind, _, got, ref in rank:
+            assert kind == "soap" and got == pytest.approx(ref, rel=1e-5)
+
+
+def test_a_frozen_tied_weight_across_pipeline_stages_is_not_synchronised():
+    """Fine-tuning the single-file GPT with its token table (tied to its head) frozen, as
+    a 2-stage pipeline: the simulation plans no all-reduce of the tied weight's gradient
+    between the stages and the emitted module runs none (it gave the frozen weight a zero
+    gradient and all-reduced it, and verify found a gradient the reference has not);
+    trained, one of 65,536 bytes (2 gloo ranks)."""
+    import single_file_gpt as sf
+
+    from flexsearch.sim.context import CostContext
+    from flexsearch.sim.predict import predict
+
+    cl = Cluster.resolve("cpu", 2)
+    tied = {}
+    for frozen in (False, True):
+        model, x = sf.with_targets()
+        model.tok.weight.requires_grad_(not frozen)
+        g = trace(model, x)
+        plan = plan_graph(g, cl, kinds=("pipeline",), max_iters=0)
+        sim = predict(g, plan.strategy(g), CostContext(cl))
+        tied[frozen] = [t.task.nbytes for t in sim.timeline if t.task.name == "tied weights"]
+    assert tied == {False: [65536.0], True: []}
+    for rank in run_ranks(hf_job, 2, [("single_file_gpt+frozen_tok", plan)]):
         (_, kind, _, got, ref), = rank
-        assert kind == "soap" and got == pytest.approx(ref, rel=1e-5)
+        assert kind == "pipeline" and got == pytest.approx(ref, rel=1e-5)

@@ -358,7 +358,8 @@ def test_data_parallel_gradient_all_reduces(name):
 
 
 def test_frozen_layers_synchronise_and_update_nothing():
-    """Three Linear layers of 1 MB, the first two frozen (fine-tuning the last): every
+    """Three Linear layers of 1 MB, the first two frozen (fine-tuning the last): no
+    backward before the last (it ran theirs); every
     simulator synchronises and updates the last one's gradients only (DDP's op-level
     all-reduces, FSDP's reduce-scatters, the stage-level one-bucket all-reduce, the
     pipeline's per-stage syncs and D-PSGD's gossip), and counts its gradients and
@@ -402,6 +403,9 @@ def test_frozen_layers_synchronise_and_update_nothing():
             assert sims["ddp"].memory_terms[0].grads == layer and sims["ddp"].memory_terms[0].params == 3 * layer
             assert sims["ddp"].memory_terms[0].optimizer == 2 * layer
             assert sims["zero3"].memory_terms[0].grads == layer / 4
+            # nothing before the trained layer carries a gradient: autograd runs no backward there
+            bwd = {t.task.name: t.end - t.start for t in sims["ddp"].timeline if t.task.kind == "bwd"}
+            assert bwd["_0"] == bwd["_1"] == 0 < bwd["_2"]
     # the pipeline partitioner's chain: trained bytes all-reduced, frozen ones held once
     from flexsearch.graph.microbatch import microbatch_graph
     from flexsearch.search.pipeline import stage_chain

@@ -57,6 +57,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from flexsearch.emit.dense import dense_grad
 from flexsearch.emit.inputs import split, step_loss
+from flexsearch.emit.losses import loss_by_samples, loss_call
 from flexsearch.emit.placements import REPLICATE, arg_placement, input_placements, param_placement
 from flexsearch.emit.precision import autocast, backward, cast_inputs, cast_model
 from flexsearch.emit.runtime import Runtime
@@ -338,6 +339,13 @@ class ShardedModule(nn.Module):
         mod = self._gm[0].get_submodule(n.target) if n.op == "call_module" else None
         if isinstance(mod, nn.Embedding) and c.kind == "r" and c.t > 1:
             return self._vocab_parallel(n, mod, args, c, mesh)
+        if node.kind == "loss" and c.kind == "r" and c.t > 1:  # split by the samples: an exact mean
+            call = loss_call(n.target, mod, args, kwargs)
+            if mesh.get_coordinate() is None:  # not in the block: an empty number, in the backward pass
+                anchor = _Anchor.apply(call.input)
+                return DTensor.from_local(torch.empty(0, device=anchor.device) + anchor, mesh, REPLICATE,
+                                          run_check=False, shape=torch.Size(()), stride=())
+            return loss_by_samples(call, mesh)
         if node.kind in _LOCAL_KINDS or node.opaque or isinstance(mod, _LOCAL_MODULES) or \
                 (node.kind == "attention" and (c.n == 1 or mod is None and _per_head(args, kwargs))):
             return self._call_local(n, node, mod, args, kwargs, c, mesh)

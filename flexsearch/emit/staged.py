@@ -358,6 +358,8 @@ class PipelineModule(nn.Module):
                 local /= self.d
         for name, grp in self._tied:
             q = params[name]
+            if not q.requires_grad:  # a frozen tied weight (every rank's copy alike): nothing to sum
+                continue
             if q.grad is None:
                 q.grad = torch.zeros_like(q)
             g = q.grad

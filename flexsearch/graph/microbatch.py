@@ -72,7 +72,7 @@ def microbatch_graph(graph: OpGraph, k: int) -> OpGraph:
             "saved_bytes": None if node.saved_bytes is None else node.saved_bytes // k,
         }))
     return OpGraph(model=graph.model, via=graph.via, nodes=tuple(nodes), blocks=graph.blocks,
-                   unused_params=graph.unused_params)
+                   unused_params=graph.unused_params, frozen_params=graph.frozen_params)
 
 
 def param_sizes(graph: OpGraph) -> dict[str, int]:

@@ -214,6 +214,9 @@ class OpGraph(_Frozen):
     nodes: tuple[OpNode, ...]
     blocks: tuple[BlockGroup, ...] = ()
     unused_params: int = 0
+    frozen_params: tuple[str, ...] = ()
+    """The names (as in ``OpNode.params``) of the parameters that do not train
+    (``requires_grad=False``)."""
     modules: tuple[ModuleFacts, ...] = ()
     """The model's top-level modules holding parameters, and the items of containers
     among them, recursively (what FSDP's unit rule reads)."""

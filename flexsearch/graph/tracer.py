@@ -110,6 +110,7 @@ def trace_calls(
                               for n in low_params),
         blocks=blocks,
         unused_params=unused,
+        frozen_params=tuple(n for n, p in model.named_parameters() if not p.requires_grad),
         modules=module_facts(model),
         precision=prec.name,
         notes=tuple(notes),

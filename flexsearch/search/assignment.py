@@ -76,7 +76,7 @@ class AssignmentBuilder:
             if n.name in self.owner:
                 self.owned[self.owner[n.name]].append(n.name)
         self._edge_memo: dict[tuple, float] = {}
-        self._no_grad = without_gradient(g.nodes)
+        self._no_grad = without_gradient(g.nodes, g.frozen_params)
 
     def configs(self, u: int, a: Config) -> dict[str, Config]:
         """Configurations of every node unit ``u`` owns when it takes ``a``."""

@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from flexsearch.graph.opgraph import OpNode
@@ -25,17 +25,21 @@ def differentiable(dtype: str) -> bool:
     return dtype.startswith(("float", "bfloat", "complex"))
 
 
-def without_gradient(nodes: Sequence[OpNode]) -> frozenset[str]:
+def without_gradient(nodes: Sequence[OpNode], frozen: Iterable[str] = ()) -> frozenset[str]:
     """The ops (in topological order) whose output autograd gives no gradient: not
-    floating point (token ids, boolean masks), or computed from no parameter (model
-    inputs, buffers and constants only: Llama's rotary cos and sin, a mask built from
-    the input). Their readers send no gradient back to them, and they run no backward."""
+    floating point (token ids, boolean masks), or computed from no parameter that trains
+    (model inputs, buffers and constants only: Llama's rotary cos and sin, a mask built
+    from the input; the ``frozen`` parameters, by name: a fine-tuned model's frozen
+    layers before its first trained one). Their readers send no gradient back to them,
+    and they run no backward."""
+    frozen = frozenset(frozen)
     carries: set[str] = set()
     out: set[str] = set()
     for n in nodes:
         if is_source(n):
             continue
-        if n.outputs and differentiable(n.outputs[0].dtype) and (n.params or any(i in carries for i in n.inputs)):
+        trains = any(p not in frozen for p in n.params)
+        if n.outputs and differentiable(n.outputs[0].dtype) and (trains or any(i in carries for i in n.inputs)):
             carries.add(n.name)
         else:
             out.add(n.name)

@@ -115,7 +115,7 @@ class Simulator:
         self.rebuilt = 0  # fragments built so far (delta simulation statistics)
         self._links = tuple(link.id for link in self.cluster.links)
         self._checkpointing: dict[str, Checkpointing] = {}
-        self._no_grad = without_gradient(graph.nodes)
+        self._no_grad = without_gradient(graph.nodes, graph.frozen_params)
         index = {n.name: i for i, n in enumerate(graph.nodes)}
         self._inputs = [[index[i] for i in n.inputs] for n in graph.nodes]
         # (ddp, replica width) -> the configurations and fragments of the last call

@@ -446,12 +446,13 @@ def _loss(c: Call) -> Ruling:
     return Ruling("loss", ParallelDims(), None)
 
 
-@rule(nn.CrossEntropyLoss, nn.NLLLoss, F.cross_entropy, F.nll_loss,
-      aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, aten.nll_loss_forward)
+@rule(nn.CrossEntropyLoss, nn.NLLLoss, F.cross_entropy, F.nll_loss, aten.cross_entropy_loss, aten.nll_loss,
+      aten.nll_loss_nd)
 def _class_loss(c: Call) -> Ruling:
-    """Cross entropy and NLL reduced to a number: splittable by the samples (DTensor
-    runs them so, ``Partial`` sums or means); without class weights, whose mean would
-    weigh the shards unevenly."""
+    """Cross entropy and NLL reduced to a number: splittable by the samples (the SOAP
+    emitter sums each shard's losses and counts its labels:
+    :mod:`flexsearch.emit.losses`); not with class weights, whose mean would weigh the
+    shards by their weights."""
     out = c.out_shape or ()
     weighted = len(c.in_shapes) > 2 or c.arg(2, "weight") is not None
     if c.module is not None:

@@ -336,10 +336,11 @@ def tied_weights(graph: OpGraph, costs: Sequence[NodeCost], bounds: Sequence[tup
     for k, (a, b) in enumerate(bounds):
         for i in range(a, b):
             stage_of[i] = k
-    for _p, users in shared_params(graph).items():
+    frozen = frozenset(graph.frozen_params)
+    for name, users in shared_params(graph).items():
         owner = next((i for i in users if graph.nodes[i].param_bytes), users[0])
         nbytes = costs[owner].param_bytes / max(1, len(graph.nodes[owner].params))
-        trains = nbytes * (costs[owner].trains / costs[owner].param_bytes if costs[owner].param_bytes else 1.0)
+        trains = 0.0 if name in frozen else nbytes
         stages = sorted({stage_of[i] for i in users})
         for k in stages:
             if k != stage_of[owner]:

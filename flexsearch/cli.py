@@ -139,7 +139,7 @@ def plan(
     model: ModelArg,
     devices: Annotated[int, typer.Option(help="Number of devices.", min=1)] = 8,
     cluster: Annotated[str | None, typer.Option(help="Cluster preset name or cluster JSON file \\[default: dgx-h100].", show_default=False)] = None,
-    budget: Annotated[float | None, typer.Option(help="Time budget in seconds, tracing included: when it runs out "
+    budget: Annotated[float | None, typer.Option(help="Time budget in seconds from the command's start, tracing included: when it runs out "
                                                      "the best plan found so far is returned.", min=0.001)] = None,
     max_iters: Annotated[int | None, typer.Option(help="Search budget in MCMC steps (reproducible).", min=0)] = None,
     seed: Annotated[int, typer.Option(help="Random seed of the search.")] = 0,

@@ -22,6 +22,10 @@ Per node ``n`` with configuration ``c`` (:class:`~flexsearch.strategy.config.Con
   of ``t`` partitions follows the forward;
 - **gradient synchronisation**: an all-reduce of the node's (owned, trained)
   parameter gradients over each group of devices holding the same parameter shard;
+- an op on parameters alone (LoRA's ``A.t()``, a ViT's ``cls_token.expand``: no
+  activation inputs, so a source, free to read) holds them on every device, replicated
+  as every emitter places them, with their gradient synchronisation; its readers'
+  backward delivers its gradient;
 - memory terms: parameter shard, activations kept for the backward pass
   (:func:`~flexsearch.sim.footprint.kept_bytes`: what autograd saves, as traced, a recurrent layer's gates; and
   received inputs).
@@ -59,7 +63,7 @@ from flexsearch.sim.accounting import largest_tensor
 from flexsearch.sim.context import CostContext, collective_task, link_resources, transfer_task
 from flexsearch.sim.footprint import aliases, cast_copy_bytes, grad_bytes, kept_bytes
 from flexsearch.sim.tasks import Key, Task
-from flexsearch.strategy.config import Config, is_source, sample_dim
+from flexsearch.strategy.config import SOURCE_KINDS, Config, is_source, sample_dim
 
 
 class NotPeriodic(Exception):
@@ -307,6 +311,9 @@ def edge_tasks(
     backward: list[Task] = []
     needs: dict[int, list[Key]] = {}
     if is_source(p):
+        if p.param_bytes and p.kind not in SOURCE_KINDS:  # its gradient, summed where it is read
+            frag.grad_local += [(d, ("G", p.name, d)) for _, _, d in tasks_of(c)
+                                if replica is None or d < replica.width]
         return forward, backward, needs
     if soap_runtime(ctx) and (pc.first, pc.s, pc.t) != (c.first, c.s, c.t):
         return _mesh_move(node, c, k, p, pc, ctx, frag, replica, gradient)
@@ -405,6 +412,10 @@ def build_fragment(
     if node.kind == "output" and soap_runtime(ctx):
         return output_gather(producers, ctx, frag, replica)
     if is_source(node):
+        if node.param_bytes and node.kind not in SOURCE_KINDS:  # an op on parameters alone (module docstring)
+            n = ctx.cluster.devices
+            node_tasks(node, Config(1, "x", n) if n > 1 else Config(), ctx, frag, replica=replica,
+                       backward=node.name not in no_grad)
         return frag
     needs: dict[int, list[Key]] = {d: [] for _, _, d in tasks_of(c) if replica is None or d < replica.width}
     grad_edges: list[Task] = []

@@ -444,3 +444,17 @@ def test_a_budget_counts_from_the_process_start():
     r = run("plan", TINY, "--devices", "2", "--cluster", "cpu", "--budget", "0.5", "--json")
     assert r.returncode == 0, r.stderr
     assert any("budget 0.5 s" in n for n in json.loads(r.stdout)["notes"])  # spent by start-up, tracing
+
+
+def test_main_called_in_a_program_counts_its_budget_from_the_call(capsys, monkeypatch):
+    """``flexsearch.cli.main`` in a long-running program (here one alive for 1,000 s)
+    counts the budget from the call, not from the program's start (it found the budget
+    spent)."""
+    from test_cli import invoke
+
+    import flexsearch.cli
+
+    monkeypatch.setattr(flexsearch.cli, "_process_age_s", lambda: 1000.0)
+    r = invoke(capsys, "plan", TINY, "--devices", "2", "--cluster", "cpu", "--budget", "60", "--json")
+    assert r.returncode == 0, r.stderr
+    assert not [n for n in json.loads(r.stdout)["notes"] if n.startswith("budget")]

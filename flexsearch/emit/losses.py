@@ -6,10 +6,11 @@ dim is the batch: :mod:`flexsearch.strategy.config`). DTensor would run it as a
 holds as many counted targets: with ignored targets (``ignore_index``, -100 by default:
 a padded batch, Hugging Face's shifted labels) it is another number, and NaN when one
 shard's targets are all ignored. So each of the ``t`` ranks computes the *sum* of its
-samples' losses and the count of its targets not ignored; the loss is the sum of the
-sums (``reduction="sum"``) or that over the sum of the counts (``"mean"``): what the
-whole batch gives, label smoothing included (torch averages both of its terms over the
-same count). Class weights are never split (the registry leaves them whole).
+samples' losses and the count of its targets not ignored (class probabilities as
+targets: of its samples, times their positions); the loss is the sum of the sums
+(``reduction="sum"``) or that over the sum of the counts (``"mean"``): what the whole
+batch gives, label smoothing included (torch averages both of its terms over the same
+count). Class weights are never split (the registry leaves them whole).
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def loss_call(target: Any, module: nn.Module | None, args: tuple, kwargs: dict) 
     ``nn.NLLLoss``) with ``args`` and ``kwargs``."""
     if module is not None:
         ce = isinstance(module, nn.CrossEntropyLoss)
-        return LossCall(ce, args[0], args[1], module.reduction, module.ignore_index,
+        named = dict(zip(("input", "target"), args, strict=False)) | kwargs
+        return LossCall(ce, named["input"], named["target"], module.reduction, module.ignore_index,
                         module.label_smoothing if ce else 0.0)
     packet = getattr(target, "overloadpacket", target)
     if packet in _ATEN:
@@ -85,6 +87,11 @@ def loss_by_samples(call: LossCall, mesh) -> DTensor:
     out = DTensor.from_local(total, mesh, (Replicate(), Partial("sum")), run_check=False).redistribute(mesh, whole)
     if call.reduction == "sum":
         return out
-    counted = (y.to_local() != call.ignore_index).sum().to(total.dtype)
+    yl = y.to_local()
+    if yl.is_floating_point():  # class probabilities: every sample (and position) counts
+        counted = torch.tensor(yl.numel() // yl.shape[1] if yl.dim() > 1 else yl.numel(), dtype=total.dtype,
+                               device=total.device)
+    else:
+        counted = (yl != call.ignore_index).sum().to(total.dtype)
     count = DTensor.from_local(counted, mesh, (Replicate(), Partial("sum")), run_check=False).redistribute(mesh, whole)
     return out / count

@@ -341,10 +341,9 @@ class ShardedModule(nn.Module):
             return self._vocab_parallel(n, mod, args, c, mesh)
         if node.kind == "loss" and c.kind == "r" and c.t > 1:  # split by the samples: an exact mean
             call = loss_call(n.target, mod, args, kwargs)
-            if mesh.get_coordinate() is None:  # not in the block: an empty number, in the backward pass
-                anchor = _Anchor.apply(call.input)
-                return DTensor.from_local(torch.empty(0, device=anchor.device) + anchor, mesh, REPLICATE,
-                                          run_check=False, shape=torch.Size(()), stride=())
+            if mesh.get_coordinate() is None:  # not in the block: a number in the backward pass (a 0-dim
+                # local tensor: from_local reads an empty shape as none given)
+                return DTensor.from_local(_Anchor.apply(call.input), mesh, REPLICATE, run_check=False)
             return loss_by_samples(call, mesh)
         if node.kind in _LOCAL_KINDS or node.opaque or isinstance(mod, _LOCAL_MODULES) or \
                 (node.kind == "attention" and (c.n == 1 or mod is None and _per_head(args, kwargs))):

@@ -80,21 +80,26 @@ ACTIVATION_RTOL = 0.10
 """[v2 3/6]'s bound: the memory model within 10% of torch's trackers per category."""
 
 
-def tracked_job(rank: int, world: int, spec: str, plans: list, frozen: tuple[str, ...] = ()) -> list[dict[str, float]]:
+def emitted(spec: str, plan, frozen: tuple[str, ...] = ()):
+    """The model of ``spec`` (its parameters named ``frozen*`` frozen) emitted for
+    ``plan``, its Adam optimizer, inputs and target."""
+    from flexsearch.emit import make_optimizer, parallelize
+
+    model, x, y = with_target(spec)
+    freeze(model, frozen)
+    module = parallelize(model, plan)
+    return module, make_optimizer(module, torch.optim.Adam, lr=1e-3), x, y
+
+
+def tracked_job(rank: int, world: int, spec: str, plans: list) -> list[dict[str, float]]:
     """On every rank: each plan emitted, two Adam steps under torch's tracker; per plan
-    the tracked state after the step and the activations held when the loss is known.
-    ``frozen``: the parameters whose names start so do not train."""
+    the tracked state after the step and the activations held when the loss is known."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from flexsearch.emit import make_optimizer, parallelize
-
     out = []
     for plan in plans:
-        model, x, y = with_target(spec)
-        freeze(model, frozen)
-        module = parallelize(model, plan)
-        opt = make_optimizer(module, torch.optim.Adam, lr=1e-3)
+        module, opt, x, y = emitted(spec, plan)
         tracker = FSDPMemTracker(module.module, opt) if plan.shard_params else MemTracker()
         if not plan.shard_params:
             tracker.track_external(module, opt)
@@ -189,18 +194,13 @@ def state_job(rank: int, world: int, spec: str, plans: list, frozen: tuple[str, 
     hooks every parameter's gradient and raises for a frozen one)."""
     from torch.distributed.tensor import DTensor
 
-    from flexsearch.emit import make_optimizer, parallelize
-
     def local(t) -> float:
         t = t.to_local() if isinstance(t, DTensor) else t
         return float(t.numel() * t.element_size())
 
     out = []
     for plan in plans:
-        model, x, y = with_target(spec)
-        freeze(model, frozen)
-        module = parallelize(model, plan)
-        opt = make_optimizer(module, torch.optim.Adam, lr=1e-3)
+        module, opt, x, y = emitted(spec, plan, frozen)
         for _ in range(2):
             opt.zero_grad(set_to_none=True)
             module.train_step(x, y, mse)

@@ -155,8 +155,8 @@ def test_tiny_runs_forward_backward_deterministically(entry):
     torch.testing.assert_close(gm(*inputs2), out.detach())
 
     # tiny: under 1 GFLOP per forward (at most 0.17 here), and fast even on a loaded
-    # machine: the fastest of three forwards (1-25 ms here when idle; nmt_tiny's took
-    # 1.39-1.43 s in two CI runs while other tests' gloo ranks held both cores, over
+    # machine: the fastest of three forwards (0.0-6.1 ms here on one thread; nmt_tiny's
+    # took 1.39-1.43 s in two CI runs while other tests' gloo ranks held both cores, over
     # the 1 s this bound was)
     with torch.no_grad(), FlopCounterMode(display=False) as flops:
         model(*inputs)

@@ -201,9 +201,12 @@ def test_in_place_ops_run() -> None:
 
 
 def hang_job(rank: int, world: int) -> None:
-    if rank == 1:
-        import time
+    import time
 
+    import torch.distributed as dist
+
+    dist.barrier()  # both connected before rank 0 leaves (once, under load, rank 1's connect found it gone)
+    if rank == 1:
         time.sleep(600)
 
 

@@ -81,13 +81,12 @@ def loss_by_samples(call: LossCall, mesh) -> DTensor:
     """The loss of ``call``, its input and target ``(Replicate(), Shard(0))`` DTensors on
     the ``(s, t)`` ``mesh`` (module docstring): replicated on the mesh. Every rank of the
     mesh takes part (an exported graph's ops use every device)."""
-    x, y = call.input, call.target
+    x, yl = call.input, call.target.to_local()
     whole = (Replicate(), Replicate())
-    total = call.summed(x.to_local(grad_placements=(Replicate(), Shard(0))), y.to_local())
+    total = call.summed(x.to_local(grad_placements=(Replicate(), Shard(0))), yl)
     out = DTensor.from_local(total, mesh, (Replicate(), Partial("sum")), run_check=False).redistribute(mesh, whole)
     if call.reduction == "sum":
         return out
-    yl = y.to_local()
     if yl.is_floating_point():  # class probabilities: every sample (and position) counts
         counted = torch.tensor(yl.numel() // yl.shape[1] if yl.dim() > 1 else yl.numel(), dtype=total.dtype,
                                device=total.device)

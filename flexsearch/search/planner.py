@@ -478,14 +478,13 @@ def plan_synchronous(
             if ilp_pending is not None or (want_ilp and (ilp_early or not close)):
                 if ilp_pending is not None:
                     dec, ilp_status = ilp_pending.result()
-                    if ilp_status == SKIPPED_LATE:
-                        cut.append("ILP")
                 elif past(deadline):
                     dec, ilp_status = None, SKIPPED_LATE
-                    cut.append("ILP")
                 else:
                     left = ilp_limit if deadline is None else min(ilp_limit, (deadline - time.perf_counter()) / 4)
                     dec, ilp_status = ilp_seed(space, ctx, optimizer, left, seed, budget_s is None)
+                if ilp_status == SKIPPED_LATE:
+                    cut.append("ILP")
                 if dec is not None:
                     seeds.append(dec)
             elif want_ilp:

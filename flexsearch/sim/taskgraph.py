@@ -311,7 +311,7 @@ def edge_tasks(
     backward: list[Task] = []
     needs: dict[int, list[Key]] = {}
     if is_source(p):
-        if p.param_bytes and p.kind not in SOURCE_KINDS:  # its gradient, summed where it is read
+        if on_parameters(p):  # its gradient, summed where it is read
             frag.grad_local += [(d, ("G", p.name, d)) for _, _, d in tasks_of(c)
                                 if replica is None or d < replica.width]
         return forward, backward, needs
@@ -396,6 +396,11 @@ def output_gather(producers: list[tuple[OpNode, Config]], ctx: CostContext, frag
     return frag
 
 
+def on_parameters(node: OpNode) -> bool:
+    """Is ``node`` an op on parameters alone (a source owning parameters, module docstring)?"""
+    return bool(node.param_bytes) and node.kind not in SOURCE_KINDS and is_source(node)
+
+
 def build_fragment(
     node: OpNode,
     c: Config,
@@ -412,7 +417,7 @@ def build_fragment(
     if node.kind == "output" and soap_runtime(ctx):
         return output_gather(producers, ctx, frag, replica)
     if is_source(node):
-        if node.param_bytes and node.kind not in SOURCE_KINDS:  # an op on parameters alone (module docstring)
+        if on_parameters(node):
             n = ctx.cluster.devices
             node_tasks(node, Config(1, "x", n) if n > 1 else Config(), ctx, frag, replica=replica,
                        backward=node.name not in no_grad)

@@ -431,7 +431,9 @@ def test_a_model_s_own_loss_splits_by_samples_as_data_parallel_runs_it(graphs):
     DTensor, computes the model's loss and gradients (2 gloo ranks), also when one
     rank's samples hold most of the ignored (padded) labels: each rank sums its samples'
     losses and counts its labels, where DTensor's ``Partial`` average of the shards'
-    means was another number (``emit/losses.py``)."""
+    means was another number (``emit/losses.py``); and so does DDP with the padded
+    labels, each rank's mean over the labels all ranks hold (``GlobalMean``), where each
+    rank's own mean failed ``verify``."""
     from flexsearch.precision import precision
     from flexsearch.search.results import plan_from
     from flexsearch.sim.context import CostContext
@@ -439,7 +441,7 @@ def test_a_model_s_own_loss_splits_by_samples_as_data_parallel_runs_it(graphs):
     from flexsearch.sim.predict import predict
     from flexsearch.sim.simulator import Simulator
     from flexsearch.strategy.config import Config
-    from flexsearch.strategy.kinds import Soap
+    from flexsearch.strategy.kinds import DataParallel, Soap
     from flexsearch.strategy.recipes import data_parallel
 
     model, (ids,) = build("llama")
@@ -454,11 +456,13 @@ def test_a_model_s_own_loss_splits_by_samples_as_data_parallel_runs_it(graphs):
     frag = Simulator(g, ctx).fragment(loss.name, configs)
     assert frag.activations == {0: kept_bytes(loss) / 2, 1: kept_bytes(loss) / 2}
     assert [t.detail.split()[:2] for t in frag.forward if t.kind == "coll"] == [["partial", "sums"]]
-    strategy = Soap(configs, dec)
-    plan = plan_from(g, cluster, strategy, predict(g, strategy, ctx), baselines={}, lower_bound_s=0.0)
-    for rank in run_ranks(hf_job, 2, [("llama+labels", plan), ("llama+padded", plan)]):
-        for _, kind, _, got, ref in rank:
-            assert kind == "soap" and got == pytest.approx(ref, rel=1e-5)
+    plans = [plan_from(g, cluster, s, predict(g, s, ctx), baselines={}, lower_bound_s=0.0)
+             for s in (Soap(configs, dec), DataParallel(configs, dec))]
+    cases = [("llama+labels", plans[0]), ("llama+padded", plans[0]), ("llama+padded", plans[1])]
+    for rank in run_ranks(hf_job, 2, cases):
+        assert [c[1] for c in rank] == ["soap", "soap", "data"]
+        for _, _, _, got, ref in rank:
+            assert got == pytest.approx(ref, rel=1e-5)
 
 
 def test_a_frozen_tied_weight_across_pipeline_stages_is_not_synchronised():

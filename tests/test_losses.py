@@ -80,3 +80,68 @@ def test_split_losses_are_the_whole_batch_s():
         for rank in run_ranks(job, devices, cases, timeout_s=600):
             for got, ref in rank:
                 assert got == pytest.approx(ref, rel=1e-5)
+
+
+class Losses(nn.Module):
+    """A classifier over a sequence computing its own mean loss (``variant``: how), with
+    ignored targets."""
+
+    def __init__(self, variant: str):
+        super().__init__()
+        self.variant = variant
+        self.fc = nn.Linear(16, 8)
+        self.register_buffer("weights", torch.linspace(0.5, 2.0, 8))
+
+    def forward(self, x, y):
+        h = self.fc(x)  # (batch, positions, classes)
+        flat, labels = h.flatten(0, 1), y.flatten()
+        if self.variant == "nll":
+            return h, F.nll_loss(F.log_softmax(flat, -1), labels)
+        if self.variant == "weighted":
+            return h, F.cross_entropy(flat, labels, weight=self.weights, label_smoothing=0.1)
+        if self.variant == "classes_second":  # (batch, classes, positions), ignore_index of its own
+            return h, F.cross_entropy(h.transpose(1, 2), y.masked_fill(y < 0, 7).clamp(max=6), ignore_index=6)
+        # two losses, the second on the first position only: two counts
+        return h, F.cross_entropy(flat, labels) + 0.5 * F.cross_entropy(h[:, 0], y[:, 0])
+
+
+DATA_VARIANTS = ("nll", "weighted", "classes_second", "two_losses")
+
+
+def sequences(variant: str):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    model = Losses(variant)
+    x = torch.randn(4, 6, 16, generator=g)
+    y = torch.randint(0, 8, (4, 6), generator=g)
+    y[0, 1:] = -100  # the first rank's samples mostly ignored (padded)
+    y[1, 3:] = -100
+    return model, (x, y)
+
+
+def data_job(rank: int, world: int, cases: list) -> list[tuple[str, float, float]]:
+    from flexsearch.emit.verify import verify
+
+    out = []
+    for variant, plan in cases:
+        model, x = sequences(variant)
+        r = verify(model, plan, x, steps=2)
+        out.append((variant, r["loss"], r["reference_loss"]))
+    return out
+
+
+def test_data_parallel_mean_losses_are_the_whole_batch_s():
+    """DDP, ZeRO-1 and FSDP2 (ZeRO-3) on 2 ranks whose samples hold different numbers of
+    ignored targets: every mean class loss is the whole batch's (``GlobalMean``), its
+    value and its gradients: NLL, class weights with label smoothing, classes in dim 1
+    with an ``ignore_index`` of its own, and two losses of different counts summed. Each
+    rank's own mean gave the mean of the ranks' means (``verify`` failed on every case)."""
+    cases = []
+    for variant in DATA_VARIANTS:
+        model, x = sequences(variant)
+        plan = flexsearch.plan(model, x, devices=2, cluster="cpu", kinds=["data"], max_iters=0, precision="fp32")
+        for shard in ("none", "zero1", "zero3"):
+            cases.append((variant, plan.model_copy(update={"shard": shard})))
+    for rank in run_ranks(data_job, 2, cases, timeout_s=600):
+        for variant, got, ref in rank:
+            assert got == pytest.approx(ref, rel=1e-5), variant

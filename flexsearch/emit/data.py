@@ -9,7 +9,12 @@ or FSDP2 ``fully_shard`` over the FSDP units the plan records
 Calling convention: ``module(x)`` is the wrapped model on *this rank's* shard of the
 batch (as with DDP); :meth:`DataParallelModule.train_step` takes the global batch on
 every rank, runs this rank's shard forward and backward (the wrapper averages the
-gradients), and returns the global mean loss.
+gradients), and returns the global mean loss. Without accumulation a mean class loss
+(cross-entropy, NLL) is the whole batch's, ignored targets counted over every rank
+(:class:`flexsearch.emit.losses.GlobalMean`), as the single process computes it: with
+padded labels each rank's own mean would weigh its samples by its own count. With
+``microbatches > 1`` it is the mean of the microbatches' and ranks' means (the count of
+a later microbatch is not known at an earlier one's backward).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from flexsearch.emit.inputs import shard, split, step_loss
+from flexsearch.emit.losses import GlobalMean
 from flexsearch.emit.precision import autocast, backward, cast_inputs, cast_model, fsdp_policy
 from flexsearch.emit.recompute import checkpoint_modules
 from flexsearch.emit.runtime import Runtime
@@ -132,9 +138,10 @@ class DataParallelModule(nn.Module):
             last = k == m - 1
             with self._sync(last):
                 args, kwargs = split(shard(xs, k, m))
-                out = self(*args, **kwargs)
-                with autocast(prec, self._rt.device_type):
-                    loss = step_loss(out, batch_shard(ys, k, m), loss_fn) / m
+                with GlobalMean(self._rt.group, n) if m == 1 and n > 1 else contextlib.nullcontext():
+                    out = self(*args, **kwargs)
+                    with autocast(prec, self._rt.device_type):
+                        loss = step_loss(out, batch_shard(ys, k, m), loss_fn) / m
                 backward(loss, prec, self.parameters)
             total = total + loss.detach().float()
         dist.all_reduce(total, group=self._rt.group)

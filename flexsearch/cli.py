@@ -376,7 +376,10 @@ def verify(
     n = ranks or p.devices
     if n != p.devices:
         raise FlexsearchError(f"the plan is for {p.devices} devices, not {n}: use --ranks {p.devices}")
-    load_model(model)  # a model file that does not load is bad input, before any rank starts
+    # a model file that does not load, or a plan made for another model, is bad input, before any rank starts
+    from flexsearch.graph.tracer import trace as trace_model
+
+    p.check_graph(trace_model(*load_model(model), name=model, precision=p.precision))
     try:
         results = run_ranks(verify_job, n, model, p.model_dump_json(), steps, timeout_s=timeout)
     except RanksFailed as e:

@@ -311,6 +311,15 @@ def test_verify_reports_a_mismatch_over_a_peers_crash(monkeypatch, capsys, mlp_p
     assert not got["ranks"][1]["ok"] and "Connection closed by peer" in got["ranks"][1]["error"]
 
 
+def test_verify_refuses_another_models_plan_before_starting_ranks(monkeypatch, capsys, mlp_plan):
+    """A plan made for another model: exit 2 with both models named, and no rank started
+    (the ranks found it, exit 1, with the plan's model named twice)."""
+    other = str(ROOT / "benchmarks/models/mlp.py:mlp_digits")
+    monkeypatch.setattr("flexsearch.emit.launch.run_ranks", lambda *a, **k: pytest.fail("a rank started"))
+    r = invoke(capsys, "verify", other, "--plan", str(mlp_plan))
+    assert r.returncode == 2 and "made for model" in r.stderr and "mlp_digits" in r.stderr, r.stderr
+
+
 UNSEEDED = '''
 import torch
 from torch import nn

@@ -431,9 +431,10 @@ def test_a_model_s_own_loss_splits_by_samples_as_data_parallel_runs_it(graphs):
     DTensor, computes the model's loss and gradients (2 gloo ranks), also when one
     rank's samples hold most of the ignored (padded) labels: each rank sums its samples'
     losses and counts its labels, where DTensor's ``Partial`` average of the shards'
-    means was another number (``emit/losses.py``); and so does DDP with the padded
-    labels, each rank's mean over the labels all ranks hold (``GlobalMean``), where each
-    rank's own mean failed ``verify``."""
+    means was another number (``emit/losses.py``); and so do DDP with the padded
+    labels, each rank's mean over the labels all ranks hold (``GlobalMean``), and a
+    2-stage pipeline of 2 microbatches, its gradients rescaled by the count over all of
+    them (``DeferredMean``), where each rank's or microbatch's own mean failed ``verify``."""
     from flexsearch.precision import precision
     from flexsearch.search.results import plan_from
     from flexsearch.sim.context import CostContext
@@ -458,9 +459,12 @@ def test_a_model_s_own_loss_splits_by_samples_as_data_parallel_runs_it(graphs):
     assert [t.detail.split()[:2] for t in frag.forward if t.kind == "coll"] == [["partial", "sums"]]
     plans = [plan_from(g, cluster, s, predict(g, s, ctx), baselines={}, lower_bound_s=0.0)
              for s in (Soap(configs, dec), DataParallel(configs, dec))]
-    cases = [("llama+labels", plans[0]), ("llama+padded", plans[0]), ("llama+padded", plans[1])]
+    plans.append(flexsearch.plan(model, (ids, {"labels": ids}), devices=2, cluster="cpu", kinds=["pipeline"],
+                                 max_iters=0, precision="fp32"))
+    cases = [("llama+labels", plans[0]), ("llama+padded", plans[0]), ("llama+padded", plans[1]),
+             ("llama+padded", plans[2])]
     for rank in run_ranks(hf_job, 2, cases):
-        assert [c[1] for c in rank] == ["soap", "soap", "data"]
+        assert [c[1] for c in rank] == ["soap", "soap", "data", "pipeline"]
         for _, _, _, got, ref in rank:
             assert got == pytest.approx(ref, rel=1e-5)
 

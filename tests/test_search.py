@@ -638,3 +638,17 @@ def test_the_search_makes_no_reference_cycles_and_pauses_the_collector(monkeypat
     flexsearch.plan(*zoo.build("gpt_tiny"), devices=4, cluster="dgx-h100", max_iters=20, workers=1)
     assert seen and not any(seen)
     assert gc.isenabled()
+
+
+def test_a_batch_that_does_not_split_gets_no_data_parallel_plan():
+    """A batch of 3 on 2 devices: DDP cannot split it, so the plan is not ``data`` (the
+    planner returned a data plan the emitter refused: ``the batch of 3 does not split
+    evenly over 2 data-parallel ranks``), and a note says why."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    plan = flexsearch.plan(model, (torch.randn(3, 4),), devices=2, cluster="cpu", max_iters=20,
+                           kinds=["data", "soap"], precision="fp32")
+    assert plan.kind == "soap"
+    assert any("no data-parallel plan: the batch of 3 does not split evenly over 2 devices" in n for n in plan.notes)
+    even = flexsearch.plan(model, (torch.randn(4, 4),), devices=2, cluster="cpu", max_iters=20,
+                           kinds=["data", "soap"], precision="fp32")
+    assert not any("no data-parallel plan" in n for n in even.notes)

@@ -9,6 +9,7 @@ from conftest import reference_flops
 from pydantic import ValidationError
 from torch import nn
 
+import flexsearch
 from flexsearch import OpGraph, TraceError, trace
 from flexsearch.graph.saved import storage
 from flexsearch.graph.tracer import trace_calls
@@ -81,6 +82,36 @@ def test_soap_dims_of_standard_layers():
     assert emb.bytes_read < 100 * 32 * 4  # a lookup does not read the whole table
     pos = g.node("wpe")  # positions carry no batch
     assert all(d.kind != "sample" for d in pos.dims.output)
+
+
+class TimmAttention(nn.Module):
+    """timm's ViT attention: ``qkv.reshape(B, N, 3, heads, d).permute(2, 0, 3, 1, 4)``
+    (permute's dims as separate arguments), then a sequence-first transpose."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, 4, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, c)
+        return self.proj(y).transpose(0, 1)
+
+
+def test_the_batch_follows_permutes_and_transposes():
+    """The batch dim after ``permute(*dims)``, ``unbind`` of another dim and
+    ``transpose(i, j)``: permute's separate arguments and every transpose were read as
+    no move, so the batch stayed on dim 0 (a pipeline plan raised: ``permute: batch
+    extent 3 is not divisible by 2 microbatches``), and a part along another dim lost it
+    unless the batch led."""
+    g = trace(TimmAttention(), (torch.randn(4, 6, 16),))
+    sample = {n.name: [d.dim for d in n.dims.output if d.kind == "sample"] for n in g.nodes}
+    assert sample["permute"] == [1] and sample["unbind"] == [0] and sample["scaled_dot_product_attention"] == [0]
+    assert sample["transpose"] == [0] and sample["proj"] == [0] and sample["transpose_1"] == [1]
+    plan = flexsearch.plan(TimmAttention(), (torch.randn(4, 6, 16),), devices=2, cluster="cpu",
+                           kinds=["pipeline"], max_iters=0)
+    assert plan.kind == "pipeline"
 
 
 def test_repeated_blocks_found():
@@ -619,3 +650,72 @@ def test_frozen_layers_count_no_weight_gradient_and_the_notes_say_so():
     assert any("2,112 of 3,168 parameters are frozen" in n for n in g.notes)
     assert [(n.param_bytes, n.trained_param_bytes) for n in g.nodes if n.param_bytes] == \
         [(1056 * 4, 0), (1056 * 4, 0), (1056 * 4, 1056 * 4)]
+
+
+def test_a_grouped_convolution_is_not_split_by_its_filters():
+    """A depthwise convolution (ConvNeXt's): a share of its filters reads the matching
+    share of the input channels, which no configuration runs, so its channels are no
+    parameter dim (a SOAP plan split it by filters and the emitted conv raised
+    ``Given groups=32, expected weight to be at least 32 at dimension 0``)."""
+    from flexsearch.strategy.config import legal, parse_config
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 7, padding=3, groups=8))
+    g = trace(model, (torch.randn(4, 3, 16, 16),))
+    dense, depthwise = (n for n in g.nodes if n.kind == "conv")
+    assert [d.kind for d in dense.dims.output if d.dim == 1] == ["parameter"] and dense.dims.reduced
+    assert all(d.dim != 1 for d in depthwise.dims.output) and not depthwise.dims.reduced
+    assert legal(dense, parse_config("s1.p2:1"), 2) and not legal(depthwise, parse_config("s1.p2:1"), 2)
+    assert legal(depthwise, parse_config("s2"), 2)
+
+
+class RoundST(torch.autograd.Function):
+    """Rounding with a straight-through gradient (quantisation-aware training)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class Quantised(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.l2(RoundST.apply(self.l1(x)))
+
+
+def quantised():
+    torch.manual_seed(0)
+    return Quantised(), (torch.randn(8, 16),)
+
+
+def verify_job(rank: int, world: int, plans: list) -> list[float]:
+    from flexsearch.emit.verify import verify
+
+    out = []
+    for plan in plans:
+        model, x = quantised()
+        out.append(verify(model, plan, x, torch.zeros(8, 8), lambda o, y: F.mse_loss(o, y))["loss"])
+    return out
+
+
+def test_a_custom_autograd_function_is_one_op_and_keeps_its_backward():
+    """A custom ``autograd.Function`` is one node (split by the samples only), not the
+    ops of its ``forward``: fx traced through it and dropped its ``backward``, so SOAP
+    and pipeline plans trained ``l1`` with a zero gradient (rounding's), silently.
+    Both verify on 2 ranks."""
+    from flexsearch.emit.launch import run_ranks
+
+    model, x = quantised()
+    g = trace(model, x)
+    (node,) = [n for n in g.nodes if n.name == "round_st_apply"]
+    assert node.kind == "elementwise" and [(d.dim, d.kind) for d in node.dims.output] == [(0, "sample")]
+    assert not any(n.target.startswith(("torch.round", "Tensor.round")) for n in g.nodes)
+    plans = [flexsearch.plan(model, x, devices=2, cluster="cpu", kinds=[kind], max_iters=20, precision="fp32")
+             for kind in ("soap", "pipeline")]
+    run_ranks(verify_job, 2, plans, timeout_s=300)  # verify raises on a mismatch

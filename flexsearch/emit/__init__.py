@@ -119,7 +119,12 @@ def parallelize(model: nn.Module, plan: Plan, *, group: dist.ProcessGroup | None
         return decentralized(model, plan, rt)
     if plan.kind == "soap":
         from flexsearch.emit.sharded import shard
+        from flexsearch.strategy.config import legal
 
+        for name, c in plan.node_configs().items():  # a plan from an older flexsearch may split what it cannot run
+            if name in graph.by_name and not legal(graph.node(name), c, plan.devices):
+                raise EmitError(f"the plan runs op {name} as {c.text}, which this version of flexsearch does not "
+                                "run; plan this model again")
         relift = (lambda m: lift_exported(m, plan)) if graph.via == "export" else lift
         return shard(model, relift, graph, plan.node_configs(), rt)
     from flexsearch.emit.staged import pipeline

@@ -13,8 +13,9 @@ gradients), and returns the global mean loss. Without accumulation a mean class 
 (cross-entropy, NLL) is the whole batch's, ignored targets counted over every rank
 (:class:`flexsearch.emit.losses.GlobalMean`), as the single process computes it: with
 padded labels each rank's own mean would weigh its samples by its own count. With
-``microbatches > 1`` it is the mean of the microbatches' and ranks' means (the count of
-a later microbatch is not known at an earlier one's backward).
+``microbatches > 1`` too, when the loss is one such call
+(:class:`flexsearch.emit.losses.DeferredMean`: the gradients rescaled once the counts
+are in); a loss that adds anything to it keeps the mean of the microbatches' means.
 """
 
 from __future__ import annotations
@@ -30,8 +31,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from flexsearch.emit.inputs import shard, split, step_loss
-from flexsearch.emit.losses import GlobalMean
-from flexsearch.emit.precision import autocast, backward, cast_inputs, cast_model, fsdp_policy
+from flexsearch.emit.losses import DeferredMean, GlobalMean
+from flexsearch.emit.precision import (
+    autocast,
+    backward,
+    cast_inputs,
+    cast_model,
+    fsdp_policy,
+    unscale,
+)
 from flexsearch.emit.recompute import checkpoint_modules
 from flexsearch.emit.runtime import Runtime
 from flexsearch.errors import EmitError
@@ -134,16 +142,24 @@ class DataParallelModule(nn.Module):
         prec = self._rt.precision
         xs, ys = shard(inputs, i, n), batch_shard(target, i, n)
         total = torch.zeros(())
+        means = DeferredMean() if m > 1 else GlobalMean(self._rt.group, n) if n > 1 else contextlib.nullcontext()
         for k in range(m):
             last = k == m - 1
             with self._sync(last):
                 args, kwargs = split(shard(xs, k, m))
-                with GlobalMean(self._rt.group, n) if m == 1 and n > 1 else contextlib.nullcontext():
+                with means:
                     out = self(*args, **kwargs)
                     with autocast(prec, self._rt.device_type):
-                        loss = step_loss(out, batch_shard(ys, k, m), loss_fn) / m
-                backward(loss, prec, self.parameters)
+                        loss = step_loss(out, batch_shard(ys, k, m), loss_fn)
+                if m > 1:
+                    means.settle(loss)
+                loss = loss / m
+                backward(loss, prec, self.parameters, unscaled=last)
             total = total + loss.detach().float()
+        settled = means.finish(self._rt.group) if m > 1 else None
+        if settled is not None:  # the whole batch's mean: its gradients are the settled sums' times n m N / C
+            unscale(self.parameters(), settled.count / (n * m * settled.per_call))
+            return torch.tensor(settled.total / settled.count)
         dist.all_reduce(total, group=self._rt.group)
         return total / n
 

@@ -7,7 +7,8 @@ is the batch.
 
 A model that computes its own loss (Hugging Face models given ``labels``, a GPT given
 ``targets``) returns it in its output: a ``loss`` field or key, or a 0-dim tensor in a
-returned tuple (``(logits, loss)``). :func:`model_loss` finds it, so ``train_step``
+returned tuple (``(logits, loss)``), or the output itself when it is a 0-dim tensor.
+:func:`model_loss` finds it, so ``train_step``
 needs no ``loss_fn`` for such a model.
 """
 
@@ -44,6 +45,8 @@ def call(model: Callable, inputs: tuple) -> Any:
 
 def model_loss(out: Any) -> torch.Tensor:
     """The loss a model returned (module docstring); EmitError when there is none."""
+    if isinstance(out, torch.Tensor) and out.dim() == 0:  # ``return F.cross_entropy(...)``
+        return out
     loss = getattr(out, "loss", None)
     if loss is None and isinstance(out, dict):
         loss = out.get("loss")

@@ -26,6 +26,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
+from flexsearch.errors import EmitError
+
 _ATEN_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 _ATEN = {  # op packet -> (names of its arguments after the input and target)
     torch.ops.aten.cross_entropy_loss: ("weight", "reduction", "ignore_index", "label_smoothing"),
@@ -151,3 +153,95 @@ def _plain_mean(func, args: tuple, kwargs: dict) -> LossCall | None:
     if call.reduction != "mean" or call.target.is_floating_point():
         return None
     return call
+
+
+class _Reweighted(torch.autograd.Function):
+    """``total / count``, whose backward scales the gradient by ``box[0]`` as it stands
+    when the backward runs (:class:`DeferredMean` sets it after the forward)."""
+
+    @staticmethod
+    def forward(ctx, total: torch.Tensor, count: torch.Tensor, box: list) -> torch.Tensor:  # type: ignore[override]
+        ctx.box = box
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad * ctx.box[0], None, None
+
+
+@dataclass(frozen=True)
+class Settled:
+    """A step's mean class losses over every rank and microbatch: the sum of their
+    losses, their count and the targets per call (``per_call``; the same for all)."""
+
+    total: float
+    count: float
+    per_call: int
+
+
+class DeferredMean(TorchFunctionMode):
+    """The whole batch's mean class loss for a step of several microbatches (gradient
+    accumulation, a pipeline's schedule), where the count of a later microbatch is not
+    known when an earlier one's backward runs. While active, a call :class:`GlobalMean`
+    takes returns its own mean, ``sum / c``, with the gradient of ``sum / c`` (the
+    user's loss as it was). :meth:`settle`, after a microbatch's loss and before its
+    backward, turns that gradient into ``sum / N`` (``N`` the call's targets, ignored
+    ones included: the same for every microbatch, and of the mean's size) when the loss
+    *is* that one call's result; else it stays. :meth:`finish` then all-reduces the sums
+    and counts: when every microbatch on every rank was settled, the gradients the step
+    accumulated, times ``N / C`` and the step's averaging factor, are the whole batch's
+    mean's (``C`` the count over everything), and its loss ``sum of sums / C``. A loss
+    that combines a call with anything else (another loss, a regulariser) cannot be
+    rescaled after the fact, so it keeps the mean of the microbatches' means."""
+
+    def __init__(self):
+        super().__init__()
+        self._calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, list]] = []
+        self._settled: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self._unsettled = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        call = _plain_mean(func, args, kwargs)
+        if call is None:
+            return func(*args, **kwargs)
+        total = call.summed(call.input, call.target)
+        count = call.counted(call.target).to(total.dtype)
+        box = [1.0 / float(count)] if float(count) else [0.0]
+        out = _Reweighted.apply(total, count, box)
+        self._calls.append((out, total.detach(), count.detach(), call.target.numel(), box))
+        return out
+
+    def settle(self, loss: torch.Tensor) -> None:
+        """Before ``loss``'s backward: the calls since the last settle are one
+        microbatch's (class docstring)."""
+        calls, self._calls = self._calls, []
+        if len(calls) == 1 and calls[0][0] is loss:
+            _, total, count, numel, box = calls[0]
+            box[0] = 1.0 / numel
+            self._settled.append((total, count, numel))
+        else:
+            self._unsettled += 1
+
+    def finish(self, group, counted: bool = True) -> Settled | None:
+        """Every rank of ``group`` at the end of the step (``counted``: this rank's
+        microbatches count, False for a copy of another rank's, such as a tensor-parallel
+        rank's): the :class:`Settled` sums, or None when no rank settled any microbatch
+        (the step's gradients are its means'). EmitError when some did and others did not
+        (their gradients weigh the samples differently)."""
+        mine = self._settled if counted else []
+        sums = torch.tensor([sum(float(t) for t, _, _ in mine), sum(float(c) for _, c, _ in mine), len(mine),
+                             self._unsettled if counted else 0], dtype=torch.float64)
+        numels = [n for _, _, n in mine]
+        span = torch.tensor([max(numels), -min(numels)] if numels else [-1.0, -1e18], dtype=torch.float64)
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(span, op=dist.ReduceOp.MAX, group=group)
+        self._settled, self._unsettled = [], 0
+        total, count, settled, unsettled = (float(v) for v in sums)
+        if not settled:
+            return None
+        if unsettled or span[0] != -span[1]:
+            raise EmitError("the step's microbatches computed their class losses differently (some a single "
+                            "mean loss, others not, or over targets of different sizes), so their gradients "
+                            "cannot be weighed as the whole batch's mean; give every microbatch the same loss")
+        return Settled(total, count, int(span[0]))

@@ -88,14 +88,18 @@ def loss_scale(precision: Precision) -> float:
     return LOSS_SCALE if precision.autocast == "float16" else 1.0
 
 
-def backward(loss: torch.Tensor, precision: Precision, params: Callable[[], Iterable[torch.Tensor]]) -> None:
-    """``loss.backward()``, scaled and unscaled for fp16-mixed (module docstring)."""
+def backward(loss: torch.Tensor, precision: Precision, params: Callable[[], Iterable[torch.Tensor]],
+             unscaled: bool = True) -> None:
+    """``loss.backward()``, scaled and unscaled for fp16-mixed (module docstring);
+    ``unscaled=False`` leaves the gradients scaled: a microbatch before the last of an
+    accumulated step (the last one's unscales what they all accumulated, once)."""
     scale = loss_scale(precision)
     if scale == 1.0:
         loss.backward()
         return
     (loss * scale).backward()
-    unscale(params(), scale)
+    if unscaled:
+        unscale(params(), scale)
 
 
 def unscale(params: Iterable[torch.Tensor], scale: float) -> None:

@@ -36,6 +36,9 @@ This rank (pipeline rank ``r``, replica ``j``, tensor index ``i``) builds:
 
 :meth:`PipelineModule.train_step` takes the global batch on every rank; replica ``j``
 runs slice ``j`` of it through the pipeline (split into microbatches by the schedule).
+A loss that is one mean class-loss call (cross-entropy, NLL) is the whole batch's
+mean, ignored targets counted over every microbatch and replica
+(:class:`flexsearch.emit.losses.DeferredMean`), not the mean of their means.
 ``forward`` is not available: a pipeline runs forward and backward together.
 """
 
@@ -65,6 +68,7 @@ from torch.utils.checkpoint import checkpoint
 
 from flexsearch.emit.data import batch_shard
 from flexsearch.emit.inputs import model_loss, split
+from flexsearch.emit.losses import DeferredMean
 from flexsearch.emit.precision import (
     Autocast,
     autocast,
@@ -222,6 +226,7 @@ class PipelineModule(nn.Module):
                              for k, m in zip(mine, mods, strict=True)]
         self._schedule = None
         self._loss_fn = None
+        self._means = DeferredMean()  # a mean class loss over the whole batch (emit/losses.py)
 
     def _sharded(self, stage: nn.Module) -> nn.Module:
         """``stage`` as an FSDP2 module over the replicas under ``zero2`` (module
@@ -291,13 +296,18 @@ class PipelineModule(nn.Module):
 
         spec = self._out_spec
 
+        means = self._means
+
         def scaled(out: Any, target: Any) -> torch.Tensor:  # the precision's loss (fp16: scaled)
             if spec is not None:  # the exported last stage's flat tuple as the model returns it
                 out = tree_unflatten(list(out) if isinstance(out, (tuple, list)) else [out], spec)
             if loss_fn is None:  # the model's own, computed in the last stage
-                return model_loss(out) * scale
-            with autocast(prec, device_type):
-                return loss_fn(out, target) * scale
+                loss = model_loss(out)
+            else:
+                with autocast(prec, device_type):
+                    loss = loss_fn(out, target)
+            means.settle(loss)  # before the schedule runs its backward
+            return loss * scale
 
         # the gradients are divided by m below, once per weight (the schedule would divide a
         # weight that two stages of this rank share twice)
@@ -323,10 +333,17 @@ class PipelineModule(nn.Module):
             batch = next(x.shape[0] for x in flat if isinstance(x, torch.Tensor) and x.dim())
             target = torch.zeros(batch)
         tgt = batch_shard(target, j, d) if last else None
-        self._schedule.step(*args, target=tgt, losses=losses, return_outputs=False)
+        with self._means:
+            self._schedule.step(*args, target=tgt, losses=losses, return_outputs=False)
         scale = loss_scale(self._rt.precision)
-        unscale(self._weights(), scale * (self._plan.microbatches or 1))  # the microbatches' mean
+        settled = self._means.finish(self._rt.group, counted=last and self.tensor_index == 0)
+        if settled is not None:  # the whole batch's mean class loss: the settled sums' gradients times d N / C
+            unscale(self._weights(), scale * settled.count / (d * settled.per_call))
+        else:
+            unscale(self._weights(), scale * (self._plan.microbatches or 1))  # the microbatches' mean
         self._sync_gradients()
+        if settled is not None:
+            return torch.tensor(settled.total / settled.count)
         mean = torch.stack([x.detach().float() for x in losses]).mean() / scale if last and losses \
             else torch.zeros(())
         dist.all_reduce(mean, group=self._rt.group)

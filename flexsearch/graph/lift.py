@@ -38,11 +38,52 @@ class LayerTracer(fx.Tracer):
         self.record_stack_traces = True
 
 
+_APPLIERS: dict[type, object] = {}
+
+
+def function_call(cls: type[torch.autograd.Function]):
+    """The one callable per custom ``torch.autograd.Function`` that a graph calls it by:
+    ``cls.apply``, named after ``cls`` (not its module: a model file's module is named
+    per process, and the graph's fingerprint holds the name)."""
+    if cls not in _APPLIERS:
+        def apply(*args, **kwargs):
+            return cls.apply(*args, **kwargs)
+
+        apply.__name__ = f"{cls.__name__}_apply"
+        apply.__qualname__ = f"{cls.__qualname__.replace('.', '_')}_apply"
+        apply.__module__ = "autograd_function"
+        apply.function = cls  # type: ignore[attr-defined]
+        _APPLIERS[cls] = apply
+    return _APPLIERS[cls]
+
+
+@contextlib.contextmanager
+def functions_whole(tracer: fx.Tracer) -> Iterator[None]:
+    """While ``tracer`` traces: a custom ``autograd.Function`` applied to traced values is
+    one call in the graph (:func:`function_call`), as layers are, not the ops of its
+    ``forward``, which would lose its ``backward`` (a straight-through estimator's
+    gradient became zero)."""
+    base = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        if any(isinstance(a, fx.Proxy) for a in tree_flatten((args, kwargs))[0]):
+            return tracer.create_proxy("call_function", function_call(cls), args, kwargs)
+        return base.__func__(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = base  # type: ignore[method-assign]
+
+
 def fx_graph_module(model: nn.Module) -> fx.GraphModule:
-    """``model`` symbolically traced with every ``torch.nn`` layer kept whole (the node
-    names of the op graph; the emitter re-lifts models with it)."""
+    """``model`` symbolically traced with every ``torch.nn`` layer and every custom
+    ``autograd.Function`` call kept whole (the node names of the op graph; the emitter
+    re-lifts models with it)."""
     tracer = LayerTracer()
-    graph = tracer.trace(model)
+    with functions_whole(tracer):
+        graph = tracer.trace(model)
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 

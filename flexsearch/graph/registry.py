@@ -102,6 +102,9 @@ def rule_for(key: Any, call: Call) -> Ruling:
     fn = lookup(key)
     if fn is None and isinstance(key, torch._ops.OpOverload) and torch.Tag.pointwise in key.tags:
         fn = _elementwise
+    if fn is None and isinstance(getattr(key, "function", None), type) and \
+            issubclass(key.function, torch.autograd.Function):  # flexsearch.graph.lift.function_call
+        fn = _custom_function
     if fn is None:
         return Ruling("opaque", out_batch=_follow_batch(call), opaque=True)
     return fn(call)
@@ -198,11 +201,18 @@ def _bilinear(c: Call) -> Ruling:
     aten.conv1d, aten.conv2d, aten.conv3d, aten.convolution,
 )  # fmt: skip
 def _conv(c: Call) -> Ruling:
+    """A convolution: the batch, and the output channels as a parameter dim (each device
+    its filters), the input channels reduced. A grouped one (depthwise: ConvNeXt,
+    MobileNet) has neither: a share of its filters reads the matching share of the input
+    channels, as ``groups / t`` groups, which no configuration expresses."""
     b = 0 if c.batch == 0 else None
-    groups = c.module.groups if c.module is not None else c.arg(6, "groups", 1)
-    reduced = ()
-    if groups == 1:
-        reduced = (ReducedDim(name="in_channels", size=c.in_shapes[0][1], parameter=True),)
+    if c.module is not None:
+        groups = c.module.groups
+    else:  # F.conv2d(input, weight, bias, stride, padding, dilation, groups); aten.convolution's 9th
+        groups = c.arg(8 if len(c.args) > 8 else 6, "groups", 1)
+    if groups != 1:
+        return Ruling("conv", ParallelDims(output=_dims(c.out_shape, b, skip=(1,))), b)
+    reduced = (ReducedDim(name="in_channels", size=c.in_shapes[0][1], parameter=True),)
     return Ruling("conv", ParallelDims(output=_dims(c.out_shape, b, parameter=(1,)), reduced=reduced), b)
 
 
@@ -347,6 +357,16 @@ def _einsum(c: Call) -> Ruling:
     aten.bitwise_and, aten.bitwise_or, aten.bitwise_xor, aten.bitwise_not, aten.logical_and, aten.logical_or,
     aten.logical_not, aten.full_like, aten.empty_like, aten.zeros_like, aten.ones_like,
 )  # fmt: skip
+def _custom_function(c: Call) -> Ruling:
+    """A custom ``autograd.Function``: what it computes is unknown but per sample, as
+    data parallelism (DDP runs it on each device's samples) takes every op to be; so
+    split by the samples only, its other dims whole."""
+    b = _follow_batch(c)
+    n = len(c.out_shape or ())
+    return Ruling("elementwise", ParallelDims(output=_dims(c.out_shape, b, skip=tuple(d for d in range(n) if d != b))),
+                  b)
+
+
 def _elementwise(c: Call) -> Ruling:
     b = _follow_batch(c)
     return Ruling("elementwise", ParallelDims(output=_dims(c.out_shape, b)), b)
@@ -499,23 +519,43 @@ def _reshape(c: Call) -> Ruling:
     return Ruling("view", ParallelDims(output=_dims(c.out_shape, b)), b)
 
 
-@rule("permute", "transpose", torch.permute, torch.transpose, torch.t, "t", "mT",
-      aten.permute, aten.transpose, aten.t)
-def _permute(c: Call) -> Ruling:
+def _moved_batch(c: Call, perm: list[int]) -> Ruling:
+    """A view whose output dim ``k`` is input dim ``perm[k]``: the batch moves with it."""
     b = c.in_batch[0] if c.in_batch else None
-    shape = c.in_shapes[0] if c.in_shapes else ()
-    if b is not None:
-        n = len(shape)
-        perm = list(range(n))
-        if c.args and isinstance(c.args[0], (list, tuple)):
-            perm = [d % n for d in c.args[0]]
-        elif len(c.args) >= 2 and all(isinstance(a, int) for a in c.args[:2]):
-            i, j = (a % n for a in c.args[:2])
-            perm[i], perm[j] = perm[j], perm[i]
-        elif "dims" in c.kwargs:
-            perm = [d % n for d in c.kwargs["dims"]]
-        b = perm.index(b) if b in perm else None
+    b = perm.index(b) if b is not None and b in perm else None
     return Ruling("view", ParallelDims(output=_dims(c.out_shape, b)), b)
+
+
+@rule("permute", "transpose", torch.permute, torch.transpose, aten.permute, aten.transpose)
+def _permute(c: Call) -> Ruling:
+    """``x.permute(dims)``, ``x.permute(*dims)``, ``x.transpose(i, j)`` (a call's tensor
+    arguments are None in ``c.args``: the input's comes first)."""
+    n = len(c.in_shapes[0]) if c.in_shapes else 0
+    args = c.args[1:] if c.args and c.args[0] is None else c.args
+    perm = list(range(n))
+    if "dims" in c.kwargs:
+        perm = [d % n for d in c.kwargs["dims"]]
+    elif args and isinstance(args[0], (list, tuple)):
+        perm = [d % n for d in args[0]]
+    elif n and len(args) == n and all(isinstance(a, int) for a in args) and \
+            sorted(a % n for a in args) == list(range(n)):  # permute's dims as separate arguments
+        perm = [a % n for a in args]
+    else:
+        i = c.kwargs.get("dim0", args[0] if args else None)
+        j = c.kwargs.get("dim1", args[1] if len(args) > 1 else None)
+        if isinstance(i, int) and isinstance(j, int) and n:
+            perm[i % n], perm[j % n] = perm[j % n], perm[i % n]
+    return _moved_batch(c, perm)
+
+
+@rule(torch.t, "t", aten.t, "mT")
+def _swap_last(c: Call) -> Ruling:
+    """``x.t()`` (a 2-D tensor's two dims swapped), ``x.mT`` (the last two)."""
+    n = len(c.in_shapes[0]) if c.in_shapes else 0
+    perm = list(range(n))
+    if n >= 2:
+        perm[-1], perm[-2] = perm[-2], perm[-1]
+    return _moved_batch(c, perm)
 
 
 def _indexed_batch(batch: int | None, index: Any) -> int | None:
@@ -556,8 +596,24 @@ def _getitem(c: Call) -> Ruling:
 @rule("split", "chunk", torch.split, torch.chunk, "unbind", torch.unbind, "select",
       aten.split, aten.chunk, aten.slice, aten.select, aten.split_with_sizes, aten.unbind)
 def _select(c: Call) -> Ruling:
-    b = _view_batch(c) if c.in_shapes else None
-    return Ruling("view", ParallelDims(output=_dims(c.out_shape, b)), b)
+    """A part of a tensor along one dim: split, chunk, slice (the dims kept, the one
+    whose size changed is the split one) or unbind, select (that dim dropped: ``dim``,
+    the first argument after the tensor, else 0). Along the batch, the batch is lost;
+    along another dim it stays, one lower after a dropped dim before it."""
+    shape, out = (c.in_shapes[0] if c.in_shapes else ()), c.out_shape
+    b = c.in_batch[0] if c.in_batch else None
+    if b is None or out is None or not shape:
+        return Ruling("view", ParallelDims(output=_dims(out, None)), None)
+    if len(out) == len(shape):
+        split = [i for i, (x, y) in enumerate(zip(shape, out, strict=True)) if x != y]
+        b = None if split and split[0] == b else b
+    elif len(out) == len(shape) - 1:
+        args = c.args[1:] if c.args and c.args[0] is None else c.args
+        dim = c.kwargs.get("dim", args[0] if args and isinstance(args[0], int) else 0) % len(shape)
+        b = None if dim == b else b - (dim < b)
+    else:
+        b = None
+    return Ruling("view", ParallelDims(output=_dims(out, b)), b)
 
 
 @rule(torch.cat, torch.concat, torch.stack, aten.cat, aten.stack)

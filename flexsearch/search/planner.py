@@ -425,13 +425,17 @@ def plan_synchronous(
         # the op-level candidates: data parallel as DDP (or FSDP) runs it, then the best SOAP plan
         candidates: list[tuple[str, object, Simulation]] = []
         data_runs: list[tuple[DataParallel, Simulation]] = []  # every data-parallel run simulated, for the errors
-        if "data" in kinds and "data" in base:
+        data_ok = splits(graph, cluster.devices)  # DDP's premise: the batch splits evenly over the devices
+        notes: list[str] = []
+        if "data" in kinds and not data_ok:
+            notes.append(f"no data-parallel plan: {unsplit_reason(graph, cluster.devices)}; use a batch that is a "
+                         f"multiple of {cluster.devices} for one (its figure stays the baseline to compare with)")
+        if "data" in kinds and "data" in base and data_ok:
             data_runs.append((data_strategy, base["data"].simulation))
             if base["data"].simulation.feasible:
                 candidates.append(("data", data_strategy, base["data"].simulation))
             elif (fit := fitting_variant(graph, data_strategy, ctx, optimizer, sim, deadline, data_runs)) is not None:
                 candidates.append(("data", *fit))
-        notes: list[str] = []
         if "fsdp" in kinds and len(graph.nodes) * cluster.devices > FSDP_MAX_TASKS:
             notes.append(f"sharded data parallelism not simulated: {len(graph.nodes)} ops x {cluster.devices} devices "
                          f"> {FSDP_MAX_TASKS}, beyond what the op-level simulator that costs it holds in memory")
@@ -513,7 +517,8 @@ def plan_synchronous(
                 notes.append(f"MCMC skipped: the best plan before it is {margin:.1%} over the lower bound "
                              f"({bound * 1e3:.3f} ms; skipped within {BOUND_GAP:.0%}), so no SOAP plan could be more "
                              f"than {margin:.1%} faster; the SOAP baselines and the ILP's plan compete")
-            if result.decisions is not None and not (result.decisions == base["data"].decisions and "data" in kinds):
+            if result.decisions is not None and not (result.decisions == base["data"].decisions and "data" in kinds
+                                                     and data_ok):
                 candidates.insert(0, ("soap", Soap(space.expand(result.decisions), result.decisions),
                                       result.simulation))
         pipe = next((r for r in pipes if r.simulation.feasible), None)

@@ -70,6 +70,10 @@ def build(name: str):
                             activation_dropout=0.0)
         return tf.BartForConditionalGeneration(cfg), (_ids(), {"decoder_input_ids": _ids(B, 8),
                                                              "attention_mask": torch.ones(B, T, dtype=torch.long)})
+    if name == "falcon":  # not in NAMES: its attention builds a constant in forward (a test of its own)
+        cfg = tf.FalconConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              hidden_dropout=0.0, attention_dropout=0.0)
+        return tf.FalconForCausalLM(cfg), (_ids(),)
     if name == "vit":
         cfg = tf.ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                            intermediate_size=128, num_labels=10, hidden_dropout_prob=0.0,

@@ -269,6 +269,20 @@ def test_every_transformer_verifies_a_hybrid_plan(graphs):
         assert kind == "hybrid" and loss == pytest.approx(ref, rel=1e-5), name
 
 
+@pytest.mark.slow
+def test_a_constant_made_in_forward_stays_whole_in_a_tensor_parallel_stage():
+    """Falcon on its own loss, a hybrid plan (one stage of 2 tensor-parallel devices):
+    the exported graph's constant (a tensor built in ``forward``) became a buffer of the
+    stage module, and a tensor-parallel stage distributes buffers, so ``lift_fresh_copy``
+    ran on a DTensor, which has no rule for it (``NotImplementedError``)."""
+    model, (ids,) = build("falcon")
+    plan = flexsearch.plan(model, (ids, {"labels": ids}), devices=2, cluster="cpu", kinds=["hybrid"], max_iters=0,
+                           precision="fp32")
+    assert plan.kind == "hybrid"
+    for _, kind, _, got, ref in run_ranks(hf_job, 2, [("falcon+labels", plan)])[0]:
+        assert got == pytest.approx(ref, rel=1e-5)
+
+
 def test_the_readme_hugging_face_model_file_traces_with_its_own_loss():
     """``examples/hf_llama.py`` (the README's Hugging Face model file): built on meta, its
     labels the input ids, the loss in the graph."""

@@ -13,6 +13,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 from emit_cases import FAMILIES, check_job, load
 
 import flexsearch
@@ -594,3 +595,42 @@ def test_the_sharding_note_names_a_tie_and_the_memory_it_was_broken_by():
     assert note.endswith("also simulated: zero1 68.000 ms, zero2 60.000 ms")
     alone = fsdp_note(strategy("zero2"), z2, [("fsdp", strategy("zero1"), z1)])
     assert alone == "sharding zero2: the fastest sharded data parallelism that fits (also simulated: zero1 68.000 ms)"
+
+
+class ReadsChildWeight(torch.nn.Module):
+    """DeBERTa's pattern: the parent reads a child module's weight directly
+    (``self.rel.weight``), so the child's forward never runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.rel = torch.nn.Embedding(8, 16)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+
+    def forward(self, x):
+        h = x @ self.rel.weight.t() @ self.rel.weight
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+
+def reads_child_job(rank: int, world: int, plan) -> float:
+    from flexsearch.emit.verify import verify
+
+    torch.manual_seed(0)
+    model = ReadsChildWeight()
+    return verify(model, plan, (torch.randn(4, 16),), torch.zeros(4, 16), torch.nn.functional.mse_loss)["loss"]
+
+
+def test_a_module_whose_weight_is_read_outside_it_is_no_fsdp_unit():
+    """FSDP2 gathers a unit's parameters for the unit's own forward only: a module whose
+    weight the model reads directly was a unit, and ZeRO-3 raised ``aten.mm.default got
+    mixed torch.Tensor and DTensor``; it stays in the root unit now."""
+    torch.manual_seed(0)
+    model = ReadsChildWeight()
+    g = trace(model, (torch.randn(4, 16),))
+    assert [m.path for m in g.modules if m.read_outside] == ["rel"]
+    assert fsdp_units(g.modules) == ("layers.0", "layers.1")
+    plan = flexsearch.plan(model, (torch.randn(4, 16),), devices=2, cluster="cpu", kinds=["fsdp"], max_iters=0,
+                           precision="fp32")
+    plan = plan.model_copy(update={"shard": "zero3", "fsdp_units": fsdp_units(g.modules)})
+    run_ranks(reads_child_job, 2, plan, timeout_s=300)  # verify raises on a mismatch

@@ -109,8 +109,24 @@ def cut(gm: fx.GraphModule, graph: OpGraph, stages: Sequence[Sequence[str]]) -> 
                 o.meta[BOUNDARY] = True
             g.output(tuple(outs) if len(outs) != 1 else outs[0])
         g.lint()
-        modules.append(fx.GraphModule(gm, g, f"stage{k}"))
+        modules.append(_constants_plain(fx.GraphModule(gm, g, f"stage{k}"), gm))
     return modules
+
+
+def _constants_plain(stage: fx.GraphModule, gm: fx.GraphModule) -> fx.GraphModule:
+    """``stage`` with the tensors it fetches that are plain attributes of ``gm`` (an
+    exported graph's constants, ``_tensor_constant0``: a tensor made in ``forward``)
+    plain attributes again: ``fx.GraphModule`` registers every fetched tensor as a
+    buffer, and a tensor-parallel stage distributes buffers (DTensor has no rule for
+    ``lift_fresh_copy``, which reads such a constant)."""
+    for n in stage.graph.nodes:
+        if n.op != "get_attr":
+            continue
+        path, _, name = n.target.rpartition(".")
+        src, dst = gm.get_submodule(path), stage.get_submodule(path)
+        if name in dst._buffers and name not in src._buffers:
+            setattr(dst, name, dst._buffers.pop(name))
+    return stage
 
 
 def tied_parameters(stages: Sequence[nn.Module]) -> dict[str, list[int]]:

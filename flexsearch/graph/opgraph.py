@@ -201,6 +201,11 @@ class ModuleFacts(_Frozen):
     path: str
     container: bool
     params: tuple[str, ...]
+    read_outside: bool = False
+    """Does an op outside the module's own calls read one of its parameters (DeBERTa's
+    encoder reading ``self.rel_embeddings.weight``)? FSDP2 gathers a unit's parameters
+    for its own forward only, so such a module is no unit (set by the tracer, from the
+    graph; False for facts of a model alone)."""
 
 
 class OpGraph(_Frozen):

@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ from flexsearch.graph.calls import OpCall
 from flexsearch.graph.lift import lift, short_reason, training_outputs
 from flexsearch.graph.measure import Measure, fake_like
 from flexsearch.graph.modules import module_facts
-from flexsearch.graph.opgraph import OpGraph, OpNode
+from flexsearch.graph.opgraph import ModuleFacts, OpGraph, OpNode
 from flexsearch.graph.saved import fused_rnn_saves
 from flexsearch.precision import FP32, Precision
 from flexsearch.precision import precision as precision_of
@@ -111,12 +112,26 @@ def trace_calls(
         blocks=blocks,
         unused_params=unused,
         frozen_params=tuple(n for n, p in model.named_parameters() if not p.requires_grad),
-        modules=module_facts(model),
+        modules=read_outside(module_facts(model), nodes),
         precision=prec.name,
         notes=tuple(notes),
         input_names=_input_names(inputs, args, kwargs),
     )
     return graph, measure.calls
+
+
+def read_outside(modules: tuple[ModuleFacts, ...], nodes: Sequence[OpNode]) -> tuple[ModuleFacts, ...]:
+    """``modules`` with :attr:`ModuleFacts.read_outside` set from the ops that read
+    their parameters."""
+    readers: dict[str, set[str]] = {}
+    for n in nodes:
+        for q in n.params:
+            readers.setdefault(q, set()).add(n.module)
+    out = []
+    for m in modules:
+        outside = any(not (r == m.path or r.startswith(m.path + ".")) for q in m.params for r in readers.get(q, ()))
+        out.append(m.model_copy(update={"read_outside": True}) if outside else m)
+    return tuple(out)
 
 
 def _with_saved(measure: Measure, model: nn.Module) -> tuple[OpNode, ...]:

@@ -6,7 +6,9 @@ that holds parameters is one ``fully_shard`` unit; a plain container (``ModuleLi
 a container that holds one below it (Hugging Face's ``model`` around ``model.layers``:
 its children are, recursively, so each decoder layer is a unit, not the whole stack); a unit that shares
 a parameter with another unit (a tied embedding and output layer) is not wrapped, so
-the shared weight stays in the root unit, which holds every parameter no unit takes.
+the shared weight stays in the root unit, which holds every parameter no unit takes; nor
+is a module whose parameters an op outside it reads (``ModuleFacts.read_outside``: FSDP2
+gathers a unit's parameters for its own forward only).
 
 :func:`fsdp_units` applies the rule to the graph's
 :attr:`~flexsearch.graph.opgraph.OpGraph.modules` (the planner records the result in
@@ -27,7 +29,7 @@ ROOT = ""
 
 def fsdp_units(modules: Sequence[ModuleFacts]) -> tuple[str, ...]:
     """The paths of the modules wrapped as FSDP units, in module order (module docstring)."""
-    candidates = [m for m in modules if not m.container and _top_or_item(m, modules)]
+    candidates = [m for m in modules if not m.container and not m.read_outside and _top_or_item(m, modules)]
     holders: dict[str, int] = {}
     for m in candidates:
         for q in m.params:

@@ -279,7 +279,7 @@ def test_a_constant_made_in_forward_stays_whole_in_a_tensor_parallel_stage():
     plan = flexsearch.plan(model, (ids, {"labels": ids}), devices=2, cluster="cpu", kinds=["hybrid"], max_iters=0,
                            precision="fp32")
     assert plan.kind == "hybrid"
-    for _, kind, _, got, ref in run_ranks(hf_job, 2, [("falcon+labels", plan)])[0]:
+    for _, _, _, got, ref in run_ranks(hf_job, 2, [("falcon+labels", plan)])[0]:
         assert got == pytest.approx(ref, rel=1e-5)
 
 

@@ -222,6 +222,42 @@ def test_a_stage_keeps_a_constant_made_in_forward_a_plain_tensor() -> None:
         torch.testing.assert_close(v[0] if isinstance(v, tuple) else v, model(x))
 
 
+def test_a_model_returning_a_dict_is_cut_into_stages() -> None:
+    """A forward returning ``{"loss": ..., "pred": ...}`` (a diffusion-style script):
+    the last stage returns it as a flat tuple, its structure kept (``out_spec``) for the
+    loss; the pipeline's shape inference took the dict for a tensor and raised
+    ``'dict' object has no attribute 'detach'``."""
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils._pytree import tree_unflatten
+
+    from flexsearch.emit import lift
+    from flexsearch.emit.staged import _examples
+    from flexsearch.emit.stages import cut
+    from flexsearch.graph.tracer import trace
+
+    class Denoise(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x, noise):
+            pred = self.b(torch.relu(self.a(x + noise)))
+            return {"loss": F.mse_loss(pred, noise), "pred": pred}
+
+    model, x = Denoise(), (torch.randn(4, 8), torch.randn(4, 8))
+    graph = trace(model, x)
+    ops = [n.name for n in graph.nodes if n.kind not in ("input", "output")]
+    stages = cut(lift(model), graph, [ops[:2], ops[2:]])
+    _examples(stages, list(x))
+    with torch.no_grad():
+        v = stages[1](*stages[0](*x))
+        got = tree_unflatten(list(v), stages[1].out_spec)
+        want = model(*x)
+    assert set(got) == {"loss", "pred"}
+    torch.testing.assert_close(got["loss"], want["loss"])
+
+
 def test_in_place_ops_run() -> None:
     """Ops that modify their input in place (``ReLU(inplace=True)``, ``out += x``) run
     in SOAP plans (seeded random configurations) and at pipeline stage boundaries."""

@@ -719,3 +719,45 @@ def test_a_custom_autograd_function_is_one_op_and_keeps_its_backward():
     plans = [flexsearch.plan(model, x, devices=2, cluster="cpu", kinds=[kind], max_iters=20, precision="fp32")
              for kind in ("soap", "pipeline")]
     run_ranks(verify_job, 2, plans, timeout_s=300)  # verify raises on a mismatch
+
+
+class Centred(nn.Module):
+    """An exponential moving average of a feature, updated in place under ``no_grad``."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(16, 32), nn.Linear(32, 8)
+        self.register_buffer("mu", torch.zeros(32))
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(x))
+        with torch.no_grad():
+            self.mu.mul_(0.9).add_(0.1 * h.mean(0))
+        return self.l2(h - self.mu)
+
+
+def centred():
+    torch.manual_seed(0)
+    return Centred(), (torch.randn(8, 16),)
+
+
+def centred_job(rank: int, world: int, plan) -> float:
+    from flexsearch.emit.verify import verify
+
+    model, x = centred()
+    return verify(model, plan, x, torch.zeros(8, 8), lambda o, y: F.mse_loss(o, y))["loss"]
+
+
+def test_a_buffer_updated_in_place_in_forward_is_traced_by_export():
+    """Symbolic tracing ran ``self.mu.mul_(0.9)`` once, for real, on the model's buffer
+    (it is not in the graph), and recorded the ``add_`` without its ``no_grad``, so a
+    SOAP plan's buffer joined the autograd graph (``Trying to backward through the graph
+    a second time``). Such a model is traced by ``torch.export``, its buffer untouched,
+    and the SOAP plan verifies on 2 ranks."""
+    from flexsearch.emit.launch import run_ranks
+
+    model, x = centred()
+    g = trace(model, x)
+    assert g.via == "export" and torch.equal(model.mu, torch.zeros(32))
+    plan = flexsearch.plan(model, x, devices=2, cluster="cpu", kinds=["soap"], max_iters=20, precision="fp32")
+    run_ranks(centred_job, 2, plan, timeout_s=300)  # verify raises on a mismatch

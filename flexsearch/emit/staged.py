@@ -147,8 +147,9 @@ class PipelineModule(nn.Module):
             raise EmitError(f"the model's graph at the microbatch size differs from the one planned ({absent[0]} "
                             "is missing); plan it with a batch it runs at, or another plan kind")
         self._flat = lambda args, kwargs: flat_inputs(gm, args, kwargs)
-        self._out_spec = getattr(gm, "_out_spec", None)  # an exported model: its flat outputs' structure
         cuts = cut(gm, graph, [s.nodes for s in plan.stages])
+        # the structure of the last stage's flat outputs: an exported model's, or a dict the cut flattened
+        self._out_spec = getattr(gm, "_out_spec", None) or getattr(cuts[-1], "out_spec", None)
         if t == 1:  # each checkpointed unit of a stage runs as one region (tensor-parallel stages: whole)
             cuts = [checkpoint_stage(c, graph, plan.recompute) for c in cuts]
         # the plan lays a stage out on its d x t devices (s = d: data parallel over the

@@ -12,7 +12,8 @@ order) and returns one ``fx.GraphModule`` per stage:
 - stage 0 takes the model's inputs; stage ``k`` takes the tensors live across boundary
   ``k-1`` and returns those live across boundary ``k`` (defined at or before ``k``,
   used after it), in graph order and contiguous (they are sent as dense buffers), so a
-  value skipping stages is passed along; the last stage returns the model's output.
+  value skipping stages is passed along; the last stage returns the model's output (a
+  dict or nested output as a flat tuple, its structure in the module's ``out_spec``).
 
 Stage modules are built from the original module (``fx.GraphModule(root, graph)``), so
 their parameter names are the original qualified names.
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 
 import torch.fx as fx
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from flexsearch.emit.dense import dense_input
 from flexsearch.errors import EmitError
@@ -50,8 +52,9 @@ def assign(gm: fx.GraphModule, graph: OpGraph, stages: Sequence[Sequence[str]]) 
             k = stage_of[n.name]
             if n.op == "call_function" and n.target is operator.getitem:
                 src = n.args[0]
-                if isinstance(src, fx.Node) and src.name in by and len(by[src.name].outputs) > 1:
-                    k = min(out[src])
+                if isinstance(src, fx.Node) and src.name in by and (
+                        len(by[src.name].outputs) > 1 or isinstance(src.meta.get("val"), (tuple, list))):
+                    k = min(out[src])  # a tuple of one (an exported no_grad region's result) too
             out[n] = {k}
     for n in reversed(nodes):  # non-op nodes: wherever they are used
         if n not in out:
@@ -100,9 +103,17 @@ def cut(gm: fx.GraphModule, graph: OpGraph, stages: Sequence[Sequence[str]]) -> 
                 raise EmitError(f"stage {k} needs {missing[0].name} before {n.name}; the model cannot be cut "
                                 "there (a non-tensor value crosses the stage boundary)")
             env[n] = g.node_copy(n, env.__getitem__)
+        spec = None
         if k == last:
             out = next(n for n in nodes if n.op == "output")
-            g.output(fx.node.map_arg(out.args[0], env.__getitem__))
+            result = fx.node.map_arg(out.args[0], env.__getitem__)
+            if not isinstance(result, fx.Node) and not (isinstance(result, tuple) and
+                                                         all(isinstance(v, fx.Node) for v in result)):
+                # a dict (``{"loss": ..., "pred": ...}``) or nested output: a flat tuple, the
+                # structure kept for the loss (a pipeline stage returns tensors)
+                flat, spec = tree_flatten(result)
+                result = tuple(flat)
+            g.output(result)
         else:
             outs = [g.call_method("contiguous", (env[n],)) for n in live(k)]  # sent as dense buffers
             for o in outs:
@@ -110,6 +121,8 @@ def cut(gm: fx.GraphModule, graph: OpGraph, stages: Sequence[Sequence[str]]) -> 
             g.output(tuple(outs) if len(outs) != 1 else outs[0])
         g.lint()
         modules.append(_constants_plain(fx.GraphModule(gm, g, f"stage{k}"), gm))
+        if spec is not None:
+            modules[-1].out_spec = spec
     return modules
 
 

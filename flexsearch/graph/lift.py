@@ -90,7 +90,9 @@ def fx_graph_module(model: nn.Module) -> fx.GraphModule:
 def lift(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, str, list]:
     """The graph module, how it was made, and the flat list of its placeholder values."""
     try:
-        gm = fx_graph_module(model)
+        with state_kept(model):
+            gm = fx_graph_module(model)
+        _state_written(gm)
         _unused_defaults(gm, args, kwargs)
         return gm, "fx", flat_inputs(gm, args, kwargs)
     except Exception as fx_error:
@@ -109,6 +111,37 @@ def lift(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, s
         _drop_checks(gm)
         _devices_to_cpu(gm)
         return gm, "export", export_inputs(ep, model, args, kwargs)
+
+
+@contextlib.contextmanager
+def state_kept(model: nn.Module) -> Iterator[None]:
+    """TraceError when symbolic tracing wrote a parameter or buffer for real (an
+    in-place update with constant arguments, ``self.ema.mul_(0.9)``, runs on the real
+    tensor while tracing and is not in the graph), its values put back first."""
+    state = {n: t for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    versions = {n: t._version for n, t in state.items()}
+    saved = {n: t.detach().clone() for n, t in model.named_buffers() if t.device.type != "meta"}
+    yield
+    changed = [n for n, t in state.items() if t._version != versions[n]]
+    if changed:
+        with torch.no_grad():
+            for n in changed:
+                if n in saved:
+                    state[n].copy_(saved[n])
+        raise TraceError(f"the model updates {changed[0]!r} in place in forward, which symbolic tracing runs "
+                         "once instead of recording it")
+
+
+def _state_written(gm: fx.GraphModule) -> None:
+    """TraceError when ``gm`` writes a parameter or buffer in place (an EMA of a
+    buffer updated under ``torch.no_grad()``: the traced graph has the update but not
+    the ``no_grad``, so the buffer joins the autograd graph)."""
+    for n in gm.graph.nodes:
+        name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+        if n.op in ("call_method", "call_function") and isinstance(name, str) and name.endswith("_") and \
+                not name.startswith("__") and n.args and isinstance(n.args[0], fx.Node) and n.args[0].op == "get_attr":
+            raise TraceError(f"the model updates {n.args[0].target!r} in place in forward ({name}), which a traced "
+                             "graph does not run as the model does")
 
 
 def _unused_defaults(gm: fx.GraphModule, args: tuple, kwargs: dict) -> None:

@@ -107,9 +107,11 @@ class Chain:
             raise ValueError("chain stash needs one entry per layer")
         if self.frozen and len(self.frozen) != n:
             raise ValueError("chain frozen needs one entry per layer")
-        for name in ("compute", "params", "cut_bytes", "stash", "frozen"):
+        for name in ("compute", "params", "stash", "frozen"):
             if any(not (v >= 0 and np.isfinite(v)) for v in getattr(self, name)):
                 raise ValueError(f"chain {name} must be finite and >= 0")
+        if any(not v >= 0 for v in self.cut_bytes):  # infinite: no boundary there
+            raise ValueError("chain cut_bytes must be >= 0")
 
     @property
     def layers(self) -> int:

@@ -219,7 +219,16 @@ def even_pipeline(graph: OpGraph, ctx: CostContext, schedule: str, tensor: int =
     if configs is None:
         return None
     n, stages = len(graph.nodes), p * chunks
-    bounds = tuple((n * k // stages, n * (k + 1) // stages) for k in range(stages))
+    cuts = cut_bytes(graph)  # infinite where no boundary may be: the nearest finite position instead
+    edges = [0]
+    for k in range(1, stages):
+        x = min((x for x in range(edges[-1] + 1, n) if math.isfinite(cuts[x])), key=lambda x: abs(x - n * k // stages),
+                default=None)
+        if x is None:
+            return None
+        edges.append(x)
+    edges.append(n)
+    bounds = tuple(zip(edges[:-1], edges[1:], strict=True))
     strategy = Pipelined(bounds, tensor, d, schedule, m, chunks)
     sim = predict(graph, strategy, ctx, optimizer=optimizer)
     placed = tuple((a, b, strategy.devices(k)) for k, (a, b) in enumerate(bounds))

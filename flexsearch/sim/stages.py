@@ -29,12 +29,13 @@ data-parallel replica's step as one stage (decentralized plans and their baselin
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from flexsearch.cost.hardware import Cluster
 from flexsearch.graph.microbatch import microbatch_graph
-from flexsearch.graph.opgraph import OpGraph
+from flexsearch.graph.opgraph import OpGraph, OpNode
 from flexsearch.sim.context import CostContext
 from flexsearch.sim.footprint import (
     aliases,
@@ -161,10 +162,40 @@ def crossing_bytes(sizes: Sequence[float], edges: Iterable[tuple[int, int]]) -> 
 
 
 def cut_bytes(graph: OpGraph) -> tuple[float, ...]:
-    """Bytes crossing each position of the node order (``L + 1`` entries)."""
+    """Bytes crossing each position of the node order (``L + 1`` entries); infinite
+    where no stage boundary may be (:func:`written_through_views`)."""
     index = {n.name: i for i, n in enumerate(graph.nodes)}
     edges = ((index[i], k) for k, n in enumerate(graph.nodes) for i in n.inputs)
-    return crossing_bytes([n.output_bytes for n in graph.nodes], edges)
+    out = list(crossing_bytes([n.output_bytes for n in graph.nodes], edges))
+    for lo, hi in written_through_views(graph):
+        out[lo + 1:hi + 1] = [math.inf] * (hi - lo)
+    return tuple(out)
+
+
+def _aliases(n: OpNode) -> bool:
+    """Is ``n`` a view of its first input (a view op that writes nothing, not a factory
+    such as ``new_empty``)?"""
+    return n.kind == "view" and n.bytes_written == 0 and bool(n.inputs)
+
+
+def written_through_views(graph: OpGraph) -> list[tuple[int, int]]:
+    """``(base, writer)`` positions of each in-place write into a view of another
+    tensor (DeepSeek's attention: ``k = x.new_empty(...); k[..., :d].copy_(q)``): a
+    stage boundary between them would send the base and the view as two tensors, and
+    the write would reach the view's copy only."""
+    index = {n.name: i for i, n in enumerate(graph.nodes)}
+    out = []
+    for w, n in enumerate(graph.nodes):
+        op = n.target.removesuffix(".default").rpartition(".")[2]
+        if not (op.endswith("_") and not op.startswith("__")) or not n.inputs:
+            continue
+        base = graph.node(n.inputs[0])
+        if not _aliases(base):
+            continue
+        while _aliases(base):  # back through the views to the tensor they view
+            base = graph.node(base.inputs[0])
+        out.append((index[base.name], w))
+    return out
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,9 @@ class Level:
 @dataclass(frozen=True)
 class Chain:
     """Layers between legal cut points (module docstring). ``cut_bytes`` has ``L + 1``
-    entries, one per position; the first and last (the chain's ends) are not cuts."""
+    entries, one per position; the first and last (the chain's ends) are not cuts; an
+    infinite one is a position no cut may take (no transfer time allows it:
+    :func:`flexsearch.sim.stages.written_through_views`)."""
 
     compute: tuple[float, ...]
     params: tuple[float, ...]

@@ -85,9 +85,10 @@ def _call(obj, what: str, path: Path):
             from None
     except Exception as exc:
         msg = str(exc).splitlines()[0] if str(exc) else ""
+        hint = "it must be callable without arguments" if isinstance(exc, TypeError) and "argument" in msg \
+            else "fix it there and run again"
         raise ModelLoadError(
-            f"{what} in {path} raised {type(exc).__name__}: {msg} "
-            f"(at {_user_frame(exc, path)}); it must be callable without arguments"
+            f"{what} in {path} raised {type(exc).__name__}: {msg} (at {_user_frame(exc, path)}); {hint}"
         ) from exc
 
 

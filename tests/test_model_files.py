@@ -162,3 +162,38 @@ def test_a_builder_that_exits(model_file):
     path = model_file("import sys\n\ndef build_model():\n    sys.exit(0)\n")
     with pytest.raises(ModelLoadError, match="exits"):
         load_model(str(path))
+
+
+def test_a_builder_or_forward_that_raises_is_named_as_such(model_file):
+    """A builder that raises says so and where, without "it must be callable without
+    arguments" (kept for a builder that wants arguments); a forward that raises on the
+    example inputs is not blamed on control flow."""
+    from flexsearch import TraceError, trace
+
+    path = model_file(
+        """
+        import torch
+        from torch import nn
+
+        def broken():
+            raise RuntimeError("the config file is missing")
+
+        def wants(width):
+            return nn.Linear(width, 2)
+
+        class Fails(nn.Module):
+            def forward(self, x):
+                raise ValueError("forward exploded")
+
+        def failing():
+            return Fails(), (torch.randn(2, 2),)
+        """
+    )
+    with pytest.raises(ModelLoadError) as info:
+        load_model(f"{path}:broken")
+    assert "the config file is missing" in str(info.value) and "fix it there" in str(info.value)
+    with pytest.raises(ModelLoadError, match="callable without arguments"):
+        load_model(f"{path}:wants")
+    with pytest.raises(TraceError) as info:
+        trace(*load_model(f"{path}:failing"))
+    assert "forward exploded" in str(info.value) and "control flow" not in str(info.value), str(info.value)

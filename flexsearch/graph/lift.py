@@ -346,11 +346,19 @@ ADVICE = ("neither torch.fx nor torch.export can follow control flow that depend
           "compute both branches and select with torch.where, or move the decision out of forward()")
 
 
+TRACING_WORDS = ("data-dependent", "data dependent", "guard", "symbolic", "control flow", "dynamic", "proxy",
+                 "unsupported", "graph break", "constraint")
+"""Words of an error that tracing, not the model, raised (else the forward fails when run)."""
+
+
 def failure_line(fx_error: Exception, export_error: Exception) -> str:
     frame = user_frame(fx_error) or user_frame(export_error)
     where = f"{frame.filename}:{frame.lineno} `{(frame.line or '').strip()}`" if frame else "the model's forward"
     reason = short_reason(export_error) or short_reason(fx_error)
-    return f"cannot trace the model at {where}: {reason}; {ADVICE}"
+    traced = any(w in f"{type(export_error).__name__} {export_error}".lower() for w in TRACING_WORDS)
+    advice = ADVICE if traced else ("the forward raised this on the example inputs, which tracing runs as the "
+                                    "model would: fix it there (or pass inputs it runs on) and run again")
+    return f"cannot trace the model at {where}: {reason}; {advice}"
 
 
 def unsupported(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:

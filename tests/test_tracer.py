@@ -109,6 +109,10 @@ def test_the_batch_follows_permutes_and_transposes():
     sample = {n.name: [d.dim for d in n.dims.output if d.kind == "sample"] for n in g.nodes}
     assert sample["permute"] == [1] and sample["unbind"] == [0] and sample["scaled_dot_product_attention"] == [0]
     assert sample["transpose"] == [0] and sample["proj"] == [0] and sample["transpose_1"] == [1]
+    from flexsearch.graph.registry import Call, rule_for
+
+    for key, args in (("transpose", (None, 0, 1)), ("permute", (None, 1, 0)), ("permute", (None, [1, 0]))):
+        assert rule_for(key, Call(((8, 4),), (0,), (4, 8), args)).out_batch == 1, (key, args)  # a 2-D one too
     plan = flexsearch.plan(TimmAttention(), (torch.randn(4, 6, 16),), devices=2, cluster="cpu",
                            kinds=["pipeline"], max_iters=0)
     assert plan.kind == "pipeline"

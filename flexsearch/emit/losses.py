@@ -209,7 +209,8 @@ class DeferredMean(TorchFunctionMode):
         count = call.counted(call.target).to(total.dtype)
         box = [1.0 / float(count)] if float(count) else [0.0]
         out = _Reweighted.apply(total, count, box)
-        self._calls.append((out, total.detach(), count.detach(), call.target.numel(), box))
+        if torch._C._current_graph_task_id() == -1:  # not a checkpointed region's recompute in the backward
+            self._calls.append((out, total.detach(), count.detach(), call.target.numel(), box))
         return out
 
     def settle(self, loss: torch.Tensor) -> None:
@@ -223,17 +224,19 @@ class DeferredMean(TorchFunctionMode):
         else:
             self._unsettled += 1
 
-    def finish(self, group, counted: bool = True) -> Settled | None:
+    def finish(self, group, counted: bool = True, device: torch.device | str = "cpu") -> Settled | None:
         """Every rank of ``group`` at the end of the step (``counted``: this rank's
         microbatches count, False for a copy of another rank's, such as a tensor-parallel
-        rank's): the :class:`Settled` sums, or None when no rank settled any microbatch
-        (the step's gradients are its means'). EmitError when some did and others did not
-        (their gradients weigh the samples differently)."""
+        rank's; ``device``: where the group's collectives run, a GPU under NCCL): the
+        :class:`Settled` sums, or None when no rank settled any microbatch (the step's
+        gradients are its means'). EmitError when some did and others did not (their
+        gradients weigh the samples differently)."""
         mine = self._settled if counted else []
         sums = torch.tensor([sum(float(t) for t, _, _ in mine), sum(float(c) for _, c, _ in mine), len(mine),
-                             self._unsettled if counted else 0], dtype=torch.float64)
+                             self._unsettled if counted else 0], dtype=torch.float64, device=device)
         numels = [n for _, _, n in mine]
-        span = torch.tensor([max(numels), -min(numels)] if numels else [-1.0, -1e18], dtype=torch.float64)
+        span = torch.tensor([max(numels), -min(numels)] if numels else [-1.0, -1e18], dtype=torch.float64,
+                            device=device)
         dist.all_reduce(sums, group=group)
         dist.all_reduce(span, op=dist.ReduceOp.MAX, group=group)
         self._settled, self._unsettled = [], 0
@@ -245,3 +248,9 @@ class DeferredMean(TorchFunctionMode):
                             "mean loss, others not, or over targets of different sizes), so their gradients "
                             "cannot be weighed as the whole batch's mean; give every microbatch the same loss")
         return Settled(total, count, int(span[0]))
+
+
+def settled_loss(settled: Settled) -> torch.Tensor:
+    """The step's loss: the sum of the losses over their count (NaN when every target
+    was ignored, as the single process's mean is)."""
+    return torch.tensor(settled.total / settled.count if settled.count else float("nan"))

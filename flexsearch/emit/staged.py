@@ -68,7 +68,7 @@ from torch.utils.checkpoint import checkpoint
 
 from flexsearch.emit.data import batch_shard
 from flexsearch.emit.inputs import model_loss, split
-from flexsearch.emit.losses import DeferredMean
+from flexsearch.emit.losses import DeferredMean, settled_loss
 from flexsearch.emit.precision import (
     Autocast,
     autocast,
@@ -337,16 +337,19 @@ class PipelineModule(nn.Module):
         with self._means:
             self._schedule.step(*args, target=tgt, losses=losses, return_outputs=False)
         scale = loss_scale(self._rt.precision)
-        settled = self._means.finish(self._rt.group, counted=last and self.tensor_index == 0)
+        device = torch.device("cuda", torch.cuda.current_device()) if self._rt.device_type == "cuda" \
+            else torch.device("cpu")  # where the group's collectives run (a GPU under NCCL)
+        settled = self._means.finish(self._rt.group, counted=last and self.tensor_index == 0, device=device)
         if settled is not None:  # the whole batch's mean class loss: the settled sums' gradients times d N / C
-            unscale(self._weights(), scale * settled.count / (d * settled.per_call))
+            if settled.count:  # every target ignored: no gradient to weigh (each is zero)
+                unscale(self._weights(), scale * settled.count / (d * settled.per_call))
         else:
             unscale(self._weights(), scale * (self._plan.microbatches or 1))  # the microbatches' mean
         self._sync_gradients()
         if settled is not None:
-            return torch.tensor(settled.total / settled.count)
-        mean = torch.stack([x.detach().float() for x in losses]).mean() / scale if last and losses \
-            else torch.zeros(())
+            return settled_loss(settled)
+        mean = torch.stack([x.detach().float() for x in losses]).mean().to(device) / scale if last and losses \
+            else torch.zeros((), device=device)
         dist.all_reduce(mean, group=self._rt.group)
         return mean / (d * self.t)
 

@@ -218,7 +218,11 @@ def _compare(model, plan, inputs, target, loss_fn, steps, lr, group, rtol, atol,
         device_type = next((p.device.type for p in ref.parameters()), "cpu")
 
         def step() -> torch.Tensor:
-            run = copy.deepcopy(ref).to(getattr(torch, gathered)) if gathered else ref
+            run = ref
+            if gathered:  # the parameters in the low dtype (FSDP2 gathers them so), the buffers as they are
+                run = copy.deepcopy(ref)
+                for q in run.parameters():
+                    q.data = q.data.to(getattr(torch, gathered))
             losses = []
             for k in range(groups):  # local batch statistics: the step as the mean over the plan's groups
                 args, kwargs = split(shard(inputs, k, groups))

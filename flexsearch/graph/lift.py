@@ -65,8 +65,9 @@ def functions_whole(tracer: fx.Tracer) -> Iterator[None]:
     gradient became zero)."""
     base = torch.autograd.Function.__dict__["apply"]
 
-    def apply(cls, *args, **kwargs):
-        if any(isinstance(a, fx.Proxy) for a in tree_flatten((args, kwargs))[0]):
+    def apply(cls, *args, **kwargs):  # torch's own (reentrant checkpointing's, with a function argument) run through
+        if not cls.__module__.startswith("torch.") and \
+                any(isinstance(a, fx.Proxy) for a in tree_flatten((args, kwargs))[0]):
             return tracer.create_proxy("call_function", function_call(cls), args, kwargs)
         return base.__func__(cls, *args, **kwargs)
 
@@ -121,13 +122,16 @@ def state_kept(model: nn.Module) -> Iterator[None]:
     state = {n: t for n, t in [*model.named_parameters(), *model.named_buffers()]}
     versions = {n: t._version for n, t in state.items()}
     saved = {n: t.detach().clone() for n, t in model.named_buffers() if t.device.type != "meta"}
-    yield
-    changed = [n for n, t in state.items() if t._version != versions[n]]
-    if changed:
+    changed: list[str] = []
+    try:
+        yield
+    finally:  # put back what tracing wrote, whether it went on or failed
+        changed = [n for n, t in state.items() if t._version != versions[n]]
         with torch.no_grad():
             for n in changed:
                 if n in saved:
                     state[n].copy_(saved[n])
+    if changed:
         raise TraceError(f"the model updates {changed[0]!r} in place in forward, which symbolic tracing runs "
                          "once instead of recording it")
 

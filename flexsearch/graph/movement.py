@@ -58,25 +58,36 @@ def _moved_batch(c: Call, perm: list[int]) -> Ruling:
     return Ruling("view", ParallelDims(output=_dims(c.out_shape, b)), b)
 
 
-@rule("permute", "transpose", torch.permute, torch.transpose, aten.permute, aten.transpose)
+def _arguments(c: Call) -> tuple:
+    """The call's arguments after its tensor (a tensor argument is None in ``c.args``)."""
+    return c.args[1:] if c.args and c.args[0] is None else c.args
+
+
+@rule("permute", torch.permute, aten.permute)
 def _permute(c: Call) -> Ruling:
-    """``x.permute(dims)``, ``x.permute(*dims)``, ``x.transpose(i, j)`` (a call's tensor
-    arguments are None in ``c.args``: the input's comes first)."""
+    """``x.permute(dims)``, ``x.permute(*dims)``."""
     n = len(c.in_shapes[0]) if c.in_shapes else 0
-    args = c.args[1:] if c.args and c.args[0] is None else c.args
+    args = _arguments(c)
     perm = list(range(n))
     if "dims" in c.kwargs:
         perm = [d % n for d in c.kwargs["dims"]]
     elif args and isinstance(args[0], (list, tuple)):
         perm = [d % n for d in args[0]]
-    elif n and len(args) == n and all(isinstance(a, int) for a in args) and \
-            sorted(a % n for a in args) == list(range(n)):  # permute's dims as separate arguments
+    elif n and len(args) == n and all(isinstance(a, int) for a in args):  # the dims as separate arguments
         perm = [a % n for a in args]
-    else:
-        i = c.kwargs.get("dim0", args[0] if args else None)
-        j = c.kwargs.get("dim1", args[1] if len(args) > 1 else None)
-        if isinstance(i, int) and isinstance(j, int) and n:
-            perm[i % n], perm[j % n] = perm[j % n], perm[i % n]
+    return _moved_batch(c, perm)
+
+
+@rule("transpose", torch.transpose, aten.transpose)
+def _transpose(c: Call) -> Ruling:
+    """``x.transpose(i, j)``: dims ``i`` and ``j`` swapped."""
+    n = len(c.in_shapes[0]) if c.in_shapes else 0
+    args = _arguments(c)
+    perm = list(range(n))
+    i = c.kwargs.get("dim0", args[0] if args else None)
+    j = c.kwargs.get("dim1", args[1] if len(args) > 1 else None)
+    if isinstance(i, int) and isinstance(j, int) and n:
+        perm[i % n], perm[j % n] = perm[j % n], perm[i % n]
     return _moved_batch(c, perm)
 
 
@@ -140,7 +151,7 @@ def _select(c: Call) -> Ruling:
         split = [i for i, (x, y) in enumerate(zip(shape, out, strict=True)) if x != y]
         b = None if split and split[0] == b else b
     elif len(out) == len(shape) - 1:
-        args = c.args[1:] if c.args and c.args[0] is None else c.args
+        args = _arguments(c)
         dim = c.kwargs.get("dim", args[0] if args and isinstance(args[0], int) else 0) % len(shape)
         b = None if dim == b else b - (dim < b)
     else:

@@ -186,7 +186,8 @@ def written_through_views(graph: OpGraph) -> list[tuple[int, int]]:
     index = {n.name: i for i, n in enumerate(graph.nodes)}
     out = []
     for w, n in enumerate(graph.nodes):
-        op = n.target.removesuffix(".default").rpartition(".")[2]
+        parts = n.target.split(".")
+        op = parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[-1]  # aten.add_.Tensor; Tensor.copy_
         if not (op.endswith("_") and not op.startswith("__")) or not n.inputs:
             continue
         base = graph.node(n.inputs[0])

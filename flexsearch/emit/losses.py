@@ -118,11 +118,11 @@ class GlobalMean(TorchFunctionMode):
     exported graph) returns ``sum * ranks / C``, ``sum`` the call's losses summed and
     ``C`` its targets not ignored (their class weights' sum, if any), summed over the
     group (one all-reduce of a number per call, every rank making the same calls in the
-    same order). The ranks' average, what
-    DDP's and FSDP's gradients and the step's reported loss take, is the mean over the
-    whole batch, ``sum of sums / C``, where each rank's own mean gives the mean of the
-    ranks' means (module docstring). Other calls run as they are: a sum, class
-    probabilities (every sample counts, as many on every rank)."""
+    same order). The ranks' average, what DDP's and FSDP's gradients and the step's
+    reported loss take, is the mean over the whole batch, ``sum of sums / C``, where each
+    rank's own mean gives the mean of the ranks' means (module docstring). Other calls
+    run as they are: a sum, class probabilities (every sample counts, as many on every
+    rank)."""
 
     def __init__(self, group, ranks: int):
         super().__init__()

@@ -61,6 +61,7 @@ from flexsearch.emit.losses import loss_by_samples, loss_call
 from flexsearch.emit.placements import REPLICATE, arg_placement, input_placements, param_placement
 from flexsearch.emit.precision import autocast, backward, cast_inputs, cast_model
 from flexsearch.emit.runtime import Runtime
+from flexsearch.emit.writes import AS_PLANNED, write_in_place
 from flexsearch.errors import EmitError
 from flexsearch.graph.lift import flat_inputs
 from flexsearch.graph.microbatch import batch_dim
@@ -305,7 +306,7 @@ class ShardedModule(nn.Module):
                 del env[done]
         raise EmitError("the model's graph has no output")
 
-    def _planned(self, n: fx.Node, node: OpNode, env: Mapping[fx.Node, Any]) -> Any:
+    def _planned(self, n: fx.Node, node: OpNode, env: dict[fx.Node, Any]) -> Any:
         """Op ``n`` on its configuration's mesh, its inputs brought to their placements."""
         rt = self._rt
         c = self._configs.get(n.name, Config())
@@ -324,6 +325,10 @@ class ShardedModule(nn.Module):
                 pl = REPLICATE
             return to_layout(rt, v, mesh, pl)
 
+        done = write_in_place(n, env, node.opaque, lambda v, m, pl: to_layout(rt, v, m, pl),
+                              lambda a, kw: _plain_call(self._gm[0], n, a, kw, {}), rt.rank)
+        if done is not AS_PLANNED:
+            return done
         try:
             a, kw = fx.node.map_arg((n.args, n.kwargs), convert)
             out = tree_map(dense_grad, self._call(n, a, kw, c, mesh))

@@ -698,31 +698,15 @@ def quantised():
     return Quantised(), (torch.randn(8, 16),)
 
 
-def verify_job(rank: int, world: int, plans: list) -> list[float]:
+def verify_job(rank: int, world: int, cases: list) -> list[float]:
+    """Each (model builder's name, plan) verified against an MSE loss on this rank."""
     from flexsearch.emit.verify import verify
 
     out = []
-    for plan in plans:
-        model, x = quantised()
+    for name, plan in cases:
+        model, x = {"quantised": quantised, "centred": centred}[name]()
         out.append(verify(model, plan, x, torch.zeros(8, 8), lambda o, y: F.mse_loss(o, y))["loss"])
     return out
-
-
-def test_a_custom_autograd_function_is_one_op_and_keeps_its_backward():
-    """A custom ``autograd.Function`` is one node (split by the samples only), not the
-    ops of its ``forward``: fx traced through it and dropped its ``backward``, so SOAP
-    and pipeline plans trained ``l1`` with a zero gradient (rounding's), silently.
-    Both verify on 2 ranks."""
-    from flexsearch.emit.launch import run_ranks
-
-    model, x = quantised()
-    g = trace(model, x)
-    (node,) = [n for n in g.nodes if n.name == "round_st_apply"]
-    assert node.kind == "elementwise" and [(d.dim, d.kind) for d in node.dims.output] == [(0, "sample")]
-    assert not any(n.target.startswith(("torch.round", "Tensor.round")) for n in g.nodes)
-    plans = [flexsearch.plan(model, x, devices=2, cluster="cpu", kinds=[kind], max_iters=20, precision="fp32")
-             for kind in ("soap", "pipeline")]
-    run_ranks(verify_job, 2, plans, timeout_s=300)  # verify raises on a mismatch
 
 
 class Centred(nn.Module):
@@ -745,23 +729,27 @@ def centred():
     return Centred(), (torch.randn(8, 16),)
 
 
-def centred_job(rank: int, world: int, plan) -> float:
-    from flexsearch.emit.verify import verify
-
-    model, x = centred()
-    return verify(model, plan, x, torch.zeros(8, 8), lambda o, y: F.mse_loss(o, y))["loss"]
-
-
-def test_a_buffer_updated_in_place_in_forward_is_traced_by_export():
-    """Symbolic tracing ran ``self.mu.mul_(0.9)`` once, for real, on the model's buffer
-    (it is not in the graph), and recorded the ``add_`` without its ``no_grad``, so a
-    SOAP plan's buffer joined the autograd graph (``Trying to backward through the graph
-    a second time``). Such a model is traced by ``torch.export``, its buffer untouched,
-    and the SOAP plan verifies on 2 ranks."""
+def test_what_fx_loses_is_kept_and_the_plans_verify():
+    """A custom ``autograd.Function`` is one node (split by the samples only), not the
+    ops of its ``forward``: fx traced through it and dropped its ``backward``, so SOAP
+    and pipeline plans trained ``l1`` with a zero gradient (rounding's), silently. And
+    a buffer updated in place under ``no_grad``: symbolic tracing ran
+    ``self.mu.mul_(0.9)`` once, for real, on the model's buffer (it is not in the graph),
+    and recorded the ``add_`` without its ``no_grad``, so a SOAP plan's buffer joined the
+    autograd graph (``Trying to backward through the graph a second time``); such a model
+    is traced by ``torch.export``, its buffer untouched. The three plans verify on 2
+    ranks (one launch)."""
     from flexsearch.emit.launch import run_ranks
 
-    model, x = centred()
+    model, x = quantised()
     g = trace(model, x)
-    assert g.via == "export" and torch.equal(model.mu, torch.zeros(32))
-    plan = flexsearch.plan(model, x, devices=2, cluster="cpu", kinds=["soap"], max_iters=20, precision="fp32")
-    run_ranks(centred_job, 2, plan, timeout_s=300)  # verify raises on a mismatch
+    (node,) = [n for n in g.nodes if n.name == "round_st_apply"]
+    assert node.kind == "elementwise" and [(d.dim, d.kind) for d in node.dims.output] == [(0, "sample")]
+    assert not any(n.target.startswith(("torch.round", "Tensor.round")) for n in g.nodes)
+    cases = [("quantised", flexsearch.plan(model, x, devices=2, cluster="cpu", kinds=[kind], max_iters=20,
+                                           precision="fp32")) for kind in ("soap", "pipeline")]
+    ema, y = centred()
+    assert trace(ema, y).via == "export" and torch.equal(ema.mu, torch.zeros(32))
+    cases.append(("centred", flexsearch.plan(ema, y, devices=2, cluster="cpu", kinds=["soap"], max_iters=20,
+                                             precision="fp32")))
+    run_ranks(verify_job, 2, cases, timeout_s=300)  # verify raises on a mismatch

@@ -156,18 +156,13 @@ class DataParallelModule(nn.Module):
                 loss = loss / m
                 backward(loss, prec, self.parameters, unscaled=last)
             total = total + loss.detach().float()
-        settled = means.finish(self._rt.group, device=self._device()) if m > 1 else None
+        settled = means.finish(self._rt.group, device=self._rt.local_device) if m > 1 else None
         if settled is not None:  # the whole batch's mean: its gradients are the settled sums' times n m N / C
             if settled.count:  # every target ignored: no gradient to weigh (each is zero)
                 unscale(self.parameters(), settled.count / (n * m * settled.per_call))
             return settled_loss(settled)
         dist.all_reduce(total, group=self._rt.group)
         return total / n
-
-    def _device(self) -> torch.device:
-        """Where this rank's collectives run (a GPU under NCCL)."""
-        return torch.device("cuda", torch.cuda.current_device()) if self._rt.device_type == "cuda" \
-            else torch.device("cpu")
 
     def _sync(self, last: bool):
         """No gradient synchronisation before the last microbatch (DDP's ``no_sync``;

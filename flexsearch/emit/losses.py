@@ -111,7 +111,23 @@ def loss_by_samples(call: LossCall, mesh) -> DTensor:
     return out / count
 
 
-class GlobalMean(TorchFunctionMode):
+class _ClassMeans(TorchFunctionMode):
+    """A mode that runs every call :func:`_plain_mean` takes as its losses' sum and
+    count, handed to :meth:`mean`; other calls run as they are."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        call = _plain_mean(func, args, kwargs)
+        if call is None:
+            return func(*args, **kwargs)
+        total = call.summed(call.input, call.target)
+        return self.mean(call, total, call.counted(call.target))
+
+    def mean(self, call: LossCall, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class GlobalMean(_ClassMeans):
     """While active on every rank of a data-parallel ``group`` of ``ranks`` ranks: each
     call of a mean cross-entropy or NLL loss over class indices on plain tensors
     (``F.cross_entropy``, ``F.nll_loss``, ``nn.CrossEntropyLoss``, an ATen loss of an
@@ -128,13 +144,8 @@ class GlobalMean(TorchFunctionMode):
         super().__init__()
         self._group, self._ranks = group, ranks
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        call = _plain_mean(func, args, kwargs)
-        if call is None:
-            return func(*args, **kwargs)
-        total = call.summed(call.input, call.target)
-        count = call.counted(call.target).to(torch.float64)
+    def mean(self, call: LossCall, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        count = count.to(torch.float64)
         dist.all_reduce(count, group=self._group)
         return total * (self._ranks / count).to(total.dtype)
 
@@ -179,7 +190,7 @@ class Settled:
     per_call: int
 
 
-class DeferredMean(TorchFunctionMode):
+class DeferredMean(_ClassMeans):
     """The whole batch's mean class loss for a step of several microbatches (gradient
     accumulation, a pipeline's schedule), where the count of a later microbatch is not
     known when an earlier one's backward runs. While active, a call :class:`GlobalMean`
@@ -200,13 +211,8 @@ class DeferredMean(TorchFunctionMode):
         self._settled: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         self._unsettled = 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        call = _plain_mean(func, args, kwargs)
-        if call is None:
-            return func(*args, **kwargs)
-        total = call.summed(call.input, call.target)
-        count = call.counted(call.target).to(total.dtype)
+    def mean(self, call: LossCall, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        count = count.to(total.dtype)
         box = [1.0 / float(count)] if float(count) else [0.0]
         out = _Reweighted.apply(total, count, box)
         if torch._C._current_graph_task_id() == -1:  # not a checkpointed region's recompute in the backward

@@ -53,6 +53,11 @@ class Runtime:
         self._meshes: dict[tuple, DeviceMesh] = {}
         self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
 
+    @property
+    def local_device(self) -> torch.device:
+        """This rank's device: its GPU under NCCL (where its collectives' tensors live), else the CPU."""
+        return torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda" else torch.device("cpu")
+
     def sub(self, devices: list[int]) -> Runtime:
         """A runtime over some of this one's devices (device ``i`` of the sub-runtime is
         ``devices[i]``), sharing the mesh and group caches."""

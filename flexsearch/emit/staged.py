@@ -218,8 +218,7 @@ class PipelineModule(nn.Module):
                                   subs[r, self.replica], distributed)
             mods.append(m)
         self.stages = nn.ModuleList(mods)
-        device = torch.device(rt.device_type, torch.cuda.current_device()) if rt.device_type == "cuda" else \
-            torch.device("cpu")
+        device = rt.local_device
         m_count = plan.microbatches or 1
         self._pipe_stages = [ReusedBuffersStage(self._sharded(runnable(m)), k, nstages, device, group=self._pp_group,
                                                 input_args=examples[k][0], output_args=examples[k][1],
@@ -337,8 +336,7 @@ class PipelineModule(nn.Module):
         with self._means:
             self._schedule.step(*args, target=tgt, losses=losses, return_outputs=False)
         scale = loss_scale(self._rt.precision)
-        device = torch.device("cuda", torch.cuda.current_device()) if self._rt.device_type == "cuda" \
-            else torch.device("cpu")  # where the group's collectives run (a GPU under NCCL)
+        device = self._rt.local_device  # where the group's collectives run (a GPU under NCCL)
         settled = self._means.finish(self._rt.group, counted=last and self.tensor_index == 0, device=device)
         if settled is not None:  # the whole batch's mean class loss: the settled sums' gradients times d N / C
             if settled.count:  # every target ignored: no gradient to weigh (each is zero)

@@ -20,6 +20,8 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
+from flexsearch.graph.opgraph import in_place_op
+
 AS_PLANNED = object()
 """:func:`write_in_place`'s answer for an op it does not run."""
 
@@ -28,12 +30,6 @@ def op_name(n: fx.Node) -> str:
     """``copy_`` of a method call ``copy_`` or of ATen's ``copy_.default``."""
     name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
     return name.split(".")[0]
-
-
-def in_place(n: fx.Node) -> bool:
-    """Does ``n`` write its first argument in place (``copy_``, ``aten.add_.Tensor``)?"""
-    op = op_name(n)
-    return op.endswith("_") and not op.startswith("_")
 
 
 def write_in_place(n: fx.Node, env: dict[fx.Node, Any], opaque: bool,
@@ -47,7 +43,7 @@ def write_in_place(n: fx.Node, env: dict[fx.Node, Any], opaque: bool,
     if op_name(n) == "detach_" and isinstance(target, torch.Tensor):
         env[n.args[0]] = out = target.detach()  # its readers, before and after, get a detached one
         return out
-    if not (opaque and in_place(n) and isinstance(target, DTensor)):
+    if not (opaque and in_place_op(op_name(n)) and isinstance(target, DTensor)):
         return AS_PLANNED
 
     def onto(a: fx.Node) -> Any:

@@ -25,6 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_flatten
 
 from flexsearch.errors import TraceError
+from flexsearch.graph.opgraph import in_place_op
 
 TORCH_DIR = str(Path(torch.__file__).parent)
 OWN_DIR = str(Path(__file__).parent.parent)
@@ -142,8 +143,8 @@ def _state_written(gm: fx.GraphModule) -> None:
     the ``no_grad``, so the buffer joins the autograd graph)."""
     for n in gm.graph.nodes:
         name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
-        if n.op in ("call_method", "call_function") and isinstance(name, str) and name.endswith("_") and \
-                not name.startswith("__") and n.args and isinstance(n.args[0], fx.Node) and n.args[0].op == "get_attr":
+        if n.op in ("call_method", "call_function") and isinstance(name, str) and in_place_op(name) and \
+                n.args and isinstance(n.args[0], fx.Node) and n.args[0].op == "get_attr":
             raise TraceError(f"the model updates {n.args[0].target!r} in place in forward ({name}), which a traced "
                              "graph does not run as the model does")
 

@@ -190,6 +190,14 @@ class BlockGroup(_Frozen):
     instances: tuple[tuple[str, ...], ...]
 
 
+def in_place_op(name: str) -> bool:
+    """Does the op named ``name`` write its first argument in place: ``copy_``, ``add_``
+    (a method's name, a function's ``__name__``, or an ATen overload's ``add_.Tensor``),
+    not a dunder such as ``__iadd__``?"""
+    op = name.split(".")[0]
+    return op.endswith("_") and not op.startswith("__")
+
+
 class ModuleFacts(_Frozen):
     """One module of the model's tree, as sharding rules see it
     (:func:`flexsearch.graph.modules.module_facts`): its path, whether it is looked

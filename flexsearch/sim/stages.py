@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 
 from flexsearch.cost.hardware import Cluster
 from flexsearch.graph.microbatch import microbatch_graph
-from flexsearch.graph.opgraph import OpGraph, OpNode
+from flexsearch.graph.opgraph import OpGraph, OpNode, in_place_op
 from flexsearch.sim.context import CostContext
 from flexsearch.sim.footprint import (
     aliases,
@@ -187,8 +187,8 @@ def written_through_views(graph: OpGraph) -> list[tuple[int, int]]:
     out = []
     for w, n in enumerate(graph.nodes):
         parts = n.target.split(".")
-        op = parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[-1]  # aten.add_.Tensor; Tensor.copy_
-        if not (op.endswith("_") and not op.startswith("__")) or not n.inputs:
+        op = ".".join(parts[1:]) if parts[0] == "aten" else parts[-1]  # aten.add_.Tensor; Tensor.copy_
+        if not in_place_op(op) or not n.inputs:
             continue
         base = graph.node(n.inputs[0])
         if not _aliases(base):

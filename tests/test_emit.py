@@ -300,13 +300,32 @@ def test_a_rank_that_dies_at_exit_after_its_result_is_written_still_counts() -> 
         run_ranks(abort_job, 2, False)
 
 
+def env_job(rank: int, world: int, name: str) -> str | None:
+    import os
+
+    return os.environ.get(name)
+
+
+def test_ranks_see_the_environment_as_at_their_launch(monkeypatch) -> None:
+    """Ranks are forked from a fork server started at the process's first launch
+    (:func:`flexsearch.emit.launch.run_ranks`); each still gets the launching process's
+    environment as it is at its own launch, a variable set or removed since included."""
+    name = "FLEXSEARCH_TEST_LAUNCH_ENV"
+    monkeypatch.delenv(name, raising=False)
+    assert run_ranks(env_job, 2, name) == [None, None]  # the fork server now runs, without it
+    monkeypatch.setenv(name, "set after the server started")
+    assert run_ranks(env_job, 2, name) == ["set after the server started"] * 2
+    monkeypatch.delenv(name)
+    assert run_ranks(env_job, 2, name) == [None, None]
+
+
 def test_a_hung_job_reports_where_its_ranks_stood() -> None:
     """A job past its timeout is killed, and the error names what the running ranks
     were doing (so a hang in CI says where it hung)."""
-    with pytest.raises(RanksFailed) as e:  # 12 s: under load the ranks took more than 6 to start and connect
-        run_ranks(hang_job, 2, timeout_s=12)
+    with pytest.raises(RanksFailed) as e:  # forked from the fork server, ranks start in well under a second
+        run_ranks(hang_job, 2, timeout_s=8)
     msg = str(e.value)
-    assert msg.startswith("ranks [1] still running after 12 s (killed)"), msg
+    assert msg.startswith("ranks [1] still running after 8 s (killed)"), msg
     assert "rank 1 stood at:" in msg and "hang_job" in msg, msg
 
 

@@ -93,7 +93,10 @@ def describe(exc: BaseException) -> str:
 
 def _context():
     """The fork server's context, :data:`PRELOAD` imported by the server when it starts
-    (the first launch of this process; later calls leave a running server as it is)."""
+    (the first launch of this process; later calls leave a running server as it is);
+    spawning where the platform has no fork server."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([*PRELOAD, *(m for m in ("transformers",) if m in sys.modules)])
     return ctx

@@ -269,6 +269,14 @@ def mixer():
     return Mixer(), (torch.randn(8, 3, 32, 32),)
 
 
+def dropped_mlp():
+    """An MLP with dropout between its layers: random in training."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 32), torch.nn.ReLU(),
+                                torch.nn.Dropout(0.3), torch.nn.Linear(32, 10))
+    return model, (torch.randn(8, 3, 32, 32),)
+
+
 def mixer_job(rank: int, world: int, cases: list) -> list[str]:
     import torch.nn.functional as F
 
@@ -285,8 +293,8 @@ def mixer_job(rank: int, world: int, cases: list) -> list[str]:
         return loss
 
     out = []
-    for plan, scale in cases:
-        model, x = mixer()
+    for plan, scale, build in cases:
+        model, x = build()
         DataParallelModule.train_step = lambda self, *a, s=scale, **k: off(self, *a, scale=s, **k)
         try:
             verify(model, plan, x, torch.zeros(8, 10), lambda o, y: F.mse_loss(o.float(), y))
@@ -304,10 +312,17 @@ def test_verify_allows_a_low_precision_plan_the_single_process_s_own_rounding():
     1.56% (4 eps), while the single process itself is ~1% from fp32 there: ``verify``
     now allows 4x that own error (``SPREAD``), and compares FSDP2 against the step with
     the parameters in bf16, as FSDP2's mixed precision computes. Gradients 5% off are
-    still a mismatch."""
+    still a mismatch, and so is a model with dropout (the fp32 step drew other masks: 4x
+    its distance let every plan pass)."""
     model, x = mixer()
     data = flexsearch.plan(model, x, devices=2, cluster="cpu", kinds=["data"], max_iters=0, precision="bf16-mixed")
     fsdp = data.model_copy(update={"shard": "zero3", "fsdp_units": None})
-    got = run_ranks(mixer_job, 2, [(data, 1.0), (fsdp, 1.0), (data, 1.05)], timeout_s=300)[0]
+    model, x = dropped_mlp()
+    dropped = flexsearch.plan(model, x, devices=2, cluster="cpu", kinds=["data"], max_iters=0,
+                              precision="bf16-mixed")
+    got = run_ranks(mixer_job, 2, [(data, 1.0, mixer), (fsdp, 1.0, mixer), (data, 1.05, mixer),
+                                   (dropped, 1.0, dropped_mlp)], timeout_s=300)[0]
     assert got[:2] == ["matches", "matches"], got
     assert got[2].startswith("gradient of") and "more mismatch" in got[2], got[2]
+    # random in training: the fp32 step draws other numbers, its distance is no rounding (it passed)
+    assert "differs" in got[3] and "random in training (Dropout p=0.3 in 1 module)" in got[3], got[3]

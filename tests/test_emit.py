@@ -269,6 +269,21 @@ def test_in_place_ops_run() -> None:
         assert loss == pytest.approx(ref, rel=1e-4)
 
 
+def test_a_parameter_forward_never_reads_trains_no_data_parallel_plan() -> None:
+    """A leftover layer (built, never called): DDP, ZeRO-1 and FSDP2 plans train the
+    rest as the single process does, for 3 steps (DDP failed the second, waiting for
+    the layer's gradient), and the layer keeps its weights."""
+    spec = "tests/data/unused_layer.py:model"
+    data = make_plan(spec, 2, "data")
+    assert data.kind == "data" and data.shard == "none"
+    plans = [data, data.model_copy(update={"shard": "zero1"}),
+             data.model_copy(update={"shard": "zero3", "fsdp_units": None})]
+    res = run_ranks(check_job, 2, spec, plans, timeout_s=300)
+    for _kind, _s, loss, ref, params in res[0]:
+        assert loss == pytest.approx(ref, rel=1e-5)
+        assert "unused.weight" in params
+
+
 def hang_job(rank: int, world: int) -> None:
     import time
 

@@ -81,7 +81,7 @@ class DataParallelModule(nn.Module):
     """A data-parallel model: ``module`` is the DDP wrapper or the fully-sharded model."""
 
     def __init__(self, model: nn.Module, rt: Runtime, shard: str = "none", units: tuple[str, ...] | None = None,
-                 microbatches: int = 1, shard_group: int = 0):
+                 microbatches: int = 1, shard_group: int = 0, find_unused: bool = False):
         super().__init__()
         self._rt = rt
         self.shard = shard
@@ -107,7 +107,7 @@ class DataParallelModule(nn.Module):
             fully_shard(model, mesh=mesh, **kw)
             self.module = model
         else:
-            self.module = DistributedDataParallel(model, process_group=rt.group)
+            self.module = DistributedDataParallel(model, process_group=rt.group, find_unused_parameters=find_unused)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with autocast(self._rt.precision, self._rt.device_type):
@@ -178,14 +178,38 @@ class DataParallelModule(nn.Module):
         return contextlib.nullcontext() if last else self.module.no_sync()
 
 
+def unused_frozen(model: nn.Module, graph: OpGraph) -> bool:
+    """Stop the parameters no op of ``graph`` reads (a leftover layer) from requiring
+    gradients, on the emitter's copy ``model``: DDP waits for every trained parameter's
+    gradient and fails the next step without one, while the single process leaves their
+    ``grad`` None and its optimizer skips them (the same training), and the simulation
+    counts none of their bytes. False, changing nothing, when the parameters found by
+    name are not the tracer's ``unused_params`` to the element."""
+    if not graph.unused_params:
+        return True
+    used = {p for n in graph.nodes for p in n.params}
+    names: dict[int, tuple[nn.Parameter, list[str]]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), (p, []))[1].append(name)
+    idle = [p for p, ns in names.values() if not any(n in used for n in ns)]
+    if sum(p.numel() for p in idle) != graph.unused_params:
+        return False
+    for p in idle:
+        p.requires_grad_(False)
+    return True
+
+
 def data_parallel(model: nn.Module, rt: Runtime, plan: Plan, graph: OpGraph) -> DataParallelModule:
     """A :class:`DataParallelModule` over a copy of ``model`` (the caller's model is
     kept): the plan's FSDP units when it shards, its checkpointed units
-    (:mod:`flexsearch.emit.recompute`) and its gradient accumulation."""
+    (:mod:`flexsearch.emit.recompute`) and its gradient accumulation; parameters no op
+    reads do not train (:func:`unused_frozen`; DDP looks for them each step where they
+    are not found by name)."""
     copied = checkpoint_modules(copy.deepcopy(model), graph, plan.recompute)
+    unused_found = unused_frozen(copied, graph)
     if plan.batch_norm == "sync" and has_batch_norm(copied):
         if rt.device_type == "cpu":
             raise EmitError("SyncBatchNorm runs on GPUs only; on CPU plan with --batch-norm local")
         copied = nn.SyncBatchNorm.convert_sync_batchnorm(copied, process_group=rt.group)
     return DataParallelModule(copied, rt, plan.shard, plan.fsdp_units or None, plan.microbatches or 1,
-                              plan.shard_group or 0)
+                              plan.shard_group or 0, find_unused=not unused_found)

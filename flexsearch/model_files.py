@@ -18,6 +18,7 @@ from types import ModuleType
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from flexsearch.errors import ModelLoadError
 
@@ -153,7 +154,7 @@ def load_model(spec: str | Path) -> tuple[nn.Module, tuple]:
                 f"or define {' or '.join(n + '()' for n in INPUT_NAMES)} in the file"
             )
         inputs = _as_inputs(_call(fn, fn.__name__, path))
-    if not inputs or not any(isinstance(x, torch.Tensor) for x in inputs):
+    if not inputs or not any(isinstance(x, torch.Tensor) for x in tree_leaves(inputs)):  # a trailing dict too
         raise ModelLoadError(
             f"example inputs of {path}:{name} hold no tensor; give a tuple of input tensors "
             "whose dim 0 is the global batch"

@@ -33,6 +33,8 @@ ranks of the local gradients is the reference gradient, and the mean of the rank
 models after the optimizer step is the reference model after one SGD step (mixing
 identical models changes nothing; the mean of ``x - lr g_i`` is ``x - lr mean g_i``).
 Later steps take gradients at different models, so only that first step is compared.
+Each rank's loss is its own shard's (a mean over the labels it counts, with ignored
+labels: not the whole batch's): the reference is the mean of the shards' losses.
 
 Every rank runs every step before a mismatch is raised: ranks hold different tensors (a
 pipeline's stages), and one that stopped at its own mismatch would leave the others
@@ -210,7 +212,9 @@ def _compare(model, plan, inputs, target, loss_fn, steps, lr, group, rtol, atol,
     atol = TOLERANCES[plan.precision][1] if atol is None else atol
     low = plan.precision not in ("fp32", "tf32")
     after = 1 if low else 10  # fp32: parameters after the steps compare 10x looser than gradients
-    groups = statistics_groups(plan) if plan.batch_norm == "local" and has_batch_norm(model) else 1
+    # D-PSGD: each rank's own mean loss (a mean over counted labels is its shard's), by design
+    local = plan.kind == "decentralized" or (plan.batch_norm == "local" and has_batch_norm(model))
+    groups = statistics_groups(plan) if local else 1
 
     def reference(prec, gathered: str | None = None):
         """The single-process model in ``prec``, and its training step; ``gathered``: a

@@ -59,7 +59,7 @@ def _fmt_time(seconds: float) -> str:
     return f"{seconds * scale:.4g} {unit}"
 
 
-def _fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float) -> str:
     for scale, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
         if abs(n) >= scale:
             return f"{n / scale:.3g} {unit}"
@@ -183,14 +183,14 @@ def memory_figure(memory: Sequence[float], capacity: float) -> Figure:
     cy = y_of(capacity)
     body.append(f"<line x1='{left}' y1='{cy:.1f}' x2='{left + plot_w}' y2='{cy:.1f}' stroke='#d62728' "
                 "stroke-dasharray='6 4'/>")
-    body.append(_text(left + plot_w, cy - 4, f"capacity {_fmt_bytes(capacity)}", "end"))
+    body.append(_text(left + plot_w, cy - 4, f"capacity {fmt_bytes(capacity)}", "end"))
     peak = max(memory, default=0.0)
     over = sum(m > capacity for m in memory)
-    alt = (f"Bar chart of memory per device for {len(memory)} devices: peak {_fmt_bytes(peak)} "
-           f"against a capacity of {_fmt_bytes(capacity)}"
+    alt = (f"Bar chart of memory per device for {len(memory)} devices: peak {fmt_bytes(peak)} "
+           f"against a capacity of {fmt_bytes(capacity)}"
            + (f"; {over} device(s) over capacity" if over else ""))
     caption = (f"Memory per device (parameters, gradients, optimizer state, activations): peak "
-               f"{_fmt_bytes(peak)}, {peak / capacity:.0%} of the {_fmt_bytes(capacity)} capacity."
+               f"{fmt_bytes(peak)}, {peak / capacity:.0%} of the {fmt_bytes(capacity)} capacity."
                if capacity > 0 else "Memory per device.")
     return Figure(_svg(_WIDTH, top + h + bottom, body), alt, caption)
 
@@ -364,7 +364,7 @@ def summary_rows(plan: Plan, sim: Simulation) -> list[tuple[str, str]]:
         ("speedup over data parallel",
          f"{dp / plan.predicted.iteration_time_s:.2f}x" if dp else "data parallel does not fit"),
         ("lower bound (1 device / N)", _fmt_time(plan.lower_bound_s)),
-        ("peak memory per device", f"{_fmt_bytes(sim.peak_memory_bytes)} of {_fmt_bytes(sim.capacity_bytes)}"),
+        ("peak memory per device", f"{fmt_bytes(sim.peak_memory_bytes)} of {fmt_bytes(sim.capacity_bytes)}"),
     ]
     if plan.stages:
         rows.append(("pipeline", f"{len(plan.stages)} stages x {plan.stages[0].replicas} replicas, "

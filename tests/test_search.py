@@ -447,14 +447,25 @@ def test_memory_errors_quote_the_leanest_run_simulated():
     assert _need_gib(msgs[None]) == _need_gib(msgs["fsdp",])
 
 
-def test_fsdp_on_a_batch_the_devices_do_not_divide_says_so():
-    """Batch 7 on 2 devices: no sharded data parallelism because the batch does not
-    split, not because of memory (it used to say it "needs 0.0 GiB")."""
+@pytest.mark.parametrize("kind", ["fsdp", "data", "decentralized"])
+def test_a_batch_the_devices_do_not_divide_says_so(kind):
+    """Batch 7 on 2 devices: no (sharded) data parallelism or D-PSGD because the batch
+    does not split, not because of memory (it used to say it "needs 0.0 GiB"; for
+    D-PSGD, to "choose a count" of microbatches)."""
     torch.manual_seed(0)
     g = trace(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)), (torch.randn(7, 64),))
-    with pytest.raises(PlanKindError, match=r"no fsdp plan on 2 devices: the batch of 7 does not split evenly") as e:
-        plan_graph(g, Cluster.preset("dgx-h100", 2), kinds=("fsdp",), max_iters=0)
+    with pytest.raises(PlanKindError, match=rf"no {kind} plan( on 2 devices)?: the batch of 7 does not split ev") as e:
+        plan_graph(g, Cluster.preset("dgx-h100", 2), kinds=(kind,), max_iters=0)
     assert "GiB" not in str(e.value) and "\n" not in str(e.value)
+    assert str(e.value).endswith("use a batch that is a multiple of 2, or a device count that divides the batch")
+
+
+def test_memory_in_messages_is_in_a_unit_that_shows_it():
+    """A tiny model's memory in a message is in KiB or MiB, not "0.0 GiB"."""
+    from flexsearch.report import fmt_bytes
+
+    assert [fmt_bytes(b) for b in (512, 144e3, 3.5 * 2**20, 97.6 * 2**30)] == [
+        "512 B", "141 KiB", "3.5 MiB", "97.6 GiB"]
 
 
 @pytest.mark.parametrize("model", [nn.Sequential(), nn.Flatten()], ids=["empty", "view"])

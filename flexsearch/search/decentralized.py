@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 from flexsearch.errors import TopologyError
 from flexsearch.graph.opgraph import OpGraph
+from flexsearch.report import fmt_bytes
 from flexsearch.search.clock import past
 from flexsearch.sim.context import CostContext
 from flexsearch.sim.decentralized import (
@@ -248,8 +249,8 @@ def _explain(best: DecentralizedResult | None, sync_name: str, sync_time_s: floa
     head = f"{best.name} D-PSGD {_t(it)}/iter"
     if not best.simulation.feasible:
         sim = best.simulation
-        return (f"{head} does not fit ({sim.peak_memory_bytes / 2**30:.1f} GiB > "
-                f"{sim.capacity_bytes / 2**30:.1f} GiB per device: its receive buffers); {sync} wins")
+        return (f"{head} does not fit ({fmt_bytes(sim.peak_memory_bytes)} > "
+                f"{fmt_bytes(sim.capacity_bytes)} per device: its receive buffers); {sync} wins")
     factor = best.iterations_factor
     if objective == "iteration":
         if it < sync_time_s:

@@ -304,11 +304,12 @@ def with_decentralized(plan: Plan, graph: OpGraph, ctx: CostContext, *, allow: b
         return plan
     try:
         cost = dz.replica_cost(graph, ctx)
-    except ValueError as e:
+    except ValueError as e:  # the batch does not split over the devices (each rank's share)
+        why = unsplit_reason(graph, ctx.cluster.devices) or str(e)
         if require:
-            raise PlanKindError(f"no decentralized plan: {e}") from None
-        note = dz.explain(None, plan.kind, plan.predicted.iteration_time_s, objective=plan.objective,
-                          reason=str(e))
+            raise PlanKindError(f"no decentralized plan: {why}; use a batch that is a multiple of "
+                                f"{ctx.cluster.devices}, or a device count that divides the batch") from None
+        note = dz.explain(None, plan.kind, plan.predicted.iteration_time_s, objective=plan.objective, reason=why)
         return plan.model_copy(update={"notes": (*plan.notes, note)})
     cands = dz.decentralized_candidates(graph, ctx, optimizer=plan.optimizer, objective=plan.objective, cost=cost,
                                         noise_ratio=convergence.noise_ratio,

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from flexsearch.cost.hardware import Cluster
 from flexsearch.errors import InfeasiblePlanError
+from flexsearch.report import fmt_bytes
 from flexsearch.search.pipeline import PipelineResult
 from flexsearch.sim.result import Simulation
 
@@ -29,7 +30,7 @@ def sharding_note(pipe: PipelineResult, pipes: list[PipelineResult]) -> str:
         why = (f"the same layout with {what} replicated not simulated (over memory by the simulation's model, "
                "or past the budget)")
     elif not twin.simulation.feasible:
-        why = (f"the same layout with {what} replicated needs {twin.simulation.peak_memory_bytes / 2**30:.1f} GiB "
+        why = (f"the same layout with {what} replicated needs {fmt_bytes(twin.simulation.peak_memory_bytes)} "
                "per device")
     else:
         why = f"the same layout with {what} replicated: {twin.simulation.iteration_time_s * 1e3:.3f} ms"
@@ -100,8 +101,8 @@ def no_plan_reason(kinds: Sequence[str], base: dict[str, BaselineRun], pipes: li
     if {"pipeline", "hybrid"} & set(kinds):
         if pipes:
             lean = min(pipes, key=lambda r: r.simulation.peak_memory_bytes).simulation
-            return (f"no {what} plan fits in {lean.capacity_bytes / 2**30:.1f} GiB per device on {cluster.devices} "
-                    f"devices (the leanest layout needs {lean.peak_memory_bytes / 2**30:.1f} GiB); "
+            return (f"no {what} plan fits in {fmt_bytes(lean.capacity_bytes)} per device on {cluster.devices} "
+                    f"devices (the leanest layout needs {fmt_bytes(lean.peak_memory_bytes)}); "
                     "use more devices or a smaller batch")
         if "hybrid" in kinds and "pipeline" not in kinds:
             return (f"no hybrid plan: tensor parallelism inside a stage needs a transformer (attention or "
@@ -111,17 +112,19 @@ def no_plan_reason(kinds: Sequence[str], base: dict[str, BaselineRun], pipes: li
                 "change --devices or the batch")
     if "soap" in kinds:
         lean = leanest([(name, b.simulation) for name, b in base.items()])
-        need = f" (the leanest baseline, {lean[0]}, needs {lean[1].peak_memory_bytes / 2**30:.1f} GiB)" if lean else ""
+        need = f" (the leanest baseline, {lean[0]}, needs {fmt_bytes(lean[1].peak_memory_bytes)})" if lean else ""
         return (f"no {what} plan fits in memory on {cluster.devices} x {cluster.device.name}{need}: no SOAP "
                 "configuration the search simulated fits; use more devices or a smaller batch")
     if set(kinds) == {"fsdp"} and cluster.devices < 2:
         return "no fsdp plan on one device: sharded data parallelism needs 2 or more; use --kind data or more devices"
-    if set(kinds) == {"fsdp"} and unsplit is not None:
-        return (f"no fsdp plan on {cluster.devices} devices: {unsplit} (sharded data parallelism gives every "
-                f"device an equal share); use a batch that is a multiple of {cluster.devices}, or a device count "
-                "that divides the batch")
+    if set(kinds) <= {"data", "fsdp"} and unsplit is not None:
+        fix = ("give the inputs as tensors whose dim 0 is the batch (a trailing dict of them is passed by keyword)"
+               if "no batch dimension" in unsplit else
+               f"use a batch that is a multiple of {cluster.devices}, or a device count that divides the batch")
+        return (f"no {what} plan on {cluster.devices} devices: {unsplit} (data parallelism gives every "
+                f"device an equal share); {fix}")
     lean = leanest(data_runs)
-    need = (f" (the leanest simulated, {lean[0]}, needs {lean[1].peak_memory_bytes / 2**30:.1f} GiB per device)"
+    need = (f" (the leanest simulated, {lean[0]}, needs {fmt_bytes(lean[1].peak_memory_bytes)} per device)"
             if lean is not None else "")
     return f"no {what} plan fits in memory on {cluster.devices} x {cluster.device.name}{need}; use more devices"
 
@@ -139,13 +142,13 @@ def infeasible_error(tried: Sequence[tuple[str, Simulation]], cluster: Cluster) 
     cap = best.capacity_bytes
     total = sum(best.memory_bytes)
     worth = math.ceil(total / cap)
-    spread = (f"{total / 2**30:.1f} GiB in all, {worth} devices' worth" if worth > cluster.devices else
-              f"{total / 2**30:.1f} GiB in all, which {cluster.devices} devices could hold only if "
+    spread = (f"{fmt_bytes(total)} in all, {worth} devices' worth" if worth > cluster.devices else
+              f"{fmt_bytes(total)} in all, which {cluster.devices} devices could hold only if "
               "it were spread evenly")
     return InfeasiblePlanError(
-        f"no plan fits in {cap / 2**30:.1f} GiB per device on {cluster.devices} x "
+        f"no plan fits in {fmt_bytes(cap)} per device on {cluster.devices} x "
         f"{cluster.device.name} (the leanest plan simulated, {name}, needs "
-        f"{best.peak_memory_bytes / 2**30:.1f} GiB on its fullest device and {spread}); "
+        f"{fmt_bytes(best.peak_memory_bytes)} on its fullest device and {spread}); "
         "use more devices, a smaller batch, or a cluster with more memory"
     )
 

@@ -288,7 +288,7 @@ def test_infeasible_model_says_what_it_needs(capsys, bad_files):
                      "--max-iters", "5")
     assert rc == 2
     assert "no plan fits in 14.9 GiB per device on 16 x" in err and "needs" in err and "GiB" in err
-    assert "GiB in all, " in err and ("devices' worth" in err or "spread evenly" in err)
+    assert "iB in all, " in err and ("devices' worth" in err or "spread evenly" in err)  # 20 TiB
     assert "more devices" in err and "cluster with more memory" in err
 
 

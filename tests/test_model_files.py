@@ -197,3 +197,60 @@ def test_a_builder_or_forward_that_raises_is_named_as_such(model_file):
     with pytest.raises(TraceError) as info:
         trace(*load_model(f"{path}:failing"))
     assert "forward exploded" in str(info.value) and "control flow" not in str(info.value), str(info.value)
+
+
+def test_a_dict_of_tensors_last_is_taken_as_keyword_inputs(model_file):
+    """Inputs ending in a dict of tensors (passed by keyword) hold tensors (the file
+    was refused: "hold no tensor"), as the Python API takes them."""
+    path = model_file(
+        """
+        import torch
+        from torch import nn
+
+        class Two(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a, self.b = nn.Linear(4, 2), nn.Linear(3, 2)
+
+            def forward(self, *, image, text):
+                return self.a(image) + self.b(text)
+
+        def build_model():
+            return Two(), ({"image": torch.randn(8, 4), "text": torch.randn(8, 3)},)
+        """
+    )
+    model, inputs = load_model(str(path))
+    assert set(inputs[-1]) == {"image", "text"}
+
+
+def test_a_dtype_clash_under_autocast_names_the_precision(model_file):
+    """A tensor the model makes in fp32 meeting autocast's bf16 (a dispatch buffer of
+    ``torch.zeros``): the error keeps the op's own words (it was cut to "scatter()") and
+    says the mixed precision is why, with both fixes (it said to check the inputs)."""
+    from flexsearch import TraceError, trace
+
+    path = model_file(
+        """
+        import torch
+        from torch import nn
+
+        class Dispatch(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.l = nn.Linear(8, 8)
+
+            def forward(self, x):
+                h = self.l(x)
+                return torch.zeros(h.shape).scatter_add_(0, torch.zeros_like(h, dtype=torch.long), h)
+
+        def build_model():
+            return Dispatch(), (torch.randn(4, 8),)
+        """
+    )
+    model, x = load_model(str(path))
+    trace(model, x)  # fp32: fine
+    with pytest.raises(TraceError) as info:
+        trace(model, x, precision="bf16-mixed")
+    msg = str(info.value)
+    assert "scatter(): Expected self.dtype to be equal to src.dtype" in msg, msg
+    assert "autocast to bfloat16" in msg and "--precision fp32" in msg and "example inputs" not in msg, msg

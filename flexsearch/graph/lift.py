@@ -403,7 +403,12 @@ def _break_reason(reason: str) -> str:
 def short_reason(exc: Exception) -> str:
     """The exception's first sentence, on one line."""
     text = " ".join(str(exc).split())
-    text = re.split(r"(?<=[.:])\s+(?=[A-Z(])", text)[0].rstrip(".:")
+    parts = re.split(r"(?<=[.:])\s+(?=[A-Z(])", text)
+    text = parts[0]
+    while re.fullmatch(r"[\w.:]+\(\):", text) and len(parts) > 1:  # "scatter(): Expected ...": the op's name
+        parts = parts[1:]
+        text = f"{text} {parts[0]}"
+    text = text.rstrip(".:")
     if text.count("(") > text.count(")"):
         text = text[: text.rfind("(")].rstrip()
     return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__

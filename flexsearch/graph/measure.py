@@ -179,6 +179,7 @@ class Measure(fx.Interpreter):
         # The FLOP counter is entered around each measured call only (what else runs,
         # data movement and replayed outputs, has no FLOPs and runs faster outside it).
         self.counter = FlopCounterMode(display=False)
+        self.autocast = autocast
         with (
             self.fake_mode,
             sdpa_kernel([SDPBackend.MATH]),
@@ -218,9 +219,14 @@ class Measure(fx.Interpreter):
         except Exception as exc:
             src = _source(n)
             where = f" ({src})" if src else ""
-            fix = ("make it shape-only (no .item(), .tolist(), data-dependent shapes) or report the op"
-                   if isinstance(exc, _NOT_SHAPE_ONLY) else
-                   "check that the model file's example inputs have the shapes and dtypes the model takes")
+            if isinstance(exc, _NOT_SHAPE_ONLY):
+                fix = "make it shape-only (no .item(), .tolist(), data-dependent shapes) or report the op"
+            elif getattr(self, "autocast", None) and "dtype" in str(exc):  # autocast's dtype meets the model's
+                fix = (f"traced under autocast to {self.autocast} (the plan's mixed precision): an op mixes it with a "
+                       "tensor the model made in fp32; make that tensor in its input's dtype (e.g. "
+                       "torch.zeros(..., dtype=x.dtype)) or plan with --precision fp32")
+            else:
+                fix = "check that the model file's example inputs have the shapes and dtypes the model takes"
             raise TraceError(
                 f"cannot run op {n.name} ({n.op} {_target_name(n, None) if n.op != 'call_module' else n.target})"
                 f"{where} on fake tensors: {short_reason(exc)}; {fix}"

@@ -133,6 +133,9 @@ class Plan(_Frozen):
     inputs: tuple[TensorMeta, ...] = ()
     input_names: tuple[str, ...] = ()
     """Per input, the keyword the model takes it by (``""`` or absent: positional)."""
+    constant_inputs: tuple[tuple[str, bool | int | float | str | None], ...] = ()
+    """The keyword inputs that are not tensors (``return_loss=True``), as traced: the
+    emitter traces the model with them again."""
     """The model's example inputs (positional), so the emitter can re-trace the model
     and check it is the one the plan was made for."""
     topology: str | None = None

@@ -284,6 +284,31 @@ def test_a_parameter_forward_never_reads_trains_no_data_parallel_plan() -> None:
         assert "unused.weight" in params
 
 
+def own_loss_job(rank: int, world: int, spec: str, plans: list) -> list[tuple[str, float, float]]:
+    from flexsearch.emit.verify import verify
+
+    out = []
+    for plan in plans:
+        model, x = load(spec)
+        r = verify(model, plan, x, steps=2)
+        out.append((plan.kind, r["loss"], r["reference_loss"]))
+    return out
+
+
+def test_a_constant_keyword_input_is_kept_in_the_plan_and_every_kind_runs_with_it() -> None:
+    """``return_loss=True`` among the example inputs: the plan keeps it
+    (``constant_inputs``), and the emitter traces with it (every plan failed its graph
+    check: traced without it, the model had no loss) and a pipeline's first stage takes
+    the tensors only (torch's pipeline stages refuse a bool)."""
+    spec = "tests/data/constant_kwarg.py:model"
+    plans = [make_plan(spec, 2, kind) for kind in ("data", "soap", "1f1b")]
+    assert all(p.constant_inputs == (("return_loss", True),) for p in plans)
+    res = run_ranks(own_loss_job, 2, spec, plans, timeout_s=300)
+    assert [k for k, _, _ in res[0]] == ["data", "soap", "pipeline"]
+    for _kind, loss, ref in res[0]:
+        assert loss == pytest.approx(ref, rel=1e-5)
+
+
 def hang_job(rank: int, world: int) -> None:
     import time
 

@@ -42,14 +42,14 @@ EMITTABLE_KINDS = ("data", "soap", "pipeline", "hybrid", "decentralized")
 
 def example_inputs(plan: Plan, parts: int = 1) -> tuple:
     """Zero tensors of the plan's input shapes (tracing needs shapes, not values), the
-    keyword ones in a trailing dict; with ``parts``, one of that many equal slices of the
-    batch (a pipeline's microbatch)."""
+    keyword ones in a trailing dict with the constant ones (``return_loss=True``); with
+    ``parts``, one of that many equal slices of the batch (a pipeline's microbatch)."""
     from flexsearch.emit.data import batch_shard
 
     names = plan.input_names or ("",) * len(plan.inputs)
     zeros = [batch_shard(torch.zeros(m.shape, dtype=getattr(torch, m.dtype)), 0, parts) for m in plan.inputs]
     args = tuple(z for z, k in zip(zeros, names, strict=True) if not k)
-    kwargs = {k: z for z, k in zip(zeros, names, strict=True) if k}
+    kwargs = {k: z for z, k in zip(zeros, names, strict=True) if k} | dict(plan.constant_inputs)
     return (*args, kwargs) if kwargs else args
 
 

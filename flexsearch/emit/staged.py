@@ -146,8 +146,15 @@ class PipelineModule(nn.Module):
         if absent:
             raise EmitError(f"the model's graph at the microbatch size differs from the one planned ({absent[0]} "
                             "is missing); plan it with a batch it runs at, or another plan kind")
-        self._flat = lambda args, kwargs: flat_inputs(gm, args, kwargs)
-        cuts = cut(gm, graph, [s.nodes for s in plan.stages])
+        # placeholders of constant inputs (``return_loss=True``): no stage takes them
+        from flexsearch.emit import example_inputs
+
+        holders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        constants = {h: v for h, v in zip(holders, flat_inputs(gm, *split(example_inputs(plan))), strict=True)
+                     if not isinstance(v, torch.Tensor)}
+        self._flat = lambda args, kwargs: [v for h, v in zip(holders, flat_inputs(gm, args, kwargs), strict=True)
+                                           if h not in constants]
+        cuts = cut(gm, graph, [s.nodes for s in plan.stages], constants)
         # the structure of the last stage's flat outputs: an exported model's, or a dict the cut flattened
         self._out_spec = getattr(gm, "_out_spec", None) or getattr(cuts[-1], "out_spec", None)
         if t == 1:  # each checkpointed unit of a stage runs as one region (tensor-parallel stages: whole)
@@ -472,7 +479,9 @@ def _examples(stages: list[nn.Module], inputs: list,
     floating parameters in ``param_dtype`` when given (FSDP2's gathered dtype)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
 
-    def real(t: torch.Tensor) -> torch.Tensor:
+    def real(t: torch.Tensor | Any) -> torch.Tensor | Any:  # a constant input (``return_loss=True``) as it is
+        if not isinstance(t, torch.Tensor):
+            return t
         return torch.empty(t.shape, dtype=t.dtype).requires_grad_(t.requires_grad and t.is_floating_point())
 
     out = []

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from typing import Any
 
 import torch.fx as fx
 from torch import nn
@@ -62,8 +63,12 @@ def assign(gm: fx.GraphModule, graph: OpGraph, stages: Sequence[Sequence[str]]) 
     return out
 
 
-def cut(gm: fx.GraphModule, graph: OpGraph, stages: Sequence[Sequence[str]]) -> list[fx.GraphModule]:
-    """One graph module per stage (see the module docstring)."""
+def cut(gm: fx.GraphModule, graph: OpGraph, stages: Sequence[Sequence[str]],
+        constants: dict[str, Any] | None = None) -> list[fx.GraphModule]:
+    """One graph module per stage (see the module docstring). ``constants``: the values
+    of the placeholders that take no tensor (a keyword input ``return_loss=True``), which
+    are no stage's inputs (a pipeline stage takes tensors only) but their values."""
+    constants = constants or {}
     where = assign(gm, graph, stages)
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
@@ -85,7 +90,10 @@ def cut(gm: fx.GraphModule, graph: OpGraph, stages: Sequence[Sequence[str]]) -> 
     for k in range(len(stages)):
         g = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
-        inputs = [n for n in nodes if n.op == "placeholder"] if k == 0 else live(k - 1)
+        inputs = [n for n in nodes if n.op == "placeholder" and n.name not in constants] if k == 0 else live(k - 1)
+        for n in nodes:
+            if n.op == "placeholder" and n.name in constants:
+                env[n] = constants[n.name]
         for n in inputs:
             env[n] = g.placeholder(n.name)
             if k == 0 and n.op == "placeholder":

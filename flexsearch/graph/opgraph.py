@@ -21,6 +21,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 DimKind = Literal["sample", "attribute", "parameter"]
+Constant = bool | int | float | str | None
+"""A keyword input that is not a tensor (``return_loss=True``), as a plan file keeps it."""
 
 NodeKind = Literal[
     "input",
@@ -237,6 +239,9 @@ class OpGraph(_Frozen):
     """The training precision it was traced under (:mod:`flexsearch.precision`)."""
     input_names: tuple[str, ...] = ()
     """Per input node, in order, the keyword it was passed by (``""``: positional)."""
+    constant_inputs: tuple[tuple[str, Constant], ...] = ()
+    """The keyword inputs that are not tensors but constants (``return_loss=True``), as
+    given: traced with them, so the emitter traces with them too."""
     notes: tuple[str, ...] = ()
     """What the tracer changed or assumed to trace the model (one line each; the plan
     repeats them)."""

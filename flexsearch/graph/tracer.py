@@ -116,6 +116,7 @@ def trace_calls(
         precision=prec.name,
         notes=tuple(notes),
         input_names=_input_names(inputs, args, kwargs),
+        constant_inputs=tuple((k, v) for k, v in kwargs.items() if v is None or isinstance(v, bool | int | float | str)),
     )
     return graph, measure.calls
 

@@ -20,7 +20,7 @@ from flexsearch.strategy.kinds import DataParallel, Decentralized, Pipelined, So
 from flexsearch.strategy.recipes import stage_configs
 
 SHARED_FIELDS = ("model", "graph_fingerprint", "devices", "cluster", "optimizer", "objective", "precision",
-                 "lower_bound_s", "model_flops", "inputs", "input_names", "search")
+                 "lower_bound_s", "model_flops", "inputs", "input_names", "constant_inputs", "search")
 """The fields a plan derived from another (``like``) keeps."""
 
 
@@ -81,6 +81,7 @@ def plan_from(graph: OpGraph, cluster: Cluster, strategy: Strategy, simulation: 
     base: dict[str, Any] = {"model": graph.model, "graph_fingerprint": graph.fingerprint,
                             "devices": cluster.devices, "cluster": cluster.spec, "inputs": graph_inputs(graph),
                             "input_names": graph.input_names if any(graph.input_names) else (),
+                            "constant_inputs": graph.constant_inputs,
                             "precision": graph.precision, "model_flops": float(graph.flops + graph.backward_flops)}
     if like is not None:
         base.update({k: getattr(like, k) for k in SHARED_FIELDS})

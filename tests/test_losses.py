@@ -161,3 +161,37 @@ def test_data_parallel_mean_losses_are_the_whole_batch_s():
     for rank in run_ranks(data_job, 2, cases, timeout_s=600):
         for variant, got, ref in rank:
             assert got == pytest.approx(ref, rel=1e-4), variant
+
+
+def warned_job(rank: int, world: int, cases: list) -> list[list[str]]:
+    import warnings
+
+    from flexsearch.emit import parallelize
+
+    out = []
+    for variant, plan in cases:
+        model, x = sequences(variant)
+        module = parallelize(model, plan)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            module.train_step(x)
+        out.append([str(w.message) for w in seen if "mean class loss" in str(w.message)])
+    return out
+
+
+def test_a_loss_that_cannot_be_reweighed_under_microbatches_warns():
+    """Two class losses summed, over microbatches counting different shares of their
+    targets (padded labels), under 2 accumulated microbatches: the step keeps the mean
+    of the microbatches' means, which is not the model's loss, and says so with the
+    fixes (it did not: gradients 50% off, silently); the loss alone is reweighed, no
+    warning."""
+    from flexsearch.emit.losses import MEAN_OF_MEANS
+
+    cases = []
+    for variant in ("two_losses", "nll"):
+        model, x = sequences(variant)
+        plan = flexsearch.plan(model, x, devices=2, cluster="cpu", kinds=["data"], max_iters=0, precision="fp32")
+        cases.append((variant, plan.model_copy(update={"microbatches": 2})))
+    got = run_ranks(warned_job, 2, cases, timeout_s=300)
+    for rank in got:
+        assert rank == [[MEAN_OF_MEANS], []], rank

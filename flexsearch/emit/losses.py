@@ -16,6 +16,7 @@ count). Class weights are never split (the registry leaves them whole).
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,13 +204,16 @@ class DeferredMean(_ClassMeans):
     accumulated, times ``N / C`` and the step's averaging factor, are the whole batch's
     mean's (``C`` the count over everything), and its loss ``sum of sums / C``. A loss
     that combines a call with anything else (another loss, a regulariser) cannot be
-    rescaled after the fact, so it keeps the mean of the microbatches' means."""
+    rescaled after the fact, so it keeps the mean of the microbatches' means: exact when
+    each microbatch counts the same share of its targets, else :meth:`finish` warns
+    (:data:`MEAN_OF_MEANS`)."""
 
     def __init__(self):
         super().__init__()
         self._calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, list]] = []
         self._settled: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         self._unsettled = 0
+        self._shares: list[list[float]] = []  # per unsettled microbatch, each call's counted share of its targets
 
     def mean(self, call: LossCall, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         count = count.to(total.dtype)
@@ -229,6 +233,7 @@ class DeferredMean(_ClassMeans):
             self._settled.append((total, count, numel))
         else:
             self._unsettled += 1
+            self._shares.append([float(count) / numel if numel else 1.0 for _, _, count, numel, _ in calls])
 
     def finish(self, group, counted: bool = True, device: torch.device | str = "cpu") -> Settled | None:
         """Every rank of ``group`` at the end of the step (``counted``: this rank's
@@ -241,19 +246,41 @@ class DeferredMean(_ClassMeans):
         sums = torch.tensor([sum(float(t) for t, _, _ in mine), sum(float(c) for _, c, _ in mine), len(mine),
                              self._unsettled if counted else 0], dtype=torch.float64, device=device)
         numels = [n for _, _, n in mine]
+        shares = [[s[j] for s in self._shares if j < len(s)] for j in range(SHARED_CALLS)] if counted else []
         span = torch.tensor([max(numels), -min(numels)] if numels else [-1.0, -1e18], dtype=torch.float64,
                             device=device)
+        spread = torch.tensor([v for j in range(SHARED_CALLS) for v in (
+            (max(shares[j]), -min(shares[j])) if counted and shares[j] else (-1.0, -1e18))], dtype=torch.float64,
+            device=device)
+        both = torch.cat([span, spread])
         dist.all_reduce(sums, group=group)
-        dist.all_reduce(span, op=dist.ReduceOp.MAX, group=group)
-        self._settled, self._unsettled = [], 0
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        span, spread = both[:2], both[2:]
+        self._settled, self._unsettled, self._shares = [], 0, []
         total, count, settled, unsettled = (float(v) for v in sums)
         if not settled:
+            if any(spread[2 * j] > -spread[2 * j + 1] + 1e-12 for j in range(SHARED_CALLS)):
+                warnings.warn(MEAN_OF_MEANS, stacklevel=2)
             return None
         if unsettled or span[0] != -span[1]:
             raise EmitError("the step's microbatches computed their class losses differently (some a single "
                             "mean loss, others not, or over targets of different sizes), so their gradients "
                             "cannot be weighed as the whole batch's mean; give every microbatch the same loss")
         return Settled(total, count, int(span[0]))
+
+
+SHARED_CALLS = 8
+"""The class-loss calls per microbatch whose counted shares :meth:`DeferredMean.finish`
+compares across microbatches (the first ones, in call order)."""
+
+MEAN_OF_MEANS = (
+    "the loss adds other terms to a mean class loss whose microbatches count different shares of their targets "
+    "(ignored labels): this plan's microbatches (a pipeline's, or gradient accumulation) weigh each microbatch's "
+    "mean the same, where the single process weighs each counted target the same, so its gradients differ from "
+    "the model's; return the class loss alone (add the other terms outside the model's loss), or plan without "
+    "microbatches (--kind data or soap)")
+"""What :meth:`DeferredMean.finish` warns when a loss it cannot reweigh (a class loss
+plus other terms) is a mean of unequal microbatch means."""
 
 
 def settled_loss(settled: Settled) -> torch.Tensor:

@@ -507,3 +507,27 @@ def test_a_frozen_tied_weight_across_pipeline_stages_is_not_synchronised():
     for rank in run_ranks(hf_job, 2, [("single_file_gpt+frozen_tok", plan)]):
         (_, kind, _, got, ref), = rank
         assert kind == "pipeline" and got == pytest.approx(ref, rel=1e-5)
+
+
+def own_checkpointing_job(rank: int, world: int, plan) -> tuple[bool, bool, float]:
+    from flexsearch.emit import parallelize
+
+    model, x = build("gpt2")
+    model.gradient_checkpointing_enable()
+    module = parallelize(model, plan)
+    loss = module.train_step(x, x[0].float(), lambda out, y: out.logits.float().mean())
+    return model.is_gradient_checkpointing, module.model.is_gradient_checkpointing, float(loss)
+
+
+def test_a_model_s_own_gradient_checkpointing_is_the_plan_s_to_decide():
+    """GPT-2 with ``gradient_checkpointing_enable()``: the trace names it, and the
+    emitted module turns it off (a data plan ran it uncosted, SOAP and pipeline plans
+    dropped it silently): the plan's ``recompute`` decides; the user's model keeps it."""
+    model, x = build("gpt2")
+    model.gradient_checkpointing_enable()
+    g = trace(model, x)
+    assert any("enables its own gradient checkpointing" in n for n in g.notes), g.notes
+    plan = flexsearch.plan(model, x, devices=2, cluster="cpu", kinds=["data"], max_iters=0, precision="fp32")
+    assert plan.recompute == "none"
+    for kept, emitted, loss in run_ranks(own_checkpointing_job, 2, plan, timeout_s=300):
+        assert kept and not emitted and abs(loss) < float("inf")

@@ -25,6 +25,8 @@ its state; any other plan takes a plain torch optimizer over the module's parame
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 import torch.fx as fx
@@ -102,12 +104,17 @@ def parallelize(model: nn.Module, plan: Plan, *, group: dist.ProcessGroup | None
     ``group`` (default: the default group; its size must be the plan's devices).
 
     The caller's ``model`` is not modified: the emitted module holds a copy (load a
-    checkpoint into it with :mod:`flexsearch.emit.checkpoint`)."""
+    checkpoint into it with :mod:`flexsearch.emit.checkpoint`). A model's own gradient
+    checkpointing (Hugging Face's ``gradient_checkpointing_enable()``) is off in that
+    copy: the plan's ``recompute``, which its prediction costs, decides what is rebuilt."""
     if plan.kind not in EMITTABLE_KINDS:
         raise EmitError(f"the emitter cannot run {plan.kind!r} plans yet (it runs {', '.join(EMITTABLE_KINDS)}); "
                         "plan again without that kind")
     rt = Runtime(plan, group)
     check_runs_here(model, precision_of(plan.precision), rt.device_type)
+    if getattr(model, "is_gradient_checkpointing", False) and hasattr(model, "gradient_checkpointing_disable"):
+        model = copy.deepcopy(model)  # the plan's recompute setting decides what is checkpointed, as costed
+        model.gradient_checkpointing_disable()
     graph = graph_of(model, plan)
     if plan.kind == "data":
         from flexsearch.emit.data import data_parallel

@@ -96,6 +96,10 @@ def trace_calls(
     unused = sum(p.numel() for n, p in model.named_parameters() if n not in used)
     if any(moe.is_grouped_mm(n.target) for n in nodes):
         notes.append(moe.NOTE)
+    if getattr(model, "is_gradient_checkpointing", False):
+        notes.append(f"{type(model).__name__} enables its own gradient checkpointing (gradient_checkpointing_enable()):"
+                     " plans choose their own activation checkpointing (plan --recompute), which they cost; the "
+                     "emitted module turns the model's off")
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     if frozen:
         total = sum(p.numel() for p in model.parameters())

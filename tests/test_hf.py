@@ -513,20 +513,20 @@ def own_checkpointing_job(rank: int, world: int, plan) -> tuple[bool, bool, floa
     from flexsearch.emit import parallelize
 
     model, x = build("gpt2")
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     module = parallelize(model, plan)
     loss = module.train_step(x, x[0].float(), lambda out, y: out.logits.float().mean())
-    return model.is_gradient_checkpointing, module.model.is_gradient_checkpointing, float(loss)
+    return model.is_activation_checkpointing, module.model.is_activation_checkpointing, float(loss)
 
 
 def test_a_model_s_own_gradient_checkpointing_is_the_plan_s_to_decide():
-    """GPT-2 with ``gradient_checkpointing_enable()``: the trace names it, and the
+    """GPT-2 with ``activation_checkpointing_enable()``: the trace names it, and the
     emitted module turns it off (a data plan ran it uncosted, SOAP and pipeline plans
     dropped it silently): the plan's ``recompute`` decides; the user's model keeps it."""
     model, x = build("gpt2")
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     g = trace(model, x)
-    assert any("enables its own gradient checkpointing" in n for n in g.notes), g.notes
+    assert any("enables its own activation checkpointing" in n for n in g.notes), g.notes
     plan = flexsearch.plan(model, x, devices=2, cluster="cpu", kinds=["data"], max_iters=0, precision="fp32")
     assert plan.recompute == "none"
     for kept, emitted, loss in run_ranks(own_checkpointing_job, 2, plan, timeout_s=300):

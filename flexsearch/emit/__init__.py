@@ -35,6 +35,7 @@ from torch import nn
 from flexsearch.emit.precision import check_runs_here
 from flexsearch.emit.runtime import Runtime
 from flexsearch.errors import EmitError, FlexsearchError
+from flexsearch.graph.lift import own_checkpointing, own_checkpointing_off
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.plan import Plan
 from flexsearch.precision import precision as precision_of
@@ -105,16 +106,16 @@ def parallelize(model: nn.Module, plan: Plan, *, group: dist.ProcessGroup | None
 
     The caller's ``model`` is not modified: the emitted module holds a copy (load a
     checkpoint into it with :mod:`flexsearch.emit.checkpoint`). A model's own gradient
-    checkpointing (Hugging Face's ``gradient_checkpointing_enable()``) is off in that
+    checkpointing (Hugging Face's ``activation_checkpointing_enable()``) is off in that
     copy: the plan's ``recompute``, which its prediction costs, decides what is rebuilt."""
     if plan.kind not in EMITTABLE_KINDS:
         raise EmitError(f"the emitter cannot run {plan.kind!r} plans yet (it runs {', '.join(EMITTABLE_KINDS)}); "
                         "plan again without that kind")
     rt = Runtime(plan, group)
     check_runs_here(model, precision_of(plan.precision), rt.device_type)
-    if getattr(model, "is_gradient_checkpointing", False) and hasattr(model, "gradient_checkpointing_disable"):
+    if own_checkpointing(model):
         model = copy.deepcopy(model)  # the plan's recompute setting decides what is checkpointed, as costed
-        model.gradient_checkpointing_disable()
+        own_checkpointing_off(model)
     graph = graph_of(model, plan)
     if plan.kind == "data":
         from flexsearch.emit.data import data_parallel

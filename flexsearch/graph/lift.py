@@ -220,6 +220,24 @@ def flat_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list:
     return values
 
 
+def own_checkpointing(model: nn.Module) -> bool:
+    """Does ``model`` checkpoint its own activations (Hugging Face's
+    ``activation_checkpointing_enable()``, formerly ``gradient_checkpointing_enable()``)?
+    Read without the deprecated property's warning where the new one exists."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
+
+
+def own_checkpointing_off(model: nn.Module) -> None:
+    """Turn ``model``'s own activation checkpointing off (:func:`own_checkpointing`)."""
+    for name in ("activation_checkpointing_disable", "gradient_checkpointing_disable"):
+        if hasattr(model, name):
+            getattr(model, name)()
+            return
+
+
 @contextlib.contextmanager
 def training_outputs(model: nn.Module, kwargs: dict, notes: list[str]) -> Iterator[None]:
     """Trace what a training step computes: a model configured to return its key/value

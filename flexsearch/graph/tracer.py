@@ -34,7 +34,7 @@ from flexsearch.errors import TraceError
 from flexsearch.graph import moe, registry
 from flexsearch.graph.blocks import find_blocks
 from flexsearch.graph.calls import OpCall
-from flexsearch.graph.lift import lift, short_reason, training_outputs
+from flexsearch.graph.lift import lift, own_checkpointing, short_reason, training_outputs
 from flexsearch.graph.measure import Measure, fake_like
 from flexsearch.graph.modules import module_facts
 from flexsearch.graph.opgraph import ModuleFacts, OpGraph, OpNode
@@ -96,8 +96,9 @@ def trace_calls(
     unused = sum(p.numel() for n, p in model.named_parameters() if n not in used)
     if any(moe.is_grouped_mm(n.target) for n in nodes):
         notes.append(moe.NOTE)
-    if getattr(model, "is_gradient_checkpointing", False):
-        notes.append(f"{type(model).__name__} enables its own gradient checkpointing (gradient_checkpointing_enable()):"
+    if own_checkpointing(model):
+        notes.append(f"{type(model).__name__} enables its own activation checkpointing (Hugging Face's "
+                     "activation_checkpointing_enable()):"
                      " plans choose their own activation checkpointing (plan --recompute), which they cost; the "
                      "emitted module turns the model's off")
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)

@@ -753,3 +753,32 @@ def test_what_fx_loses_is_kept_and_the_plans_verify():
     cases.append(("centred", flexsearch.plan(ema, y, devices=2, cluster="cpu", kinds=["soap"], max_iters=20,
                                              precision="fp32")))
     run_ranks(verify_job, 2, cases, timeout_s=300)  # verify raises on a mismatch
+
+
+def test_packed_sequences_get_their_own_advice():
+    """An LSTM over ``pack_padded_sequence``: the error names the function tracing does
+    not enter and says to pad and mask (it said to select branches with torch.where,
+    after a reason cut mid-path)."""
+    from flexsearch.errors import TraceError
+    from flexsearch.graph.lift import ADVICE, PACKED_ADVICE, SKIPPED_ADVICE, _break_reason, advice
+
+    class Packed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.LSTM(4, 8, batch_first=True)
+
+        def forward(self, x, lengths):
+            p = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+            out, _ = self.rnn(p)
+            return nn.utils.rnn.pad_packed_sequence(out, batch_first=True)[0].sum(1)
+
+    with pytest.raises(TraceError) as e:
+        trace(Packed(), (torch.randn(4, 5, 4), torch.tensor([5, 3, 2, 1])))
+    msg = str(e.value)
+    assert "pack_padded_sequence" in msg and PACKED_ADVICE in msg and ADVICE not in msg, msg
+    long = "word " * 60
+    assert _break_reason(long).endswith("word ...") and len(_break_reason(long)) <= 164
+    skipped = "Attempted to call function marked as skipped ... the function `{}` in file `/x`"
+    packed, other = (f"m.py:3 `...`: {_break_reason(skipped.format(f))}" for f in ("pack_padded_sequence", "f"))
+    assert advice([packed]) == PACKED_ADVICE and advice([other]) == SKIPPED_ADVICE
+    assert advice([other, "m.py:4 `if x.sum() > 0:`: a branch on a tensor's value"]) == f"{SKIPPED_ADVICE}; {ADVICE}"

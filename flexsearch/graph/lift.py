@@ -107,7 +107,8 @@ def lift(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, s
             every = unsupported(model, args, kwargs)
             if every:
                 raise TraceError(f"cannot trace the model: {len(every)} unsupported construct"
-                                 f"{'s' if len(every) > 1 else ''}: {'; '.join(every)}; {ADVICE}") from export_error
+                                 f"{'s' if len(every) > 1 else ''}: {'; '.join(every)}; {advice(every)}"
+                                 ) from export_error
             raise TraceError(failure_line(fx_error, export_error)) from export_error
         gm = ep.graph_module
         _drop_checks(gm)
@@ -381,6 +382,8 @@ def failure_line(fx_error: Exception, export_error: Exception) -> str:
     traced = any(w in f"{type(export_error).__name__} {export_error}".lower() for w in TRACING_WORDS)
     advice = ADVICE if traced else ("the forward raised this on the example inputs, which tracing runs as the "
                                     "model would: fix it there (or pass inputs it runs on) and run again")
+    if "pack_padded_sequence" in where or "pack_sequence" in where:  # fake lengths cannot size the packed batch
+        advice = PACKED_ADVICE
     return f"cannot trace the model at {where}: {reason}; {advice}"
 
 
@@ -409,13 +412,36 @@ def unsupported(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:
     return out
 
 
+PACKED_ADVICE = ("pad the sequences and mask the padding instead of packing them (a PackedSequence's shapes "
+                 "depend on the lengths' values, which no tracer follows)")
+SKIPPED_ADVICE = "call it outside forward() or write it with tensor ops"
+
+
+def advice(breaks: list[str]) -> str:
+    """What to do about ``breaks`` (:func:`unsupported`'s lines): pad instead of packing
+    sequences, avoid a function tracing does not enter, else :data:`ADVICE` (control
+    flow on tensor values)."""
+    fixes = []
+    if any("pack_padded_sequence" in b or "PackedSequence" in b for b in breaks):
+        fixes.append(PACKED_ADVICE)
+    if any("cannot enter" in b and "pack_padded_sequence" not in b for b in breaks):
+        fixes.append(SKIPPED_ADVICE)
+    if not fixes or any("cannot enter" not in b for b in breaks):
+        fixes.append(ADVICE)
+    return "; ".join(fixes)
+
+
 def _break_reason(reason: str) -> str:
-    """A graph break's reason, on one short line."""
+    """A graph break's reason, on one short line (cut at a word)."""
     if reason.startswith("generic_jump"):
         return "a branch on a tensor's value"
     if "Tensor.item()" in reason:
         return "Tensor.item(): a Python number from a tensor's value"
-    return " ".join(reason.split())[:160]
+    if "marked as skipped" in reason:
+        name = re.search(r"function `([\w.]+)`", reason)
+        return f"a function tracing cannot enter{f' ({name.group(1)})' if name else ''}"
+    text = " ".join(reason.split())
+    return text if len(text) <= 160 else text[:160].rsplit(" ", 1)[0] + " ..."
 
 
 def short_reason(exc: Exception) -> str:

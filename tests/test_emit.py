@@ -284,6 +284,22 @@ def test_a_parameter_forward_never_reads_trains_no_data_parallel_plan() -> None:
         assert "unused.weight" in params
 
 
+def test_a_weight_norm_parametrization_traces_and_its_plans_run() -> None:
+    """A convolution under ``weight_norm``: traced (it raised), its FLOPs counted both
+    ways, and data, random SOAP and 1F1B plans compute what the model does."""
+    from flexsearch.graph.tracer import trace
+
+    spec = "tests/data/weight_norm_conv.py:model"
+    graph = trace(*load(spec))
+    conv = graph.node("conv")
+    assert conv.flops > 0 and conv.backward_flops > 0
+    plans = [make_plan(spec, 2, "data"), *(make_plan(spec, 2, "soap", seed=s) for s in range(3)),
+             make_plan(spec, 2, "1f1b")]
+    res = run_ranks(check_job, 2, spec, plans, timeout_s=300)
+    for _kind, _s, loss, ref, _params in res[0]:
+        assert loss == pytest.approx(ref, rel=1e-5)
+
+
 def own_loss_job(rank: int, world: int, spec: str, plans: list) -> list[tuple[str, float, float]]:
     from flexsearch.emit.verify import verify
 

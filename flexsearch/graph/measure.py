@@ -30,6 +30,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -427,6 +428,11 @@ class Measure(fx.Interpreter):
         before = [meta_of(t) for t in flat_in]
         largs, lkwargs = tree_map(leafify, (args, kwargs))
         leaves += [p for p in mod_params.values() if p.requires_grad]
+        if module is not None and any(parametrize.is_parametrized(m) for m in module.modules()):
+            # a parametrization (weight_norm) is a submodule called on the parameters: the FLOP
+            # counter's module tracker hooks its inputs, and a hooked leaf fails autograd.grad;
+            # the parameters as views (the same storage: saved tensors still count as theirs)
+            mod_params = {k: v.view_as(v) if v.requires_grad else v for k, v in mod_params.items()}
         packed: list[torch.Tensor] = []
 
         def pack(t: torch.Tensor) -> torch.Tensor:

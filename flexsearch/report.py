@@ -62,7 +62,7 @@ def _fmt_time(seconds: float) -> str:
 def fmt_bytes(n: float) -> str:
     for scale, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
         if abs(n) >= scale:
-            return f"{n / scale:.3g} {unit}"
+            return f"{n / scale:.1f} {unit}"
     return f"{n:.0f} B"
 
 

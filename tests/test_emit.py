@@ -273,7 +273,13 @@ def test_a_parameter_forward_never_reads_trains_no_data_parallel_plan() -> None:
     """A leftover layer (built, never called): DDP, ZeRO-1 and FSDP2 plans train the
     rest as the single process does, for 3 steps (DDP failed the second, waiting for
     the layer's gradient), and the layer keeps its weights."""
+    from flexsearch.emit.data import unused_frozen
+    from flexsearch.graph.tracer import trace
+
     spec = "tests/data/unused_layer.py:model"
+    model, x = load(spec)
+    assert unused_frozen(model, trace(model, x))  # found by name: DDP does not look for unused ones
+    assert [n for n, p in model.named_parameters() if not p.requires_grad] == ["unused.weight", "unused.bias"]
     data = make_plan(spec, 2, "data")
     assert data.kind == "data" and data.shard == "none"
     plans = [data, data.model_copy(update={"shard": "zero1"}),
@@ -293,6 +299,7 @@ def test_a_weight_norm_parametrization_traces_and_its_plans_run() -> None:
     graph = trace(*load(spec))
     conv = graph.node("conv")
     assert conv.flops > 0 and conv.backward_flops > 0
+    assert not conv.dims.of_kind("parameter") and not conv.dims.reduced  # by samples only
     plans = [make_plan(spec, 2, "data"), *(make_plan(spec, 2, "soap", seed=s) for s in range(3)),
              make_plan(spec, 2, "1f1b")]
     res = run_ranks(check_job, 2, spec, plans, timeout_s=300)
@@ -322,6 +329,12 @@ def test_a_constant_keyword_input_is_kept_in_the_plan_and_every_kind_runs_with_i
     res = run_ranks(own_loss_job, 2, spec, plans, timeout_s=300)
     assert [k for k, _, _ in res[0]] == ["data", "soap", "pipeline"]
     for _kind, loss, ref in res[0]:
+        assert loss == pytest.approx(ref, rel=1e-5)
+    # fx traces a constant as a placeholder; read in the last stage, it crossed the cut as a tensor
+    spec = "tests/data/constant_kwarg.py:scaled"
+    plans = [make_plan(spec, 2, kind) for kind in ("soap", "1f1b")]
+    assert all(p.constant_inputs == (("scale", 2.0),) for p in plans)
+    for _kind, loss, ref in run_ranks(own_loss_job, 2, spec, plans, timeout_s=300)[0]:
         assert loss == pytest.approx(ref, rel=1e-5)
 
 

@@ -465,7 +465,7 @@ def test_memory_in_messages_is_in_a_unit_that_shows_it():
     from flexsearch.report import fmt_bytes
 
     assert [fmt_bytes(b) for b in (512, 144e3, 3.5 * 2**20, 97.6 * 2**30)] == [
-        "512 B", "141 KiB", "3.5 MiB", "97.6 GiB"]
+        "512 B", "140.6 KiB", "3.5 MiB", "97.6 GiB"]
 
 
 @pytest.mark.parametrize("model", [nn.Sequential(), nn.Flatten()], ids=["empty", "view"])

@@ -10,15 +10,19 @@ rank that was still running stood (at the deadline the parent asks each running 
 for its Python stacks, which :mod:`faulthandler` writes on ``SIGUSR1``, then kills it),
 so a hang in CI names its cause.
 
-The ranks are forked from :mod:`multiprocessing`'s fork server, which imports torch
-and flexsearch once (:data:`PRELOAD`), not spawned: a rank then starts in about 50 ms
-instead of the ~2 s a fresh interpreter spends importing them (a 2-rank job: 0.05 s
-against 2.0 s on CI's 2 cores). Each rank gets the parent's environment as it is at
-the launch (the fork server's is the one it started with).
+On Linux the ranks are forked from :mod:`multiprocessing`'s fork server, which imports
+torch and flexsearch once (:data:`PRELOAD`), not spawned: a rank then starts in about
+50 ms instead of the ~2 s a fresh interpreter spends importing them (a 2-rank job:
+0.05 s against 2.0 s on CI's 2 cores). The server starts with the launching process's
+``sys.path`` (so it imports the flexsearch that process runs). Each rank gets the launching process's environment as
+it is at the launch; variables libraries read when imported (:data:`IMPORT_TIME`) are
+the server's, so a launch where they changed since the server started spawns its ranks,
+as does one where the server cannot start.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import os
@@ -27,7 +31,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -37,6 +41,11 @@ import torch.multiprocessing as mp
 PRELOAD = ("torch", "torch.distributed", "flexsearch.emit")
 """What the fork server imports before forking ranks; ``transformers`` too where the
 launching process has imported it when the server starts."""
+
+IMPORT_TIME = ("TORCH_", "PYTORCH_", "OMP_", "KMP_", "MKL_", "OPENBLAS_", "CUDA_", "NCCL_", "HF_", "TRANSFORMERS_")
+"""Prefixes of the environment variables libraries read when they are imported."""
+
+_server_env: dict[str, str] | None = None  # IMPORT_TIME variables as the fork server started with them
 
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 """How gloo says a peer went away: a rank that failed with one of these failed because
@@ -94,12 +103,36 @@ def describe(exc: BaseException) -> str:
 def _context():
     """The fork server's context, :data:`PRELOAD` imported by the server when it starts
     (the first launch of this process; later calls leave a running server as it is);
-    spawning where the platform has no fork server."""
-    if "forkserver" not in mp.get_all_start_methods():
+    spawning off Linux (forking after macOS's frameworks load is unsafe) and where the
+    :data:`IMPORT_TIME` variables differ from those the server started with."""
+    global _server_env
+    if sys.platform != "linux" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    env = {k: v for k, v in os.environ.items() if k.startswith(IMPORT_TIME)}
+    if _server_env is None:
+        _server_env = env
+    elif env != _server_env:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([*PRELOAD, *(m for m in ("transformers",) if m in sys.modules)])
     return ctx
+
+
+@contextlib.contextmanager
+def _server_path() -> Iterator[None]:
+    """While the first launch starts the fork server: ``PYTHONPATH`` the launching
+    process's ``sys.path`` (before Python 3.13 the server imports :data:`PRELOAD`
+    without it, and an installed flexsearch would shadow a checkout on that path); the
+    variable as it was after."""
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
 
 
 def _entry(fn: Callable, rank: int, world: int, store_path: str, out: str, threads: int,
@@ -114,6 +147,9 @@ def _entry(fn: Callable, rank: int, world: int, store_path: str, out: str, threa
         store = dist.FileStore(store_path, world)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
+        # every rank connected before any leaves: a job that returns at once (no collective)
+        # could close its connections while a peer was still connecting to it
+        dist.barrier()
         try:
             result = fn(rank, world, *args)
         finally:
@@ -138,7 +174,15 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 300, thre
         procs = [ctx.Process(target=_entry, args=(fn, r, world, store, d, threads, pg_timeout_s, env, args),
                              daemon=True)
                  for r in range(world)]
-        for p in procs:
+        try:
+            with _server_path():
+                procs[0].start()
+        except (EOFError, OSError):  # the fork server died starting (a preloaded import crashed it): spawn
+            ctx = mp.get_context("spawn")
+            procs = [ctx.Process(target=_entry, args=(fn, r, world, store, d, threads, pg_timeout_s, env, args),
+                                 daemon=True) for r in range(world)]
+            procs[0].start()
+        for p in procs[1:]:
             p.start()
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
         for p in procs:

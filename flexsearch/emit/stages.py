@@ -80,7 +80,7 @@ def cut(gm: fx.GraphModule, graph: OpGraph, stages: Sequence[Sequence[str]],
         """Tensors crossing boundary k (between stage k and k + 1)."""
         out = []
         for n, d in defined.items():
-            if n.op == "output" or d > k:
+            if n.op == "output" or d > k or n.name in constants:  # a constant is a value in every stage
                 continue
             if any(max(where[u]) > k for u in n.users):
                 out.append(n)

@@ -214,7 +214,7 @@ def _compare(model, plan, inputs, target, loss_fn, steps, lr, group, rtol, atol,
     after = 1 if low else 10  # fp32: parameters after the steps compare 10x looser than gradients
     # D-PSGD: each rank's own mean loss (a mean over counted labels is its shard's), by design
     local = plan.kind == "decentralized" or (plan.batch_norm == "local" and has_batch_norm(model))
-    groups = statistics_groups(plan) if local else 1
+    groups = (plan.devices if plan.kind == "decentralized" else statistics_groups(plan)) if local else 1
 
     def reference(prec, gathered: str | None = None):
         """The single-process model in ``prec``, and its training step; ``gathered``: a
@@ -257,6 +257,18 @@ def _compare(model, plan, inputs, target, loss_fn, steps, lr, group, rtol, atol,
     # from the reference is then the randomness, not rounding, and would pass any plan)
     exact, exact_step = reference(precision_of("fp32")) if low and not randomness(model) else (None, lambda: None)
 
+    def paired() -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The reference step, then the fp32 one drawing the same random numbers (noise a
+        forward draws, ``torch.randn``: the spread is then the rounding's)."""
+        state = torch.get_rng_state()
+        out = ref_step()
+        after = torch.get_rng_state()
+        torch.set_rng_state(state)
+        try:
+            return out, exact_step()
+        finally:
+            torch.set_rng_state(after)
+
     mismatches: list[str] = []
 
     def check(compare: Callable[[], None]) -> None:  # recorded: raised once every step ran
@@ -276,8 +288,7 @@ def _compare(model, plan, inputs, target, loss_fn, steps, lr, group, rtol, atol,
     emitted = parallelize(model, plan, group=group)
     decentralized = plan.kind == "decentralized"
     loss = emitted.train_step(inputs, target, loss_fn)
-    ref_loss = ref_step()
-    exact_loss = exact_step()
+    ref_loss, exact_loss = paired()
     if exact_loss is None:
         seen.append((relative_error(loss.float(), ref_loss.detach().float()), "loss"))
         check(lambda: torch.testing.assert_close(loss.float(), ref_loss.detach().float(), rtol=rtol, atol=atol,
@@ -322,12 +333,12 @@ def _compare(model, plan, inputs, target, loss_fn, steps, lr, group, rtol, atol,
         opt.zero_grad()
         ref_opt.zero_grad()
         emitted.train_step(inputs, target, loss_fn)
-        ref_step()
+        if exact_opt is not None:
+            exact_opt.zero_grad()
+        paired()
         opt.step()
         ref_opt.step()
         if exact_opt is not None:
-            exact_opt.zero_grad()
-            exact_step()
             exact_opt.step()
     for name in sorted(mine):
         p = full(mine[name].detach())

@@ -222,21 +222,30 @@ def flat_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list:
 
 
 def own_checkpointing(model: nn.Module) -> bool:
-    """Does ``model`` checkpoint its own activations (Hugging Face's
-    ``activation_checkpointing_enable()``, formerly ``gradient_checkpointing_enable()``)?
-    Read without the deprecated property's warning where the new one exists."""
+    """Does ``model``, or a model inside it, checkpoint its own activations (Hugging
+    Face's ``activation_checkpointing_enable()``, formerly
+    ``gradient_checkpointing_enable()``)? Read without the deprecated property's warning
+    where the new one exists."""
+    return any(_checkpointing(m) for m in model.modules())
+
+
+def _checkpointing(m: nn.Module) -> bool:
     for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        if hasattr(type(model), name):
-            return bool(getattr(model, name))
+        if hasattr(type(m), name):
+            return bool(getattr(m, name))
     return False
 
 
 def own_checkpointing_off(model: nn.Module) -> None:
-    """Turn ``model``'s own activation checkpointing off (:func:`own_checkpointing`)."""
-    for name in ("activation_checkpointing_disable", "gradient_checkpointing_disable"):
-        if hasattr(model, name):
-            getattr(model, name)()
-            return
+    """Turn the own activation checkpointing of ``model`` and of every model inside it
+    off (:func:`own_checkpointing`)."""
+    for m in model.modules():
+        if not _checkpointing(m):
+            continue
+        for name in ("activation_checkpointing_disable", "gradient_checkpointing_disable"):
+            if hasattr(m, name):
+                getattr(m, name)()
+                break
 
 
 @contextlib.contextmanager
@@ -422,11 +431,12 @@ def advice(breaks: list[str]) -> str:
     sequences, avoid a function tracing does not enter, else :data:`ADVICE` (control
     flow on tensor values)."""
     fixes = []
-    if any("pack_padded_sequence" in b or "PackedSequence" in b for b in breaks):
+    packed = [b for b in breaks if any(w in b for w in ("pack_padded_sequence", "pack_sequence", "PackedSequence"))]
+    if packed:
         fixes.append(PACKED_ADVICE)
-    if any("cannot enter" in b and "pack_padded_sequence" not in b for b in breaks):
+    if any("cannot enter" in b and b not in packed for b in breaks):
         fixes.append(SKIPPED_ADVICE)
-    if not fixes or any("cannot enter" not in b for b in breaks):
+    if not fixes or any("cannot enter" not in b and b not in packed for b in breaks):
         fixes.append(ADVICE)
     return "; ".join(fixes)
 

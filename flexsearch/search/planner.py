@@ -307,8 +307,9 @@ def with_decentralized(plan: Plan, graph: OpGraph, ctx: CostContext, *, allow: b
     except ValueError as e:  # the batch does not split over the devices (each rank's share)
         why = unsplit_reason(graph, ctx.cluster.devices) or str(e)
         if require:
-            raise PlanKindError(f"no decentralized plan: {why}; use a batch that is a multiple of "
-                                f"{ctx.cluster.devices}, or a device count that divides the batch") from None
+            fix = (f"; use a batch that is a multiple of {ctx.cluster.devices}, or a device count that divides "
+                   "the batch") if "does not split evenly" in why else ""
+            raise PlanKindError(f"no decentralized plan: {why}{fix}") from None
         note = dz.explain(None, plan.kind, plan.predicted.iteration_time_s, objective=plan.objective, reason=why)
         return plan.model_copy(update={"notes": (*plan.notes, note)})
     cands = dz.decentralized_candidates(graph, ctx, optimizer=plan.optimizer, objective=plan.objective, cost=cost,

@@ -21,3 +21,19 @@ def model():
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
     return WithLoss(), (x, {"labels": y, "return_loss": True})
+
+
+class Scaled(nn.Module):
+    """A constant keyword input fx traces as a placeholder, read by the last layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def forward(self, x, scale=1.0):
+        return ((self.net(x) * scale) ** 2).mean()  # its loss
+
+
+def scaled():
+    torch.manual_seed(0)
+    return Scaled(), (torch.randn(8, 16, generator=torch.Generator().manual_seed(0)), {"scale": 2.0})

@@ -5,6 +5,8 @@ hooked the parameters, leaves, which autograd.grad refuses)."""
 
 import torch
 from torch import nn
+
+
 class WN(nn.Module):
     def __init__(self):
         super().__init__()

@@ -14,10 +14,10 @@ On Linux the ranks are forked from :mod:`multiprocessing`'s fork server, which i
 torch and flexsearch once (:data:`PRELOAD`), not spawned: a rank then starts in about
 50 ms instead of the ~2 s a fresh interpreter spends importing them (a 2-rank job:
 0.05 s against 2.0 s on CI's 2 cores). The server starts with the launching process's
-``sys.path`` (so it imports the flexsearch that process runs). Each rank gets the launching process's environment as
-it is at the launch; variables libraries read when imported (:data:`IMPORT_TIME`) are
-the server's, so a launch where they changed since the server started spawns its ranks,
-as does one where the server cannot start.
+``sys.path`` (so it imports the flexsearch that process runs). Each rank gets the
+launching process's environment as it is at the launch; variables libraries read when
+imported (:data:`IMPORT_TIME`) are the server's, so a launch where they changed since
+the server started spawns its ranks, as does one where the server cannot start.
 """
 
 from __future__ import annotations

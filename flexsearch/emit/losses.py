@@ -275,8 +275,8 @@ compares across microbatches (the first ones, in call order)."""
 
 MEAN_OF_MEANS = (
     "the loss adds other terms to a mean class loss whose microbatches count different shares of their targets "
-    "(ignored labels, class weights): this plan's microbatches (a pipeline's, or gradient accumulation) weigh each microbatch's "
-    "mean the same, where the single process weighs each counted target the same, so its gradients differ from "
+    "(ignored labels, class weights): this plan's microbatches (a pipeline's, or gradient accumulation) weigh "
+    "each microbatch's mean the same, where the single process weighs each counted target the same, so its gradients differ from "
     "the model's; return the class loss alone (add the other terms outside the model's loss), or plan without "
     "microbatches (--kind data or soap)")
 """What :meth:`DeferredMean.finish` warns when a loss it cannot reweigh (a class loss

@@ -17,8 +17,9 @@ every op rounds (``bf16``: the relative error of a chain of ``L`` rounded ops gr
 ``sqrt(L) eps``; 8 covers the zoo's 20-op blocks). Where the single process's own rounding
 is larger, the bound is :data:`SPREAD` times it: the same step is also run in fp32, and a
 tensor may differ from the low-precision reference by 4x the reference's distance from
-that fp32 step (not for a model random in training, below: its fp32 step draws other
-random numbers, and the distance would be theirs). A sum of many nearly cancelling terms (a LayerNorm bias's gradient, a key
+that fp32 step, which draws the reference's random numbers (not for a model random in
+training, below: the same draws need not give the same dropout masks in another dtype,
+and the distance would be theirs). A sum of many nearly cancelling terms (a LayerNorm bias's gradient, a key
 bias's, analytically zero) is mostly rounding in any low-precision order, and the plan's
 order is another; a real fault moves well-conditioned tensors by far more than their
 rounding. FSDP2 plans under mixed precision compute with their parameters gathered in the

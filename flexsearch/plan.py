@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from flexsearch.cost.calibration import within_noise
 from flexsearch.cost.hardware import ClusterSpec
 from flexsearch.errors import FlexsearchError, PlanFileError
-from flexsearch.graph.opgraph import OpGraph, TensorMeta
+from flexsearch.graph.opgraph import Constant, OpGraph, TensorMeta
 from flexsearch.strategy.config import Config, legal, parse_config
 from flexsearch.strategy.fsdp import fsdp_units
 from flexsearch.strategy.kinds import DataParallel, Decentralized, Pipelined, Soap, Strategy
@@ -133,7 +133,7 @@ class Plan(_Frozen):
     inputs: tuple[TensorMeta, ...] = ()
     input_names: tuple[str, ...] = ()
     """Per input, the keyword the model takes it by (``""`` or absent: positional)."""
-    constant_inputs: tuple[tuple[str, bool | int | float | str | None], ...] = ()
+    constant_inputs: tuple[tuple[str, Constant], ...] = ()
     """The keyword inputs that are not tensors (``return_loss=True``), as traced: the
     emitter traces the model with them again."""
     """The model's example inputs (positional), so the emitter can re-trace the model

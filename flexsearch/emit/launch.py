@@ -167,20 +167,20 @@ def _entry(fn: Callable, rank: int, world: int, store_path: str, out: str, threa
 def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 300, threads: int = 1,
               pg_timeout_s: float = 60) -> list[Any]:
     """``[fn(rank, world, *args) for rank in range(world)]``, each in its own process."""
-    ctx = _context()
     env = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="flexsearch-ranks-") as d:
         store = os.path.join(d, "store")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, store, d, threads, pg_timeout_s, env, args),
-                             daemon=True)
-                 for r in range(world)]
+
+        def processes(ctx) -> list:
+            return [ctx.Process(target=_entry, args=(fn, r, world, store, d, threads, pg_timeout_s, env, args),
+                                daemon=True) for r in range(world)]
+
+        procs = processes(_context())
         try:
             with _server_path():
                 procs[0].start()
         except (EOFError, OSError):  # the fork server died starting (a preloaded import crashed it): spawn
-            ctx = mp.get_context("spawn")
-            procs = [ctx.Process(target=_entry, args=(fn, r, world, store, d, threads, pg_timeout_s, env, args),
-                                 daemon=True) for r in range(world)]
+            procs = processes(mp.get_context("spawn"))
             procs[0].start()
         for p in procs[1:]:
             p.start()

@@ -30,7 +30,6 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -46,6 +45,7 @@ from flexsearch.graph.lift import (
     clean_path,
     short_reason,
 )
+from flexsearch.graph.modules import parametrized
 from flexsearch.graph.opgraph import OpNode, ParallelDims, TensorMeta
 from flexsearch.graph.replay import Replay, meta_of, recorded, replay_key
 from flexsearch.graph.saved import SavedTensors
@@ -428,7 +428,7 @@ class Measure(fx.Interpreter):
         before = [meta_of(t) for t in flat_in]
         largs, lkwargs = tree_map(leafify, (args, kwargs))
         leaves += [p for p in mod_params.values() if p.requires_grad]
-        if module is not None and any(parametrize.is_parametrized(m) for m in module.modules()):
+        if module is not None and parametrized(module):
             # a parametrization (weight_norm) is a submodule called on the parameters: the FLOP
             # counter's module tracker hooks its inputs, and a hooked leaf fails autograd.grad;
             # the parameters as views (the same storage: saved tensors still count as theirs)

@@ -13,6 +13,7 @@ from the model it wraps, so both sides apply one rule
 from __future__ import annotations
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from flexsearch.graph.opgraph import ModuleFacts
 
@@ -50,3 +51,9 @@ def _holds_container(module: nn.Module) -> bool:
     children, and the container's items, are the units, not the whole stack."""
     return any(isinstance(m, CONTAINERS) and any(True for _ in m.parameters())
                for m in module.modules() if m is not module)
+
+
+def parametrized(module: nn.Module) -> bool:
+    """Is a weight of ``module`` (or of a module inside it) computed from parameters at
+    each call (a parametrization: ``weight_norm``)?"""
+    return any(parametrize.is_parametrized(m) for m in module.modules())

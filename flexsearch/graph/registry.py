@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import parametrize
 
+from flexsearch.graph.modules import parametrized
 from flexsearch.graph.opgraph import (
     SAMPLES,
     DimKind,
@@ -109,7 +109,7 @@ def rule_for(key: Any, call: Call) -> Ruling:
     if fn is None:
         return Ruling("opaque", out_batch=_follow_batch(call), opaque=True)
     ruling = fn(call)
-    if call.module is not None and any(parametrize.is_parametrized(m) for m in call.module.modules()):
+    if call.module is not None and parametrized(call.module):
         # a weight computed from parameters each call (weight_norm's norm over all of the
         # other dims): no share of its parameters makes the share of the weight
         out = tuple(d for d in ruling.dims.output if d.kind != "parameter")

@@ -1,6 +1,6 @@
 """Decentralized (D-PSGD) candidates and the centralized baselines they are judged against.
 
-Pure functions of (graph, cluster, options) that a planner calls in a few lines:
+Pure functions of (graph, cluster, options):
 
 - the replica cost (:func:`flexsearch.sim.stages.replica_cost`): one data-parallel
   replica's step on its ``B / n`` slice, costed exactly as the ``"data"`` baseline's
@@ -29,6 +29,9 @@ Pure functions of (graph, cluster, options) that a planner calls in a few lines:
   the same replica cost.
 - :func:`explain`: one line saying why the best decentralized candidate wins or loses
   against the best synchronous plan.
+- :func:`with_decentralized`: the planner's last stage, the best synchronous plan
+  against all of these, replaced by the best candidate when it wins by more than
+  :data:`DECENTRALIZED_MARGIN`.
 
 **Topologies tried** (:func:`candidate_topologies`): ring; torus when ``n`` has a
 factorisation (not prime); the static exponential graph (any ``n``: offsets ``2^k < n``);
@@ -46,10 +49,14 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from flexsearch.errors import TopologyError
+from flexsearch.errors import PlanKindError, TopologyError
 from flexsearch.graph.opgraph import OpGraph
+from flexsearch.plan import Plan
 from flexsearch.report import fmt_bytes
 from flexsearch.search.clock import past
+from flexsearch.search.reasons import unsplit_fix
+from flexsearch.search.results import plan_from
+from flexsearch.search.variants import unsplit_reason
 from flexsearch.sim.context import CostContext
 from flexsearch.sim.decentralized import (
     simulate_all_reduce,
@@ -59,6 +66,7 @@ from flexsearch.sim.decentralized import (
 from flexsearch.sim.pipeline_layout import StageCost
 from flexsearch.sim.result import Simulation
 from flexsearch.sim.stages import replica_cost
+from flexsearch.strategy.convergence import DEFAULT_CONSTANTS, Constants
 from flexsearch.strategy.kinds import Decentralized
 from flexsearch.strategy.topology import Topology, build, iterations_factor
 
@@ -265,3 +273,85 @@ def _explain(best: DecentralizedResult | None, sync_name: str, sync_time_s: floa
         return (f"{head} but needs {factor:.2f}x iterations ({_t(eff)} per synchronous iteration); "
                 f"{sync} wins on time to accuracy")
     return f"{head} is no faster than {sync} even per iteration (and needs {factor:.2f}x iterations); {sync_name} wins"
+
+
+DECENTRALIZED_MARGIN = 0.10
+"""A D-PSGD plan replaces the synchronous plan only when its effective time is more than
+this fraction shorter: it changes the algorithm (the ranks' models differ; a checkpoint
+needs their average), and a predicted gain below the simulator's typical error is no
+evidence. 10% is that error as measured: the median |time error| of predicted against
+measured iterations in ``benchmarks/fidelity.py`` runs was 8.3%, 10.7%, 12.4%, 15.1% and
+19.4% (benchmarks/README.md), and a measured iterations factor resolves 5%
+(:data:`flexsearch.strategy.convergence.RESOLUTION`). Under ``iteration`` the extra
+iterations are not counted at all."""
+
+
+def with_decentralized(plan: Plan, graph: OpGraph, ctx: CostContext, *, allow: bool = True,
+                       require: bool = False, convergence: Constants = DEFAULT_CONSTANTS,
+                       deadline: float | None = None) -> Plan:
+    """``plan`` (the best synchronous plan) against D-PSGD on every applicable topology
+    and the parameter-server baselines, on the same replica
+    cost. The best decentralized candidate replaces ``plan`` when ``allow`` and its
+    effective time under the plan's objective (iteration time, times its iterations
+    factor for ``time_to_accuracy``) is shorter, or whenever one fits with ``require``
+    (``kinds=("decentralized",)``); the parameter servers join the baselines; the plan's
+    ``notes`` say why D-PSGD was chosen or rejected, under which objective, and where the
+    iterations factor's constants (``convergence``) come from. Past ``deadline`` (a
+    ``time.perf_counter()`` time) no more topologies are simulated after the first, nor
+    the parameter servers, and a note says so."""
+    if ctx.cluster.devices < 2:
+        if require:
+            raise PlanKindError("no decentralized plan on one device: there is nothing to exchange; "
+                                "use --devices 2 or more")
+        return plan
+    try:
+        cost = replica_cost(graph, ctx)
+    except ValueError as e:  # the batch does not split over the devices (each rank's share)
+        why = unsplit_reason(graph, ctx.cluster.devices) or str(e)
+        if require:
+            fix = f"; {unsplit_fix(why, ctx.cluster.devices)}" if "does not split evenly" in why else ""
+            raise PlanKindError(f"no decentralized plan: {why}{fix}") from None
+        note = explain(None, plan.kind, plan.predicted.iteration_time_s, objective=plan.objective, reason=why)
+        return plan.model_copy(update={"notes": (*plan.notes, note)})
+    cands = decentralized_candidates(graph, ctx, optimizer=plan.optimizer, objective=plan.objective, cost=cost,
+                                        noise_ratio=convergence.noise_ratio,
+                                        heterogeneity_ratio=convergence.heterogeneity_ratio, deadline=deadline)
+    cut = []
+    late = past(deadline)
+    if late and len(cands) < (tops := len(candidate_topologies(ctx.cluster.devices)[0])):
+        cut.append(f"{tops - len(cands)} of {tops} D-PSGD topologies")
+    central = {} if late else centralized_baselines(graph, ctx, optimizer=plan.optimizer, cost=cost)
+    if late:
+        cut.append("the parameter-server baselines")
+    baselines = dict(plan.baselines)
+    infeasible = list(plan.infeasible_baselines)
+    for name, sim in central.items():
+        if sim.feasible:
+            baselines[name] = sim.iteration_time_s
+        else:
+            infeasible.append(name)
+    note = explain(cands, plan.kind, plan.predicted.iteration_time_s, objective=plan.objective,
+                      factor_source=convergence.origin)
+    if cut:
+        note += f"; the budget cut short: {', '.join(cut)} not simulated"
+    best = best_candidate(cands)
+    if best is not None and not best.simulation.feasible:
+        best = None
+    margin = DECENTRALIZED_MARGIN
+    wins = best is not None and best.effective_time_s < plan.predicted.iteration_time_s
+    if require:
+        if best is None:
+            why = "no topology fits in memory" if cands else "no topology applies to this device count"
+            raise PlanKindError(f"no decentralized plan on {ctx.cluster.devices} devices: {why}")
+        wins = True
+    elif wins and best.effective_time_s * (1 + margin) >= plan.predicted.iteration_time_s:
+        note += f"; not returned: less than {margin:.0%} faster, not worth changing the algorithm"
+        wins = False
+    elif wins and not allow:
+        note += "; not returned: decentralized plans are switched off"
+    update = {"baselines": baselines, "infeasible_baselines": tuple(infeasible), "notes": (*plan.notes, note)}
+    if not (allow or require) or not wins:
+        return plan.model_copy(update=update)
+    baselines[plan.kind] = plan.predicted.iteration_time_s
+    return plan_from(graph, ctx.cluster, best.strategy, best.simulation, like=plan, **update,
+                     iterations_factor=best.iterations_factor)

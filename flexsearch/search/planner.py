@@ -27,7 +27,7 @@ baseline: ``pipeline``; or ``soap``, the best SOAP configuration as SOAP runs it
 ``fsdp``, the best sharded data-parallel plan; ``data`` is DDP's); decisions data
 parallel in every op are a SOAP plan too (DTensor runs it; ``kinds=("soap",)`` returns
 it when it is the fastest). A D-PSGD plan replaces the result when its effective time
-under the objective is shorter by more than :data:`DECENTRALIZED_MARGIN`. The default
+under the objective is shorter by more than :data:`~flexsearch.search.decentralized.DECENTRALIZED_MARGIN`. The default
 objective is ``time_to_accuracy``: a D-PSGD plan's iteration time times the iterations it needs
 relative to synchronous SGD (1 for every synchronous kind), from the model family's
 measured convergence (:mod:`flexsearch.strategy.convergence`) or conservative defaults;
@@ -65,9 +65,9 @@ from flexsearch.graph.opgraph import OpGraph
 from flexsearch.graph.tracer import AUTOCAST_FSDP
 from flexsearch.plan import Plan, SearchInfo
 from flexsearch.precision import precision as precision_of
-from flexsearch.search import decentralized as dz
 from flexsearch.search.assignment import SKIPPED_LATE, ilp_seed
 from flexsearch.search.clock import past
+from flexsearch.search.decentralized import with_decentralized
 from flexsearch.search.mcmc import SearchResult, mcmc
 from flexsearch.search.pipedream import pipedream_plan
 from flexsearch.search.pipeline import (
@@ -95,7 +95,7 @@ from flexsearch.sim.result import Simulation
 from flexsearch.sim.simulator import Simulator
 from flexsearch.strategy import recipes as bl
 from flexsearch.strategy.config import Config
-from flexsearch.strategy.convergence import DEFAULT_CONSTANTS, Constants, constants_for
+from flexsearch.strategy.convergence import Constants, constants_for
 from flexsearch.strategy.fsdp import fsdp_units
 from flexsearch.strategy.kinds import FSDP_SHARDINGS, KINDS, DataParallel, Pipelined, Soap
 from flexsearch.strategy.space import Space
@@ -124,17 +124,8 @@ BOUND_GAP = 0.05
 """The MCMC is skipped when a data, sharded or pipeline plan already found is within this
 fraction of the lower bound (the single-device time over ``N``, which no plan beats): no
 SOAP plan could be more than this much faster, a gain below the simulator's measured
-error (:data:`DECENTRALIZED_MARGIN`). The SOAP baselines and the ILP's plan (a seed the
+error (:data:`~flexsearch.search.decentralized.DECENTRALIZED_MARGIN`). The SOAP baselines and the ILP's plan (a seed the
 MCMC would start from) still compete."""
-DECENTRALIZED_MARGIN = 0.10
-"""A D-PSGD plan replaces the synchronous plan only when its effective time is more than
-this fraction shorter: it changes the algorithm (the ranks' models differ; a checkpoint
-needs their average), and a predicted gain below the simulator's typical error is no
-evidence. 10% is that error as measured: the median |time error| of predicted against
-measured iterations in ``benchmarks/fidelity.py`` runs was 8.3%, 10.7%, 12.4%, 15.1% and
-19.4% (benchmarks/README.md), and a measured iterations factor resolves 5%
-(:data:`flexsearch.strategy.convergence.RESOLUTION`). Under ``iteration`` the extra
-iterations are not counted at all."""
 
 
 @dataclass(frozen=True)
@@ -282,78 +273,6 @@ def plan_graph(
     if notes:
         plan = plan.model_copy(update={"notes": (*notes, *plan.notes)})
     return plan.with_search_time(time.perf_counter() - t0)
-
-
-def with_decentralized(plan: Plan, graph: OpGraph, ctx: CostContext, *, allow: bool = True,
-                       require: bool = False, convergence: Constants = DEFAULT_CONSTANTS,
-                       deadline: float | None = None) -> Plan:
-    """``plan`` (the best synchronous plan) against D-PSGD on every applicable topology
-    and the parameter-server baselines (:mod:`.decentralized`), on the same replica
-    cost. The best decentralized candidate replaces ``plan`` when ``allow`` and its
-    effective time under the plan's objective (iteration time, times its iterations
-    factor for ``time_to_accuracy``) is shorter, or whenever one fits with ``require``
-    (``kinds=("decentralized",)``); the parameter servers join the baselines; the plan's
-    ``notes`` say why D-PSGD was chosen or rejected, under which objective, and where the
-    iterations factor's constants (``convergence``) come from. Past ``deadline`` (a
-    ``time.perf_counter()`` time) no more topologies are simulated after the first, nor
-    the parameter servers, and a note says so."""
-    if ctx.cluster.devices < 2:
-        if require:
-            raise PlanKindError("no decentralized plan on one device: there is nothing to exchange; "
-                                "use --devices 2 or more")
-        return plan
-    try:
-        cost = dz.replica_cost(graph, ctx)
-    except ValueError as e:  # the batch does not split over the devices (each rank's share)
-        why = unsplit_reason(graph, ctx.cluster.devices) or str(e)
-        if require:
-            fix = (f"; use a batch that is a multiple of {ctx.cluster.devices}, or a device count that divides "
-                   "the batch") if "does not split evenly" in why else ""
-            raise PlanKindError(f"no decentralized plan: {why}{fix}") from None
-        note = dz.explain(None, plan.kind, plan.predicted.iteration_time_s, objective=plan.objective, reason=why)
-        return plan.model_copy(update={"notes": (*plan.notes, note)})
-    cands = dz.decentralized_candidates(graph, ctx, optimizer=plan.optimizer, objective=plan.objective, cost=cost,
-                                        noise_ratio=convergence.noise_ratio,
-                                        heterogeneity_ratio=convergence.heterogeneity_ratio, deadline=deadline)
-    cut = []
-    late = past(deadline)
-    if late and len(cands) < (tops := len(dz.candidate_topologies(ctx.cluster.devices)[0])):
-        cut.append(f"{tops - len(cands)} of {tops} D-PSGD topologies")
-    central = {} if late else dz.centralized_baselines(graph, ctx, optimizer=plan.optimizer, cost=cost)
-    if late:
-        cut.append("the parameter-server baselines")
-    baselines = dict(plan.baselines)
-    infeasible = list(plan.infeasible_baselines)
-    for name, sim in central.items():
-        if sim.feasible:
-            baselines[name] = sim.iteration_time_s
-        else:
-            infeasible.append(name)
-    note = dz.explain(cands, plan.kind, plan.predicted.iteration_time_s, objective=plan.objective,
-                      factor_source=convergence.origin)
-    if cut:
-        note += f"; the budget cut short: {', '.join(cut)} not simulated"
-    best = dz.best_candidate(cands)
-    if best is not None and not best.simulation.feasible:
-        best = None
-    margin = DECENTRALIZED_MARGIN
-    wins = best is not None and best.effective_time_s < plan.predicted.iteration_time_s
-    if require:
-        if best is None:
-            why = "no topology fits in memory" if cands else "no topology applies to this device count"
-            raise PlanKindError(f"no decentralized plan on {ctx.cluster.devices} devices: {why}")
-        wins = True
-    elif wins and best.effective_time_s * (1 + margin) >= plan.predicted.iteration_time_s:
-        note += f"; not returned: less than {margin:.0%} faster, not worth changing the algorithm"
-        wins = False
-    elif wins and not allow:
-        note += "; not returned: decentralized plans are switched off"
-    update = {"baselines": baselines, "infeasible_baselines": tuple(infeasible), "notes": (*plan.notes, note)}
-    if not (allow or require) or not wins:
-        return plan.model_copy(update=update)
-    baselines[plan.kind] = plan.predicted.iteration_time_s
-    return plan_from(graph, ctx.cluster, best.strategy, best.simulation, like=plan, **update,
-                     iterations_factor=best.iterations_factor)
 
 
 def plan_synchronous(

@@ -89,6 +89,14 @@ def leanest(tried: Sequence[tuple[str, Simulation]]) -> tuple[str, Simulation] |
     return min(tried, key=lambda t: t[1].peak_memory_bytes, default=None)
 
 
+def unsplit_fix(unsplit: str, devices: int) -> str:
+    """What to do when the batch does not split over ``devices`` (``unsplit``:
+    :func:`~flexsearch.search.variants.unsplit_reason`'s words)."""
+    if "no batch dimension" in unsplit:
+        return "give the inputs as tensors whose dim 0 is the batch (a trailing dict of them is passed by keyword)"
+    return f"use a batch that is a multiple of {devices}, or a device count that divides the batch"
+
+
 def no_plan_reason(kinds: Sequence[str], base: dict[str, BaselineRun], pipes: list[PipelineResult],
                    cluster: Cluster, *, data_runs: Sequence[tuple[str, Simulation]] = (),
                    unsplit: str | None = None) -> str:
@@ -118,11 +126,8 @@ def no_plan_reason(kinds: Sequence[str], base: dict[str, BaselineRun], pipes: li
     if set(kinds) == {"fsdp"} and cluster.devices < 2:
         return "no fsdp plan on one device: sharded data parallelism needs 2 or more; use --kind data or more devices"
     if set(kinds) <= {"data", "fsdp"} and unsplit is not None:
-        fix = ("give the inputs as tensors whose dim 0 is the batch (a trailing dict of them is passed by keyword)"
-               if "no batch dimension" in unsplit else
-               f"use a batch that is a multiple of {cluster.devices}, or a device count that divides the batch")
         return (f"no {what} plan on {cluster.devices} devices: {unsplit} (data parallelism gives every "
-                f"device an equal share); {fix}")
+                f"device an equal share); {unsplit_fix(unsplit, cluster.devices)}")
     lean = leanest(data_runs)
     need = (f" (the leanest simulated, {lean[0]}, needs {fmt_bytes(lean[1].peak_memory_bytes)} per device)"
             if lean is not None else "")

@@ -55,7 +55,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from flexsearch.emit.dense import dense_grad
+from flexsearch.emit.dense import dense_grad, dense_input
 from flexsearch.emit.inputs import split, step_loss
 from flexsearch.emit.losses import loss_by_samples, loss_call
 from flexsearch.emit.placements import REPLICATE, arg_placement, input_placements, param_placement
@@ -316,6 +316,8 @@ class ShardedModule(nn.Module):
             v = env[a]
             if not isinstance(v, torch.Tensor):
                 return v
+            if a.op == "call_function" and a.target is dense_input:  # a pipeline stage's received input
+                a = a.args[0]
             k = node.inputs.index(a.name) if a.name in node.inputs else -1
             if k >= 0:
                 pl = input_placements(node, k, tuple(v.shape), c)

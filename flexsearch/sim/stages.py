@@ -358,10 +358,14 @@ def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float],
     )
 
 
-def tied_weights(graph: OpGraph, costs: Sequence[NodeCost], bounds: Sequence[tuple[int, int]]):
-    """Extra parameter bytes per stage for weights owned by another stage (and of those,
-    the bytes that train), and the (stage a, stage b, bytes) all-reduces of their
-    gradients (none for a frozen weight)."""
+def tied_weights(graph: OpGraph, costs: Sequence[NodeCost], bounds: Sequence[tuple[int, int]],
+                 ranks: int | None = None):
+    """Extra parameter bytes per stage for weights owned by another pipeline rank's stage
+    (and of those, the bytes that train), and the (stage a, stage b, bytes) all-reduces of
+    their gradients (none for a frozen weight). Stage ``k`` runs on rank ``k mod ranks``
+    (default: a rank per stage); a rank holds a weight its stages share once (the first
+    of them that uses it), and its gradient is one tensor there."""
+    p = ranks or len(bounds)
     extra = [(0.0, 0.0)] * len(bounds)
     tied = []
     stage_of = {}
@@ -373,9 +377,10 @@ def tied_weights(graph: OpGraph, costs: Sequence[NodeCost], bounds: Sequence[tup
         owner = next((i for i in users if graph.nodes[i].param_bytes), users[0])
         nbytes = costs[owner].param_bytes / max(1, len(graph.nodes[owner].params))
         trains = 0.0 if name in frozen else nbytes
-        stages = sorted({stage_of[i] for i in users})
-        for k in stages:
-            if k != stage_of[owner]:
+        held = {stage_of[owner] % p}
+        for k in sorted({stage_of[i] for i in users}):
+            if k % p not in held:
+                held.add(k % p)
                 extra[k] = (extra[k][0] + nbytes, extra[k][1] + trains)
                 if trains:
                     tied.append((min(k, stage_of[owner]), max(k, stage_of[owner]), trains))
@@ -439,7 +444,7 @@ def stage_layout(graph: OpGraph, ctx: CostContext, *, bounds: Sequence[tuple[int
             edges = BoundaryCopies.of(mg) if len(bounds) > 1 else BoundaryCopies()
     if shard == "zero2":
         costs = fsdp_stage_costs(costs)
-    extra, tied = tied_weights(graph, costs, bounds)
+    extra, tied = tied_weights(graph, costs, bounds, p)
     if tensor > 1 and recompute != "none":  # a tensor-parallel stage is checkpointed whole
         if recompute != "full":
             raise ValueError("a tensor-parallel stage recomputes whole (recompute='full') or not at all")

@@ -123,7 +123,7 @@ class Plan(_Frozen):
     ``ZeroRedundancyOptimizer``), ZeRO-2/ZeRO-3 (FSDP2 ``fully_shard`` without/with
     ``reshard_after_forward``), or HSDP (FSDP2 on a ``(replicate, shard)`` mesh). A
     pipeline or hybrid plan: ``none``, ``zero1``, its optimizer state sharded over
-    each stage's replicas, or (stages under GPipe or 1F1B) ``zero2``, each stage an
+    each stage's replicas, or ``zero2``, each stage an
     FSDP2 module over its replicas (:data:`flexsearch.strategy.kinds.PIPELINE_SHARDINGS`)."""
     shard_group: int | None = None
     """``hsdp`` plans: devices per shard group (consecutive devices)."""

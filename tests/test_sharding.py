@@ -377,9 +377,10 @@ def test_fsdp_pipeline_stages_gather_first_and_reduce_scatter_last(gpt_small):
 
 
 def test_fsdp_pipeline_plans_are_checked_and_saved(gpt_small):
-    """``zero2`` runs under GPipe or 1F1B over 2 replicas or more (tensor-parallel stages
-    too); a zero2 plan round-trips through its file, the CLI's table names it, a file
-    claiming it on an interleaved hybrid plan is refused."""
+    """``zero2`` runs over 2 replicas or more (tensor-parallel stages too), under GPipe,
+    1F1B, or the interleaved schedule with at most 3 stages per rank (torch's runtime
+    keeps 3 gathered); a zero2 plan round-trips through its file, the CLI's table names
+    it, a file claiming it on an interleaved hybrid plan of 4 stages per rank is refused."""
     from flexsearch.errors import PlanFileError
     from flexsearch.search.pipeline import pipeline_shardings
     from flexsearch.tables import plan_table
@@ -388,12 +389,18 @@ def test_fsdp_pipeline_plans_are_checked_and_saved(gpt_small):
         _pipelined(gpt_small, "zero2", p=2, replicas=1)
     assert _pipelined(gpt_small, "zero2", p=2, replicas=2, tensor=2).kind == "hybrid"  # FSDP x TP x PP
     k = len(gpt_small.nodes)
-    with pytest.raises(ValueError, match="gpipe or 1f1b"):
-        Pipelined(tuple((k * i // 4, k * (i + 1) // 4) for i in range(4)), tensor=1, replicas=2,
-                  schedule="interleaved", microbatches=2, chunks=2, shard="zero2")
+    Pipelined(tuple((k * i // 4, k * (i + 1) // 4) for i in range(4)), tensor=1, replicas=2,
+              schedule="interleaved", microbatches=2, chunks=2, shard="zero2")
+    with pytest.raises(ValueError, match="at most 3 stages per rank, not 4"):
+        Pipelined(tuple((k * i // 8, k * (i + 1) // 8) for i in range(8)), tensor=1, replicas=2,
+                  schedule="interleaved", microbatches=2, chunks=4, shard="zero2")
+    with pytest.raises(ValueError, match="gpipe or 1f1b or interleaved"):
+        Pipelined(((0, k // 2), (k // 2, k)), tensor=1, replicas=2, schedule="pipedream", microbatches=2,
+                  shard="zero2")
     assert pipeline_shardings(1, 4, "1f1b") == ("none", "zero1", "zero2")
     assert pipeline_shardings(2, 4, "1f1b") == ("none", "zero1", "zero2")
-    assert pipeline_shardings(2, 4, "interleaved") == pipeline_shardings(1, 4, "interleaved") == ("none", "zero1")
+    assert pipeline_shardings(2, 4, "interleaved", 2) == ("none", "zero1", "zero2")
+    assert pipeline_shardings(1, 4, "interleaved", 4) == ("none", "zero1")
     assert pipeline_shardings(1, 1, "gpipe") == ("none",)
     cl = Cluster.preset("dgx-h100", 16)
     ctx = CostContext(cl, precision=precision_of("bf16-mixed"))
@@ -403,11 +410,11 @@ def test_fsdp_pipeline_plans_are_checked_and_saved(gpt_small):
     assert back.kind == "pipeline" and back.shard == "zero2" and back.strategy(gpt_small) == s
     rows = dict(zip(*(c._cells for c in plan_table(back, None).columns), strict=True))
     assert rows["sharding"] == "zero2"
-    hybrid = dataclasses.replace(_pipelined(gpt_small, "zero1", p=4, replicas=2, tensor=2), schedule="interleaved",
-                                 chunks=2, bounds=tuple((k * i // 8, k * (i + 1) // 8) for i in range(8)))
+    hybrid = dataclasses.replace(_pipelined(gpt_small, "zero1", p=2, replicas=4, tensor=2), schedule="interleaved",
+                                 chunks=4, bounds=tuple((k * i // 8, k * (i + 1) // 8) for i in range(8)))
     h = plan_from(gpt_small, cl, hybrid, predict(gpt_small, hybrid, ctx, timeline=False), baselines={},
                   lower_bound_s=0.0)
-    with pytest.raises(PlanFileError, match="gpipe or 1f1b"):
+    with pytest.raises(PlanFileError, match="at most 3 stages per rank"):
         Plan.from_json(json.dumps({**json.loads(h.to_json()), "shard": "zero2"})).strategy(gpt_small)
 
 
@@ -431,20 +438,53 @@ def test_the_pipeline_search_runs_fsdp_stages_where_they_are_faster(gpt_small):
     assert any(n.startswith("sharding zero2: each stage an FSDP2 module over its 8 replicas") for n in plan.notes)
 
 
+def test_no_fsdp_stages_of_one_rank_share_a_weight():
+    """GPT's tied embedding in stages 0 and 2 of an interleaved pipeline, both on pipeline
+    rank 0: one tensor in two stage modules, which FSDP2 stages cannot each shard (the
+    gradients came out wrong, 39% of the head's elements). Such a layout is refused by
+    name, and the pipeline search, which now offers FSDP2 stages under the interleaved
+    schedule, proposes none."""
+    from flexsearch.search.pipeline import search_pipelines
+    from flexsearch.sim.stages import shared_within_rank
+
+    g = _graph("gpt", "fp32")
+    k = len(g.nodes)
+    bounds = ((0, 20), (20, 40), (40, k - 1), (k - 1, k))  # lm_head in stage 2
+    assert shared_within_rank(g, bounds, 2) == ("wte.weight",)
+    assert shared_within_rank(g, bounds, 4) == ()
+    ctx = CostContext(Cluster.resolve("cpu", 4))
+    s = Pipelined(bounds, tensor=1, replicas=2, schedule="interleaved", microbatches=2, chunks=2, shard="zero2")
+    with pytest.raises(ValueError, match=r"FSDP2 stages of one rank cannot share a weight \(wte.weight\)"):
+        predict(g, s, ctx)
+    res = search_pipelines(g, ctx, schedules=("interleaved",))
+    assert any(r.shard == "zero2" for r in res)
+    assert not any(r.shard == "zero2" and shared_within_rank(g, [(a, b) for a, b, _ in r.stages],
+                                                              len(r.stages) // r.chunks) for r in res)
+
+
 def test_fsdp_pipeline_plans_compute_what_the_model_does():
     """4 gloo ranks (oversubscribing CI's 2 cores: slower, not different): 2 plain stages
     of 2 replicas each as FSDP2 modules, fp32 under 1F1B and bf16-mixed under GPipe with
-    full checkpointing, and one stage of 2 replicas x 2-way tensor parallelism as an
+    full checkpointing; 4 such stages, 2 per rank under the interleaved schedule, fp32
+    and bf16-mixed with full checkpointing; and one stage of 2 replicas x 2-way tensor parallelism as an
     FSDP2 module over its replicas (torchtitan's FSDP x TP: DTensor weights on a
     ``(dp, s, t)`` mesh), bf16-mixed with full checkpointing and fp32: each matches the
     single-process model, and each replica holds half of its stage's weights (of its
     tensor-parallel shards) and of their Adam state (FSDP2 shards every tensor on its
     first dimension, padded: within 2% of the model's ``P / d``)."""
     cases = (("fp32", "1f1b", "none", 1), ("bf16-mixed", "gpipe", "full", 1), ("bf16-mixed", "1f1b", "full", 2),
-             ("fp32", "1f1b", "none", 2))
-    out = [_tiny_gpt_plan(precision, lambda g, sched=schedule, rc=recompute, t=t: dataclasses.replace(
-        _pipelined(g, "zero2", p=2 // t, replicas=2, tensor=t), schedule=sched, recompute=rc))
-        for precision, schedule, recompute, t in cases]
+             ("fp32", "1f1b", "none", 2), ("fp32", "interleaved", "none", 1), ("bf16-mixed", "interleaved", "full", 1))
+
+    def strategy(g, sched, rc, t):
+        if sched != "interleaved":
+            return dataclasses.replace(_pipelined(g, "zero2", p=2 // t, replicas=2, tensor=t), schedule=sched,
+                                       recompute=rc)
+        k = len(g.nodes)  # 2 stages on each of 2 ranks
+        return Pipelined(tuple((k * i // 4, k * (i + 1) // 4) for i in range(4)), tensor=1, replicas=2,
+                         schedule=sched, microbatches=2, chunks=2, recompute=rc, shard="zero2")
+
+    out = [_tiny_gpt_plan(precision, lambda g, sched=schedule, rc=recompute, t=t: strategy(g, sched, rc, t))
+           for precision, schedule, recompute, t in cases]
     results = run_ranks(sharded_job, 4, FAMILIES["gpt"], [p for p, _ in out], timeout_s=600)
     for i, (plan, sim) in enumerate(out):
         precision = plan.precision
@@ -455,6 +495,25 @@ def test_fsdp_pipeline_plans_compute_what_the_model_does():
             assert loss == pytest.approx(ref, rel=1e-5 if precision == "fp32" else 1e-2)
             assert state == OPTIMIZER_STATE["adam"] * local
             assert local == pytest.approx(sim.memory_terms[rank].params, rel=0.02), (precision, rank)
+
+
+def test_fsdp_tensor_parallel_interleaved_stages_compute_what_the_model_does():
+    """8 gloo ranks (4 per core on CI: slower, not different): 4 stages cut at block
+    boundaries, 2 per pipeline rank under the interleaved schedule, each rank 2 replicas
+    x 2-way tensor parallel, its stages FSDP2 modules over the replicas (torchtitan's
+    FSDP x TP x PP): the single process's loss and, by ``check_job``, gradients and
+    parameters after 3 steps."""
+    g = _graph("gpt", "fp32")
+    names = [n.name for n in g.nodes]
+    cuts = [names.index(n) for n in ("h_0_ln_2", "h_1_ln_1", "h_1_ln_2")]
+    bounds = tuple(zip([0, *cuts], [*cuts, len(names)], strict=True))
+    plan, _ = _tiny_gpt_plan("fp32", lambda _g: Pipelined(bounds, tensor=2, replicas=2, schedule="interleaved",
+                                                           microbatches=2, chunks=2, shard="zero2"), world=8)
+    assert plan.kind == "hybrid" and plan.shard == "zero2" and plan.chunks == 2
+    res = run_ranks(check_job, 8, FAMILIES["gpt"], [plan], timeout_s=600)
+    for rank in range(8):
+        _kind, schedule, loss, ref, _params = res[rank][0]
+        assert schedule == "interleaved" and loss == pytest.approx(ref, rel=1e-5)
 
 
 # ------------------------------------------------------------------ accumulation with sharding

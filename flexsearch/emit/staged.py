@@ -25,7 +25,7 @@ This rank (pipeline rank ``r``, replica ``j``, tensor index ``i``) builds:
   over the ``d`` replicas: ``ZeroRedundancyOptimizer`` on the replica group (each
   replica keeps the state of and updates its share of the weights, then broadcasts
   them), run on the weights' local tensors (:class:`LocalZero`);
-- under ``shard: zero2`` (GPipe or 1F1B), each stage is an FSDP2 module over its ``d``
+- under ``shard: zero2``, each stage is an FSDP2 module over its ``d``
   replicas (``fully_shard`` on the replica mesh; a tensor-parallel stage's weights are
   DTensors on the ``(s, t)`` slice of a ``(dp, s, t)`` mesh, FSDP2 shards them over its
   ``dp`` slice: torchtitan's FSDP x TP;
@@ -187,9 +187,15 @@ class PipelineModule(nn.Module):
         self._fsdp = plan.shard == "zero2"
         if self._fsdp:
             try:
-                check_pipeline_shard(plan.shard, d, t, plan.schedule)
+                check_pipeline_shard(plan.shard, d, t, plan.schedule, len(mine))
             except ValueError as e:
                 raise EmitError(f"{e}; plan again") from None
+            held: dict[int, int] = {}
+            for k in mine:
+                for q in cuts[k].parameters():
+                    if q.requires_grad and held.setdefault(id(q), k) != k:
+                        raise EmitError(f"FSDP2 stages of one rank cannot share a weight ({ids.get(id(q))}); "
+                                        "plan again")
             # FSDP2 over each pipeline rank's replicas, every rank making every mesh in the
             # same order: plain stages one device each; tensor-parallel stages a (dp, s, t)
             # mesh whose (s, t) slice this replica's stage places its weights on (FSDP2

@@ -56,6 +56,7 @@ from flexsearch.sim.stages import (
     cut_bytes,
     fsdp_stage_costs,
     kept_bytes,
+    shared_within_rank,
     simulate_stages,
     stage_node_costs,
     stages_peak_memory,
@@ -355,7 +356,7 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
                 estimates.append(plain)
             lighter = modes[:modes.index(plain[7])] if plain is not None else modes
             if d > 1 and lighter:  # sharding where it lets the layout checkpoint less
-                for shard in pipeline_shardings(t, d, schedule)[1:]:
+                for shard in pipeline_shardings(t, d, schedule, v)[1:]:
                     sharded = estimate(t, p, d, m, schedule, v, q, shard, lighter)
                     if sharded is not None:
                         estimates.append(sharded)
@@ -380,8 +381,14 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
         return simulated(bounds, r.tensor, len(r.stages) // r.chunks, r.replicas, r.microbatches, r.schedule,
                          r.chunks, r.recompute, shard)
 
+    def runs(bounds, p: int, shard: str) -> bool:
+        return shard != "zero2" or not shared_within_rank(graph_of(shard), bounds, p)
+
     def fits(bounds, t: int, p: int, d: int, m: int, schedule: str, v: int, recompute: str, shard: str) -> bool:
-        """Does the layout fit by the simulation's own memory model (no scheduling)?"""
+        """Does the layout fit by the simulation's own memory model (no scheduling)? False
+        for one the emitter does not run (FSDP2 stages of one rank sharing a weight)."""
+        if not runs(bounds, p, shard):
+            return False
         costs, _ = costs_for(d * m, t, shard)
         cuts, edges = cut_memo[d * m, shard in FSDP_SHARDINGS]
         return stages_peak_memory(graph_of(shard), ctx, optimizer=optimizer, bounds=bounds, tensor=t, replicas=d,
@@ -399,6 +406,8 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
             break
         _, t, p, d, m, schedule, v, recompute, part, shard, q = heapq.heappop(queue)[3]
         bounds = [(s.start, s.end) for s in part.stages]
+        if not runs(bounds, p, shard):
+            continue
         if not fits(bounds, t, p, d, m, schedule, v, recompute, shard):
             # cut at block boundaries instead, where it fits (a cut inside a block sends
             # more: its stage keeps what it sends per microbatch in flight)
@@ -453,7 +462,7 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
         # that cannot win; the estimate leaves out the smaller update, so plain stages
         # are always simulated)
         bounds = tuple((a, b) for a, b, _ in best.stages)
-        for other in pipeline_shardings(best.tensor, best.replicas, best.schedule):
+        for other in pipeline_shardings(best.tensor, best.replicas, best.schedule, best.chunks):
             if other != best.shard and fits_as(best, bounds, other) and \
                     (other != "zero2" or best.tensor == 1
                      or layout_estimate(best, other) <= layout_estimate(best, best.shard)):
@@ -462,14 +471,15 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
     return results
 
 
-def pipeline_shardings(tensor: int, replicas: int, schedule: str) -> tuple[str, ...]:
+def pipeline_shardings(tensor: int, replicas: int, schedule: str, chunks: int = 1) -> tuple[str, ...]:
     """The shardings (:data:`~flexsearch.strategy.kinds.PIPELINE_SHARDINGS`) a layout of
-    ``replicas`` x ``tensor`` devices per stage under ``schedule`` takes
+    ``replicas`` x ``tensor`` devices per stage under ``schedule``, ``chunks`` stages per
+    rank, takes
     (:func:`~flexsearch.strategy.kinds.check_pipeline_shard`), ``none`` first."""
     out = []
     for shard in PIPELINE_SHARDINGS:
         try:
-            check_pipeline_shard(shard, replicas, tensor, schedule)
+            check_pipeline_shard(shard, replicas, tensor, schedule, chunks)
         except ValueError:
             continue
         out.append(shard)

@@ -29,11 +29,12 @@ the :class:`~flexsearch.sim.pipeline_layout.PipelineLayout`):
   optimizer state), then the replicas all-gather the updated parameters, one
   all-gather per tensor-parallel rank (calibrated: with ``ZeroRedundancyOptimizer``'s
   cost per parameter tensor and per step, the op-level ZeRO-1's terms). FSDP2 stages
-  (``shard="zero2"``, stages under GPipe or 1F1B: :data:`~flexsearch.strategy.kinds.PIPELINE_SHARDINGS`)
+  (``shard="zero2"``: :data:`~flexsearch.strategy.kinds.PIPELINE_SHARDINGS`)
   all-gather each stage's parameters over its replicas (in FSDP's ``param_dtype``,
   ``PipelineLayout.gather`` bytes per stored byte) once the replicas' first inputs are
-  in, and its first forward waits for it (the runtime's pre-forward hook; the stage's
-  later microbatches find them gathered), reduce-scatter its gradients in place of the
+  in (the interleaved schedule: at the step's start, the runtime's ``UNSHARD``), and its
+  first forward waits for it (the runtime's pre-forward hook; the stage's later
+  microbatches find them gathered), reduce-scatter its gradients in place of the
   all-reduce, and update ``1 / d`` of its parameters (a shard of every tensor), with
   nothing gathered after (the next step's first
   forward gathers); each collective as the op-level simulator's FSDP ones
@@ -264,7 +265,9 @@ def action_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineL
                 if a.kind == "F" and layout.fsdp:
                     need.append(Unsharded(s))
                     if Unsharded(s) not in done:  # the pre-forward hook's gather, once every replica's input is in
-                        inputs = tuple(Step("input", s, j, cc) for cc in chains[r]) if s > 0 else ()
+                        # (interleaved: the runtime's UNSHARD, posted at the step's start)
+                        inputs = tuple(Step("input", s, j, cc) for cc in chains[r]) \
+                            if s > 0 and layout.schedule != "interleaved" else ()
                         if done.issuperset(inputs):
                             ordered.extend(_stage_gathers(ctx, costs, layout, s, inputs))
                             done.add(Unsharded(s))
@@ -421,7 +424,8 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
     if layout.shard != "none" and layout.asynchronous:
         raise ValueError(f"only a synchronous pipeline shards its state (got {layout.shard!r} under "
                          f"{layout.schedule!r})")
-    check_pipeline_shard(layout.shard, len(layout.ranks[0]), len(layout.ranks[0][0]), layout.schedule)
+    check_pipeline_shard(layout.shard, len(layout.ranks[0]), len(layout.ranks[0][0]), layout.schedule,
+                         layout.chunks)
     if len(costs) != layout.stages:
         raise ValueError(f"{len(costs)} stage costs for {layout.stages} stages")
     devices = ctx.cluster.devices
@@ -440,7 +444,7 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
         time_s = per_unit * (layout.units or 1)
     else:
         time_s = max(run.free, default=0.0)
-    terms = pipeline_memory(ctx, costs, layout, optimizer, occupancy(acting, costs, layout.grad_copies))
+    terms = pipeline_memory(ctx, costs, layout, optimizer, occupancy(acting, costs, layout.grad_copies, layout.schedule))
     compute = busy_compute(ordered, devices)
     if mirrored is not None:  # every replica's figures are replica 0's
         terms = [terms[mirrored.get(d, d)] for d in range(devices)]

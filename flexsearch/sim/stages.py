@@ -387,6 +387,19 @@ def tied_weights(graph: OpGraph, costs: Sequence[NodeCost], bounds: Sequence[tup
     return extra, tuple(tied)
 
 
+def shared_within_rank(graph: OpGraph, bounds: Sequence[tuple[int, int]], ranks: int) -> tuple[str, ...]:
+    """The trained weights two stages of one pipeline rank use (stage ``k`` on rank ``k mod
+    ranks``): one tensor in two modules, which FSDP2 stages cannot each shard."""
+    stage_of = {i: k for k, (a, b) in enumerate(bounds) for i in range(a, b)}
+    frozen = frozenset(graph.frozen_params)
+    out = []
+    for name, users in shared_params(graph).items():
+        stages = {stage_of[i] for i in users}
+        if name not in frozen and len({k % ranks for k in stages}) < len(stages):
+            out.append(name)
+    return tuple(out)
+
+
 def simulate_stages(graph: OpGraph, ctx: CostContext, *, bounds: Sequence[tuple[int, int]], tensor: int,
                     replicas: int, schedule: str, microbatches: int, chunks: int = 1,
                     recompute: str = "none", optimizer: str = "adam", timeline: bool = True,
@@ -444,6 +457,9 @@ def stage_layout(graph: OpGraph, ctx: CostContext, *, bounds: Sequence[tuple[int
             edges = BoundaryCopies.of(mg) if len(bounds) > 1 else BoundaryCopies()
     if shard == "zero2":
         costs = fsdp_stage_costs(costs)
+    if shard == "zero2" and (shared := shared_within_rank(graph, bounds, p)):
+        raise ValueError(f"FSDP2 stages of one rank cannot share a weight ({shared[0]}): "
+                         "shard zero1 or none, or give each stage a rank of its own")
     extra, tied = tied_weights(graph, costs, bounds, p)
     if tensor > 1 and recompute != "none":  # a tensor-parallel stage is checkpointed whole
         if recompute != "full":

@@ -49,11 +49,15 @@ replicas:
   x PP; one stage of ``tensor > 1``: its 2-D FSDP x TP): each stage ``fully_shard`` over
   its replicas with ``reshard_after_forward=False`` (a tensor-parallel stage's DTensor
   weights on a ``(dp, s, t)`` mesh, FSDP2 sharding each one's local shard over ``dp``),
-  under GPipe or 1F1B. torch 2.13's pipeline runtime runs every microbatch's backward of an
+  under GPipe, 1F1B, or the interleaved schedule with at most
+  :data:`FSDP_ACTIVE_STAGES` stages per rank. torch 2.13's pipeline runtime runs every microbatch's backward of an
   FSDP stage without gradient sync and without resharding
   (``torch/distributed/pipelining/stage.py``, ``backward_maybe_with_nosync``) and
-  reduce-scatters once after the last (``perform_reduce_grad``), so the stage gathers
-  its parameters at its first forward and holds them, with its whole gradients
+  reduce-scatters once after the last (``perform_reduce_grad``; the interleaved
+  runtime's ``REDUCE_GRAD`` action after the stage's last backward), so the stage
+  gathers its parameters at its first forward (interleaved: the runtime's ``UNSHARD``
+  actions, posted at the step's start for the next :data:`FSDP_ACTIVE_STAGES` stages)
+  and holds them, with its whole gradients
   (accumulated in fp32 under mixed precision, each microbatch's made in bf16 first:
   ``_fsdp_param.py``, ``to_accumulated_grad_if_needed``), through the step. Per device
   ``(1 + k) P / d`` at rest (``k`` the optimizer's state), ``g P`` gathered (``g`` the
@@ -65,8 +69,10 @@ replicas:
   an all-gather (in ``g``), is ZeRO-1's all-reduce and all-gather less one pass. Not run: ``zero3`` (under the
   runtime a resharding stage gathers its parameters again for microbatches' forwards
   and backwards while its whole gradients stay: more traffic to save at most the
-  gathered parameters), and FSDP under the interleaved
-  schedule, whose runtime never calls ``perform_reduce_grad``."""
+  gathered parameters), FSDP under an interleaved schedule of more stages per rank
+  than :data:`FSDP_ACTIVE_STAGES` (the runtime reshards and gathers again the ones past
+  them), and FSDP2 stages of one rank sharing a weight (one tensor, two FSDP modules:
+  :func:`flexsearch.sim.stages.shared_within_rank`)."""
 ACCUMULATING_SHARDINGS = ("none", "zero1", "zero2")
 """The data-parallel shardings that accumulate gradients over microbatches, each as one
 pipeline stage on every device runs them (:func:`flexsearch.sim.predict.predict`): DDP
@@ -76,8 +82,11 @@ first microbatch and kept, the gradients accumulated whole, reduce-scattered aft
 last (the emitter turns FSDP2's gradient sync and its resharding after the backward
 off until the last microbatch). ZeRO-3 and HSDP, which gather again for every
 microbatch, do not."""
-FSDP_PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+FSDP_PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 """The schedules whose runtime reduce-scatters an FSDP stage's gradients (``zero2``)."""
+FSDP_ACTIVE_STAGES = 3
+"""The FSDP2 stages a rank of torch 2.13's interleaved runtime keeps gathered at once
+(``_add_unshard_reshard``'s ``max_active_stages``)."""
 FSDP_SHARDINGS = ("zero2", "zero3", "hsdp")
 """The shardings FSDP2 runs (parameters sharded at rest, over FSDP units)."""
 
@@ -136,9 +145,10 @@ class Soap:
         return "soap"
 
 
-def check_pipeline_shard(shard: str, replicas: int, tensor: int, schedule: str) -> None:
+def check_pipeline_shard(shard: str, replicas: int, tensor: int, schedule: str, chunks: int = 1) -> None:
     """ValueError unless a pipeline of ``replicas`` x ``tensor`` devices per stage under
-    ``schedule`` can shard its state with ``shard`` (:data:`PIPELINE_SHARDINGS`)."""
+    ``schedule``, ``chunks`` stages per rank, can shard its state with ``shard``
+    (:data:`PIPELINE_SHARDINGS`)."""
     if shard not in PIPELINE_SHARDINGS:
         raise ValueError(f"a pipeline shards its state with one of {', '.join(PIPELINE_SHARDINGS)}, not {shard!r}")
     if shard != "none" and replicas < 2:
@@ -146,6 +156,9 @@ def check_pipeline_shard(shard: str, replicas: int, tensor: int, schedule: str) 
     if shard == "zero2" and schedule not in FSDP_PIPELINE_SCHEDULES:
         raise ValueError(f"zero2 (FSDP2 stages) runs under {' or '.join(FSDP_PIPELINE_SCHEDULES)}, "
                          f"not under {schedule!r}")
+    if shard == "zero2" and chunks > FSDP_ACTIVE_STAGES:
+        raise ValueError(f"zero2 (FSDP2 stages) runs at most {FSDP_ACTIVE_STAGES} stages per rank, not {chunks}: "
+                         "the runtime would gather the others again")
 
 
 @dataclass(frozen=True)
@@ -174,7 +187,7 @@ class Pipelined:
         check_mode(self.recompute)
         if self.chunks < 1 or len(self.bounds) % self.chunks:
             raise ValueError(f"{len(self.bounds)} stages do not split into {self.chunks} chunks per rank")
-        check_pipeline_shard(self.shard, self.replicas, self.tensor, self.schedule)
+        check_pipeline_shard(self.shard, self.replicas, self.tensor, self.schedule, self.chunks)
 
     @property
     def kind(self) -> str:

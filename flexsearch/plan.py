@@ -276,7 +276,10 @@ class Plan(_Frozen):
                 )
         decisions = self.decision_configs()
         if self.kind == "soap":
-            return Soap(configs, decisions)
+            try:
+                return Soap(configs, decisions, self.recompute)
+            except ValueError as e:
+                raise PlanFileError(f"the plan's SOAP configuration cannot be simulated: {e}; plan again") from None
         units = self.fsdp_units or (fsdp_units(graph.modules) if self.shard_params else ())
         try:
             return DataParallel(configs, decisions, shard=self.shard, fsdp_units=units,

@@ -673,7 +673,7 @@ def test_accumulation_peak_memory_matches_torchs_allocator(precision):
 
 @pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16-mixed", marks=pytest.mark.slow)])
 def test_checkpointed_peak_memory_matches_torchs_allocator(precision):
-    """Data parallelism (DDP) on 2 gloo ranks without and with full activation
+    """Data parallelism (DDP) on 2 gloo ranks without and with (full, selective) activation
     checkpointing, on the tiny GPT (a unit per block) and the tiny AlexNet at batch 128
     (one unit holding nearly every activation): the calibrated peak per device, less
     the runtime's own term and DDP's buckets, against torch's allocator's, within
@@ -682,7 +682,13 @@ def test_checkpointed_peak_memory_matches_torchs_allocator(precision):
     checkpointed and not. While the backward's gradient buffers were counted over the
     kept activations alone, on top of the rebuilt unit, and the rebuilt unit on top of
     the loss's working tensor (:mod:`flexsearch.sim.accounting`), checkpointed AlexNet
-    was +37.2% (fp32) and GPT +14.1% (bf16-mixed)."""
+    was +37.2% (fp32) and GPT +14.1% (bf16-mixed). Selective checkpointing too: GPT
+    -3.5% (fp32) and +6.0% (bf16-mixed), AlexNet -7.0% and -4.7%. Its peak holds while
+    its terms do not: the model keeps what a matmul saved (its inputs) where torch's
+    policy keeps the matmul's output, and GPT's activations alone were -13.7% (fp32) and
+    +28.2% (bf16-mixed); modelled as cached outputs they came within 2.2%, but AlexNet's
+    one unit of convolutions then went +40% at its peak (the rebuilt unit over-counted),
+    so that model is not in."""
     from flexsearch.cost.calibration import load_calibration_file
     from flexsearch.sim.accounting import peak_bytes
 
@@ -695,7 +701,7 @@ def test_checkpointed_peak_memory_matches_torchs_allocator(precision):
         g = trace(model, x, precision=precision)
         base = plan_graph(g, cl, kinds=("data",), max_iters=0).strategy(g)
         plans, predicted = [], []
-        for recompute in ("none", "full"):
+        for recompute in ("none", "full", "selective"):
             s = dataclasses.replace(base, recompute=recompute)
             sim = predict(g, s, ctx)
             plans.append(plan_from(g, cl, s, sim, baselines={}, lower_bound_s=0.0))
@@ -801,6 +807,60 @@ def test_tensor_parallel_peak_memory_against_torchs_allocator():
                 f"{k} {model[k] / 1e6:.3f} / {made[k] / 1e6:.3f} MB ({model[k] / made[k] - 1:+.1%})" for k in model))
             for k in model:
                 bound = TENSOR_PARALLEL_CATEGORY_MISSES.get((plan.precision, k), CATEGORY_RTOL.get(k, ACTIVATION_RTOL))
+                assert model[k] == pytest.approx(made[k], rel=bound), (plan.precision, rank, k)
+
+
+CHECKPOINTED_TENSOR_PARALLEL_MISSES = {("fp32", "backward"): 0.25}
+"""Known misses by category of Megatron's layout fully checkpointed
+(:func:`test_checkpointed_tensor_parallel_memory_against_torchs_allocator`): in fp32 the
+backward's rise, where a unit's rebuilt activations and its gradients meet, was 0.623,
+0.723, 0.759, 0.854 and 0.920 MB from run to run and rank to rank (the model's 0.758 MB:
++21.7% to -17.6%), the spread of the unchecked plan's rise (:data:`TENSOR_PARALLEL_CATEGORY_MISSES`)
+made larger; in bf16-mixed the loss's working bytes are the larger, to the byte."""
+
+
+def test_checkpointed_tensor_parallel_memory_against_torchs_allocator():
+    """Megatron's layout (t = 2) fully checkpointed on 2 gloo ranks, fp32 and bf16-mixed,
+    by category as :func:`test_tensor_parallel_peak_memory_against_torchs_allocator`:
+    what a unit keeps (its input) and what it rebuilds now count a SOAP node's
+    redistributed inputs among its activations; the model kept them, 18-20% over
+    (measured: -5.5% and -6.4% in fp32, +0.7% in bf16-mixed)."""
+    from flexsearch.cost.calibration import load_calibration_file
+    from flexsearch.sim.accounting import peak_bytes
+    from flexsearch.strategy.kinds import Soap
+    from flexsearch.strategy.recipes import megatron
+    from flexsearch.strategy.space import Space
+
+    model, x = load(FAMILIES["gpt"])
+    cl = Cluster.resolve("cpu", 2)
+    cal = load_calibration_file().devices[cl.device.name]
+    plans, predicted, terms = [], [], []
+    for precision in ("fp32", "bf16-mixed"):
+        g = trace(model, x, precision=precision)
+        ctx = CostContext(cl, calibration=cal, precision=precision_of(precision))
+        space = Space(g, 2)
+        dec = megatron(space, 2)
+        s = Soap(space.expand(dec), dec, "full")
+        sim = predict(g, s, ctx)
+        plans.append(plan_from(g, cl, s, sim, baselines={}, lower_bound_s=0.0))
+        predicted.append([peak_bytes(m, cal, "sharded") - cal.runtime("sharded") for m in sim.memory_terms])
+        terms.append(sim.memory_terms)
+    got = run_ranks(allocated_job, 2, FAMILIES["gpt"], plans, timeout_s=600)
+    for i, plan in enumerate(plans):
+        assert plan.recompute == "full"
+        for rank in range(2):
+            want, have = predicted[i][rank], got[rank][i][0]
+            print(f"megatron t=2 full {plan.precision} rank {rank}: model {want / 1e6:.2f} MB, allocator "
+                  f"{have / 1e6:.2f} MB ({want / have - 1:+.1%})")
+            assert want == pytest.approx(have, rel=TENSOR_PARALLEL_MISS), (plan.precision, rank)
+            m, made = terms[i][rank], got[rank][i][3]
+            model = {"optimizer": m.optimizer, "activations": m.activations, "loss": m.loss_grad,
+                     "backward": max(m.loss_working, m.rebuilt + m.grad_working)}
+            print("  by category, model / allocator: " + ", ".join(
+                f"{k} {model[k] / 1e6:.3f} / {made[k] / 1e6:.3f} MB ({model[k] / made[k] - 1:+.1%})" for k in model))
+            for k in model:
+                bound = CHECKPOINTED_TENSOR_PARALLEL_MISSES.get((plan.precision, k),
+                                                               CATEGORY_RTOL.get(k, ACTIVATION_RTOL))
                 assert model[k] == pytest.approx(made[k], rel=bound), (plan.precision, rank, k)
 
 

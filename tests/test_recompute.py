@@ -160,3 +160,85 @@ def test_emitted_plans_checkpoint_and_accumulate_exactly(family):
     for rank in results:
         for (_, _, loss, ref, _), p in zip(rank, plans, strict=True):
             assert loss == pytest.approx(ref, rel=1e-5), (p.kind, p.recompute, p.microbatches)
+
+
+def _megatron_soap(g, recompute: str = "none"):
+    from flexsearch.strategy.kinds import Soap
+    from flexsearch.strategy.recipes import megatron
+    from flexsearch.strategy.space import Space
+
+    space = Space(g, 2)
+    dec = megatron(space, 2)
+    return Soap(space.expand(dec), dec, recompute)
+
+
+def test_a_soap_plan_recomputes_its_units_with_their_redistributions(gpt):
+    """Megatron's layout on 2 devices, fully checkpointed: each unit keeps its input,
+    and its ops run again in its backward with the transfers and collectives of their
+    forward (the all-reduce after each row-parallel projection, the gathers before the
+    attention); a ``selective`` SOAP plan is refused (its memory model missed by 19%)."""
+    from flexsearch.strategy.kinds import Soap
+
+    g = gpt[2]
+    ctx = CostContext(Cluster.resolve("cpu", 2))
+    plain, full = (predict(g, _megatron_soap(g, rc), ctx) for rc in ("none", "full"))
+    assert max(m.activations for m in full.memory_terms) < 0.5 * max(m.activations for m in plain.memory_terms)
+    dropped = {n.name for n, d in zip(g.nodes, Checkpointing.of(g, "full").dropped, strict=True) if d}
+    forward = sorted((x.task.name, x.task.duration) for x in plain.timeline if x.task.kind in ("xfer", "coll")
+                     and x.task.name in dropped and x.task.defines[0][0] in ("x", "F"))
+    again = sorted((x.task.name[:-len(" again")], x.task.duration) for x in full.timeline
+                   if x.task.name.endswith(" again"))
+    assert forward and again == forward
+    assert full.iteration_time_s > plain.iteration_time_s
+    with pytest.raises(ValueError, match="recomputes whole units"):
+        Soap(_megatron_soap(g).configs, recompute="selective")
+
+
+def test_the_soap_search_checkpoints_where_nothing_else_fits(gpt):
+    """With memory below every SOAP baseline's need and above a fully checkpointed one's,
+    and no other SOAP configuration to find (no ILP, no MCMC steps: the ILP's plan found
+    one that fits at 3.22 MB), ``--kind soap`` returns the fastest baseline that fits
+    fully checkpointed, and says why."""
+    from flexsearch.search.planner import run_baselines
+    from flexsearch.sim.simulator import Simulator
+    from flexsearch.strategy.space import Space
+
+    g = gpt[2]
+    cl = Cluster.resolve("cpu", 2)
+    ctx = CostContext(cl)
+    space, sim = Space(g, 2), Simulator(g, ctx)
+    base = run_baselines(space, sim, cl.devices_per_node)
+    from flexsearch.strategy.kinds import Soap
+
+    need = {k: [predict(g, Soap(space.expand(b.decisions), b.decisions, rc), ctx, timeline=False).peak_memory_bytes
+                for rc in ("none", "full")] for k, b in base.items()}
+    cap = min(n for n, _ in need.values()) * 0.99
+    assert any(f < cap for _, f in need.values())
+    dev = cl.spec.device.model_copy(update={"memory_capacity": Positive(value=cap, source="test")})
+    tight = Cluster.from_spec(cl.spec.model_copy(update={"device": dev}), cl.devices)
+    plan = plan_graph(g, tight, kinds=("soap",), max_iters=0, ilp_max_units=0)
+    assert plan.kind == "soap" and plan.recompute == "full" and plan.predicted.peak_memory_bytes <= cap
+    assert any(n.startswith("full activation checkpointing: the SOAP plan without it") for n in plan.notes)
+    assert Plan.from_json(plan.to_json()).strategy(g).recompute == "full"
+
+
+def test_soap_plans_with_full_checkpointing_compute_what_the_model_does():
+    """2 gloo ranks: Megatron's layout on the tiny GPT, fully checkpointed, fp32 and
+    bf16-mixed: loss, gradients and parameters after 3 steps as the single process's."""
+    from emit_cases import FAMILIES, load
+
+    from flexsearch.precision import precision as precision_of
+
+    plans = []
+    for precision in ("fp32", "bf16-mixed"):
+        model, x = load(FAMILIES["gpt"])
+        g = trace(model, x, precision=precision)
+        cl = Cluster.resolve("cpu", 2)
+        s = _megatron_soap(g, "full")
+        plans.append(plan_from(g, cl, s, predict(g, s, CostContext(cl, precision=precision_of(precision))),
+                               baselines={}, lower_bound_s=0.0))
+    assert [p.recompute for p in plans] == ["full", "full"]
+    res = run_ranks(check_job, 2, FAMILIES["gpt"], plans, timeout_s=600)
+    for rank in range(2):
+        for (kind, _s, loss, ref, _params), plan in zip(res[rank], plans, strict=True):
+            assert kind == "soap" and loss == pytest.approx(ref, rel=1e-5 if plan.precision == "fp32" else 1e-2)

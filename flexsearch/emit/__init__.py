@@ -133,8 +133,10 @@ def parallelize(model: nn.Module, plan: Plan, *, group: dist.ProcessGroup | None
             if name in graph.by_name and not legal(graph.node(name), c, plan.devices):
                 raise EmitError(f"the plan runs op {name} as {c.text}, which this version of flexsearch does not "
                                 "run; plan this model again")
+        if plan.recompute == "selective":
+            raise EmitError("a SOAP plan recomputes whole units or none, not 'selective'; plan again")
         relift = (lambda m: lift_exported(m, plan)) if graph.via == "export" else lift
-        return shard(model, relift, graph, plan.node_configs(), rt)
+        return shard(model, relift, graph, plan.node_configs(), rt, plan.recompute)
     from flexsearch.emit.staged import pipeline
 
     return pipeline(model, graph, plan, rt)

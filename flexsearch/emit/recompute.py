@@ -69,19 +69,16 @@ def checkpoint_modules(model: nn.Module, graph: OpGraph, mode: str) -> nn.Module
     return model
 
 
-def checkpoint_stage(gm: fx.GraphModule, graph: OpGraph, mode: str) -> fx.GraphModule:
-    """Rewrite a stage's graph module so each unit's run of nodes runs checkpointed
-    (module docstring)."""
-    if mode == "none":
-        return gm
+def unit_runs(gm: fx.GraphModule, graph: OpGraph) -> list[list[fx.Node]]:
+    """Each unit's contiguous run of op nodes in ``gm`` (in order; a stage's boundary
+    copies belong to none)."""
     unit_of: dict[str, int] = {}
     for k, u in enumerate(recompute_units(graph)):
         for n in graph.nodes[u.start:u.end]:
             unit_of[n.name] = k
-    nodes = list(gm.graph.nodes)
     runs: list[list[fx.Node]] = []
     current: int | None = None
-    for n in nodes:
+    for n in gm.graph.nodes:
         op = n.op in ("call_function", "call_method", "call_module") and not n.meta.get(BOUNDARY)
         u = unit_of.get(n.name) if op else None
         if u is None:
@@ -91,7 +88,27 @@ def checkpoint_stage(gm: fx.GraphModule, graph: OpGraph, mode: str) -> fx.GraphM
             runs.append([])
             current = u
         runs[-1].append(n)
-    for run in runs:
+    return runs
+
+
+def run_edges(run: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The values a run of nodes reads from outside it, and those of its nodes read
+    outside it (both in order)."""
+    inside = set(run)
+    inputs: list[fx.Node] = []
+    for n in run:
+        for a in n.all_input_nodes:
+            if a not in inside and a not in inputs:
+                inputs.append(a)
+    return inputs, [n for n in run if any(u not in inside for u in n.users)]
+
+
+def checkpoint_stage(gm: fx.GraphModule, graph: OpGraph, mode: str) -> fx.GraphModule:
+    """Rewrite a stage's graph module so each unit's run of nodes runs checkpointed
+    (module docstring)."""
+    if mode == "none":
+        return gm
+    for run in unit_runs(gm, graph):
         _outline(gm, run, mode)
     gm.graph.lint()
     gm.recompile()
@@ -115,12 +132,7 @@ class _Region:
 def _outline(gm: fx.GraphModule, run: list[fx.Node], mode: str) -> None:
     """Replace ``run`` (a unit's nodes, in order) by one checkpointed call."""
     inside = set(run)
-    inputs: list[fx.Node] = []
-    for n in run:
-        for a in n.all_input_nodes:
-            if a not in inside and a not in inputs:
-                inputs.append(a)
-    outputs = [n for n in run if any(u not in inside for u in n.users)]
+    inputs, outputs = run_edges(run)
     if not outputs:
         return
     sub = fx.Graph()

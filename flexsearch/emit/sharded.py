@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import itertools
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -60,6 +61,7 @@ from flexsearch.emit.inputs import split, step_loss
 from flexsearch.emit.losses import loss_by_samples, loss_call
 from flexsearch.emit.placements import REPLICATE, arg_placement, input_placements, param_placement
 from flexsearch.emit.precision import autocast, backward, cast_inputs, cast_model
+from flexsearch.emit.recompute import run_checkpointed, run_edges, unit_runs
 from flexsearch.emit.runtime import Runtime
 from flexsearch.emit.writes import AS_PLANNED, write_in_place
 from flexsearch.errors import EmitError
@@ -213,9 +215,14 @@ class ShardedModule(nn.Module):
     (state-dict keys are the original names); the interpreter runs its FX graph."""
 
     def __init__(self, model: nn.Module, gm: fx.GraphModule, graph: OpGraph,
-                 configs: Mapping[str, Config], rt: Runtime, distributed: dict[int, torch.Tensor] | None = None):
+                 configs: Mapping[str, Config], rt: Runtime, distributed: dict[int, torch.Tensor] | None = None,
+                 recompute: str = "none"):
         """``distributed``: id of an original tensor -> its DTensor, shared by the stage
-        modules of one rank, so a weight two of them hold (tied) stays one parameter."""
+        modules of one rank, so a weight two of them hold (tied) stays one parameter;
+        ``recompute``: activation checkpointing of the graph's units, each unit's run of
+        ops interpreted under ``torch.utils.checkpoint``
+        (:func:`flexsearch.emit.recompute.run_checkpointed`), its redistributions
+        included."""
         super().__init__()
         self.module = model
         self._gm = [gm]  # not a submodule: its layers are ``module``'s
@@ -227,6 +234,8 @@ class ShardedModule(nn.Module):
         tensors (an LSTM there runs decomposed, one op per gate and time step: tens of
         milliseconds per call)."""
         self._last_uses = last_uses(gm.graph)
+        self._recompute = recompute
+        self._runs = {} if recompute == "none" else {run[0]: (run, *run_edges(run)) for run in unit_runs(gm, graph)}
         build_layouts(rt, self._configs.values())
         self._world = rt.block_mesh(0, len(rt.ranks), 1)
         self._distribute({} if distributed is None else distributed)
@@ -287,24 +296,50 @@ class ShardedModule(nn.Module):
     def _run(self, *args: Any) -> Any:
         """The graph on its placeholders' values (:func:`flexsearch.graph.lift.flat_inputs`);
         each value is dropped after its last reader (:func:`last_uses`)."""
-        gm, by = self._gm[0], self._graph.by_name
+        gm = self._gm[0]
         env: dict[fx.Node, Any] = {}
         inputs = iter(args)
+        ran: set[fx.Node] = set()  # the nodes of checkpointed runs, run with their first
         for n in gm.graph.nodes:
+            if n in ran:
+                continue
             if n.op == "placeholder":
                 env[n] = next(inputs)
             elif n.op == "get_attr":
                 env[n] = self._fetch(n.target)
             elif n.op == "output":
                 return tree_map(self._gather_output, fx.node.map_arg(n.args[0], lambda a: env[a]))
-            elif (node := by.get(n.name)) is None or is_source(node):
-                a, kw = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
-                env[n] = self._call(n, a, kw, None, None)
+            elif n in self._runs:
+                run, ins, outs = self._runs[n]
+                env.update(zip(outs, run_checkpointed(functools.partial(self._unit, run, ins, outs), self._recompute,
+                                                      *(env[a] for a in ins)), strict=True))
+                ran.update(run)
+                for m in run:
+                    for done in self._last_uses.get(m, ()):
+                        env.pop(done, None)
+                continue
             else:
-                env[n] = self._planned(n, node, env)
+                env[n] = self._value(n, env)
             for done in self._last_uses.get(n, ()):  # what autograd does not save is freed now
                 del env[done]
         raise EmitError("the model's graph has no output")
+
+    def _value(self, n: fx.Node, env: dict[fx.Node, Any]) -> Any:
+        """Op ``n``'s output: as planned, or plainly for a node the plan does not place."""
+        if (node := self._graph.by_name.get(n.name)) is None or is_source(node):
+            a, kw = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
+            return self._call(n, a, kw, None, None)
+        return self._planned(n, node, env)
+
+    def _unit(self, run: list[fx.Node], ins: list[fx.Node], outs: list[fx.Node], *values: Any) -> tuple:
+        """A checkpointed unit's run of ops on its inputs' ``values``: its outputs."""
+        env = dict(zip(ins, values, strict=True))
+        for n in run:
+            env[n] = self._value(n, env)
+            for done in self._last_uses.get(n, ()):
+                if done not in outs:
+                    env.pop(done, None)
+        return tuple(env[o] for o in outs)
 
     def _planned(self, n: fx.Node, node: OpNode, env: dict[fx.Node, Any]) -> Any:
         """Op ``n`` on its configuration's mesh, its inputs brought to their placements."""
@@ -585,8 +620,10 @@ def _sync_grad(p: torch.Tensor) -> None:
         p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
-def shard(model: nn.Module, gm_of, graph: OpGraph, configs: Mapping[str, Config], rt: Runtime) -> ShardedModule:
+def shard(model: nn.Module, gm_of, graph: OpGraph, configs: Mapping[str, Config], rt: Runtime,
+          recompute: str = "none") -> ShardedModule:
     """A :class:`ShardedModule` running ``configs`` (every node of ``graph``) on a copy of
-    ``model``; ``gm_of(copy)`` lifts the copy into its FX graph module."""
+    ``model`` with activation checkpointing ``recompute``; ``gm_of(copy)`` lifts the copy
+    into its FX graph module."""
     m = cast_model(copy.deepcopy(model), rt.precision)
-    return ShardedModule(m, gm_of(m), graph, configs, rt)
+    return ShardedModule(m, gm_of(m), graph, configs, rt, recompute=recompute)

@@ -53,7 +53,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from flexsearch.cost.alignment import misaligned_note
@@ -157,6 +157,23 @@ def lower_bound(graph: OpGraph, ctx: CostContext, optimizer: str = "adam") -> fl
     low = fsdp_graph(graph, ctx)
     return min(Simulator(g, one, optimizer=optimizer).simulate(configs, timeline=False).iteration_time_s
                for g in ((graph,) if low is graph else (graph, low))) / ctx.cluster.devices
+
+
+def soap_candidate(graph: OpGraph, space: Space, ctx: CostContext, optimizer: str, sim: Simulator,
+                   result: SearchResult, seeds: Sequence[Mapping[str, Config]]) -> tuple[str, Soap, Simulation] | None:
+    """The SOAP search's best configuration as a candidate (``result``: the best that fits
+    as it is); when none fits, the fastest of the search's ``seeds`` (its baselines and
+    the ILP's plan) that fits with full activation checkpointing, which, as for data
+    plans, is tried only then (it makes no iteration faster); None when nothing fits."""
+    if result.decisions is not None:
+        return "soap", Soap(space.expand(result.decisions), result.decisions), result.simulation
+    best = None
+    for dec in seeds:
+        full = Soap(space.expand(dec), dec, "full")
+        got = predict(graph, full, ctx, optimizer=optimizer, timeline=False, simulator=sim)
+        if got.feasible and (best is None or got.iteration_time_s < best[2].iteration_time_s):
+            best = ("soap", full, got)
+    return best
 
 
 def run_baselines(space: Space, sim: Simulator, devices_per_node: int,
@@ -438,10 +455,10 @@ def plan_synchronous(
                 notes.append(f"MCMC skipped: the best plan before it is {margin:.1%} over the lower bound "
                              f"({bound * 1e3:.3f} ms; skipped within {BOUND_GAP:.0%}), so no SOAP plan could be more "
                              f"than {margin:.1%} faster; the SOAP baselines and the ILP's plan compete")
-            if result.decisions is not None and not (result.decisions == base["data"].decisions and "data" in kinds
-                                                     and data_ok):
-                candidates.insert(0, ("soap", Soap(space.expand(result.decisions), result.decisions),
-                                      result.simulation))
+            if not (result.decisions is not None and result.decisions == base["data"].decisions and "data" in kinds
+                    and data_ok) and (found_soap := soap_candidate(graph, space, ctx, optimizer, sim, result,
+                                                                   seeds)) is not None:
+                candidates.insert(0, found_soap)
         pipe = next((r for r in pipes if r.simulation.feasible), None)
         oplevel = min(candidates, key=lambda c: (not c[2].feasible, c[2].iteration_time_s, c[2].peak_memory_bytes),
                       default=None)

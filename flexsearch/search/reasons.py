@@ -170,6 +170,9 @@ def oplevel_notes(strategy, sim: Simulation, candidates: Sequence[tuple], data_s
     if isinstance(strategy, Soap) and strategy.configs == data_strategy.configs and "data" in baselines:
         notes.append(f"data parallel in every op: the fastest SOAP configuration found, on DTensor; DDP runs "
                      f"it in {baselines['data'] * 1e3:.3f} ms (--kind data)")
+    if isinstance(strategy, Soap) and strategy.recompute != "none":
+        notes.append(f"{strategy.recompute} activation checkpointing: the SOAP plan without it does not fit in "
+                     "memory (each unit's ops and their redistributions run again in its backward)")
     if isinstance(strategy, DataParallel) and (strategy.recompute != "none" or strategy.microbatches > 1):
         how = [f"{strategy.recompute} activation checkpointing"] if strategy.recompute != "none" else []
         how += [f"{strategy.microbatches} accumulated microbatches"] if strategy.microbatches > 1 else []

@@ -58,7 +58,8 @@ def strategy_fields(graph: OpGraph, strategy: Strategy) -> dict[str, Any]:
                 "microbatches": strategy.microbatches if strategy.microbatches > 1 else None,
                 "recompute": strategy.recompute}
     if isinstance(strategy, Soap):
-        return {"kind": "soap", "decisions": _texts(strategy.decisions), "configs": _texts(strategy.configs)}
+        return {"kind": "soap", "decisions": _texts(strategy.decisions), "configs": _texts(strategy.configs),
+                "recompute": strategy.recompute}
     if isinstance(strategy, Decentralized):
         top = strategy.topology
         return {"kind": "decentralized", "topology": top.name, "topology_edges": top.edges,

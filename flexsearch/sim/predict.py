@@ -75,7 +75,7 @@ def predict(graph: OpGraph, strategy: Strategy, ctx: CostContext, *, optimizer: 
     if sim.optimizer != optimizer:
         raise ValueError(f"the simulator given to predict() costs {sim.optimizer!r}, not {optimizer!r}")
     if isinstance(strategy, Soap):
-        return sim.simulate(strategy.configs, timeline=timeline, ddp=False)
+        return sim.simulate(strategy.configs, timeline=timeline, ddp=False, recompute=strategy.recompute)
     if not isinstance(strategy, DataParallel):
         raise TypeError(f"not a strategy: {type(strategy).__name__}")
     whole = ((0, len(graph.nodes)),)

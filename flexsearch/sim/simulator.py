@@ -60,7 +60,6 @@ from flexsearch.sim.accounting import (
 from flexsearch.sim.context import CostContext, collective_task, fsdp_collective_task
 from flexsearch.sim.footprint import (
     backward_working,
-    kept_bytes,
     loss_held_bytes,
     loss_operands,
     loss_working_bytes,
@@ -247,8 +246,10 @@ class Simulator:
     def _checkpoint(self, frags: list[Fragment], configs: Mapping[str, Config],
                     mode: str, cast: bool = True) -> tuple[list[Fragment], Rebuilt | None]:
         """The fragments under activation checkpointing (:mod:`flexsearch.strategy.recompute`):
-        a dropped node's backward task also reruns its forward, it keeps neither what
-        autograd saves nor autocast's weight copies, but its whole output when a node
+        a dropped node's backward task also reruns its forward (its forward's transfers and
+        collectives too, before it: a SOAP plan's redistributions), it keeps neither what
+        autograd saves (nor a SOAP plan's redistributed inputs) nor autocast's weight
+        copies, but its whole output when a node
         outside its unit reads it (checkpointing keeps a unit's inputs); per device,
         the largest unit's dropped bytes are rebuilt at a time (the second result, with
         each node's share), autocast's weight copies with them unless ``cast`` is off
@@ -268,21 +269,25 @@ class Simulator:
                 continue
             node, c = self.graph.nodes[i], configs[self.graph.nodes[i].name]
             again = {t.resources[0]: t.duration for t in f.forward if t.kind == "fwd"}
-            split = activation_split(c, node)
-            own = kept_bytes(node) / split
-            whole = node.output_bytes / split if cp.boundary[i] else 0.0
+            whole = node.output_bytes / activation_split(c, node) if cp.boundary[i] else 0.0
             acts = dict(f.activations)
             unit = rebuilt.setdefault(cp.unit_of[i], {})
-            for d in set(again) | set(f.cast):
-                share = f.cast.get(d, 0.0) if cast else 0.0
-                if d in again:
-                    acts[d] = max(0.0, acts.get(d, 0.0) - own) + whole
-                    share += own
+            for d in set(again) | set(f.cast) | set(f.activations):
+                # all it kept is rebuilt (what autograd saves, and a SOAP node's
+                # redistributed inputs); its whole output stays when another unit reads it
+                share = (f.cast.get(d, 0.0) if cast else 0.0) + f.activations.get(d, 0.0)
+                acts[d] = whole if d in again else 0.0
                 unit[d] = unit.get(d, 0.0) + share
                 per_node[i][d] = share
-            out.append(replace(f, activations=acts, cast={}, backward=[
-                replace(t, duration=t.duration + again.get(t.resources[0], 0.0)) if t.kind == "bwd" else t
-                for t in f.backward]))
+            # a SOAP node's forward transfers and collectives run again with it, once its
+            # output's gradient is in, before its backward
+            grads_in = tuple(dict.fromkeys(k for t in f.backward if t.kind == "bwd" for k in t.deps if k[0] == "G"))
+            redo = [replace(t, name=f"{t.name} again", deps=grads_in, defines=tuple(("again", *k) for k in t.defines))
+                    for t in f.forward if t.kind in ("xfer", "coll")]
+            redone = tuple(k for t in redo for k in t.defines)
+            out.append(replace(f, activations=acts, cast={}, backward=[*redo, *(
+                replace(t, duration=t.duration + again.get(t.resources[0], 0.0), deps=t.deps + redone)
+                if t.kind == "bwd" else t for t in f.backward)]))
         working: dict[int, float] = {}
         for unit in rebuilt.values():
             for d, b in unit.items():

@@ -314,7 +314,7 @@ def _gpt_tiny():
 # --------------------------------------------------------------------------- one replica for all
 
 MIRROR_CASES = [("dgx-h100", 16, 2, 2, "1f1b"), ("dgx-h100", 32, 2, 8, "interleaved"), ("dgx-a100", 16, 4, 1, "gpipe"),
-                ("cpu", 4, 2, 1, "1f1b"), ("flexflow-k80", 8, 2, 2, "interleaved")]
+                ("cpu", 4, 2, 1, "1f1b"), ("flexflow-k80", 8, 2, 2, "interleaved"), ("dgx-a100", 8, 2, 1, "interleaved")]
 
 
 @pytest.mark.parametrize(("cl", "n", "p", "t", "schedule"), MIRROR_CASES,

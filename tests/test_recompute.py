@@ -192,6 +192,16 @@ def test_a_soap_plan_recomputes_its_units_with_their_redistributions(gpt):
     assert full.iteration_time_s > plain.iteration_time_s
     with pytest.raises(ValueError, match="recomputes whole units"):
         Soap(_megatron_soap(g).configs, recompute="selective")
+    # an op of a unit on part of the devices: not recomputed (the ranks would rebuild
+    # different ops and collectives)
+    from flexsearch.strategy.config import Config
+    from flexsearch.strategy.recompute import partial_unit_op
+
+    configs = dict(_megatron_soap(g).configs)
+    assert partial_unit_op(g, configs, 2) is None
+    inner = g.nodes[recompute_units(g)[0].start].name
+    configs[inner] = Config()  # on device 0 alone
+    assert partial_unit_op(g, configs, 2) == inner
 
 
 def test_the_soap_search_checkpoints_where_nothing_else_fits(gpt):
@@ -222,9 +232,29 @@ def test_the_soap_search_checkpoints_where_nothing_else_fits(gpt):
     assert Plan.from_json(plan.to_json()).strategy(g).recompute == "full"
 
 
+def calls_job(rank: int, world: int, spec: str, plans: list) -> list[int]:
+    """Per plan: how many times one step runs the first block's first LayerNorm."""
+    import torch
+    from emit_cases import mse, with_target
+
+    from flexsearch.emit import parallelize
+
+    out = []
+    for plan in plans:
+        model, x, y = with_target(spec)
+        module = parallelize(model, plan)
+        calls: list[int] = []
+        norm = next(m for m in module.modules() if isinstance(m, torch.nn.LayerNorm))
+        norm.register_forward_hook(lambda *_, seen=calls: seen.append(1))
+        module.train_step(x, y, mse)
+        out.append(len(calls))
+    return out
+
+
 def test_soap_plans_with_full_checkpointing_compute_what_the_model_does():
     """2 gloo ranks: Megatron's layout on the tiny GPT, fully checkpointed, fp32 and
-    bf16-mixed: loss, gradients and parameters after 3 steps as the single process's."""
+    bf16-mixed: loss, gradients and parameters after 3 steps as the single process's;
+    a step runs a block's LayerNorm twice (once again in the backward), once unchecked."""
     from emit_cases import FAMILIES, load
 
     from flexsearch.precision import precision as precision_of
@@ -242,3 +272,36 @@ def test_soap_plans_with_full_checkpointing_compute_what_the_model_does():
     for rank in range(2):
         for (kind, _s, loss, ref, _params), plan in zip(res[rank], plans, strict=True):
             assert kind == "soap" and loss == pytest.approx(ref, rel=1e-5 if plan.precision == "fp32" else 1e-2)
+    plain = plans[0].model_copy(update={"recompute": "none"})
+    assert run_ranks(calls_job, 2, FAMILIES["gpt"], [plans[0], plain], timeout_s=300)[0] == [2, 1]
+
+
+def test_a_weight_read_inside_a_unit_does_not_split_it():
+    """Blocks that multiply by a parameter of their own between two layers (a
+    ``get_attr`` among the block's nodes): each block is one checkpointed run (it was
+    two, and what passed between them was kept, uncounted); fully checkpointed SOAP and
+    1F1B plans on 2 gloo ranks compute what the model does."""
+    from emit_cases import load
+
+    from flexsearch.emit.recompute import unit_runs
+    from flexsearch.graph.lift import lift
+    from flexsearch.strategy.kinds import Soap
+    from flexsearch.strategy.space import Space
+
+    spec = "tests/data/scaled_blocks.py:model"
+    model, x = load(spec)
+    g = trace(model, x)
+    gm = lift(model, x, {})[0]
+    assert any(n.op == "get_attr" for n in gm.graph.nodes)
+    assert len(unit_runs(gm, g)) == len(recompute_units(g)) > 1
+    cl = Cluster.resolve("cpu", 2)
+    ctx = CostContext(cl)
+    data = plan_graph(g, cl, kinds=("data",), max_iters=0)
+    soap = Soap(Space(g, 2).expand(data.decision_configs()), data.decision_configs(), "full")
+    pipe = plan_graph(g, cl, kinds=("pipeline",), max_iters=0)
+    plans = [plan_from(g, cl, soap, predict(g, soap, ctx), baselines={}, lower_bound_s=0.0),
+             pipe.model_copy(update={"recompute": "full"})]
+    res = run_ranks(check_job, 2, spec, plans, timeout_s=600)
+    assert [r[0] for r in res[0]] == ["soap", "pipeline"]
+    for _kind, _s, loss, ref, _params in res[0]:
+        assert loss == pytest.approx(ref, rel=1e-5)

@@ -460,6 +460,25 @@ def test_no_fsdp_stages_of_one_rank_share_a_weight():
     assert any(r.shard == "zero2" for r in res)
     assert not any(r.shard == "zero2" and shared_within_rank(g, [(a, b) for a, b, _ in r.stages],
                                                               len(r.stages) // r.chunks) for r in res)
+    # a plan file claiming it: every rank refuses it by name (none waits for the others)
+    plain = dataclasses.replace(s, shard="none")
+    plan = plan_from(g, ctx.cluster, plain, predict(g, plain, ctx, timeline=False), baselines={}, lower_bound_s=0.0)
+    got = run_ranks(refusal_job, 4, FAMILIES["gpt"], plan.model_copy(update={"shard": "zero2"}), timeout_s=120)
+    assert all("cannot share a weight (wte.weight)" in m for m in got), got
+
+
+def refusal_job(rank: int, world: int, spec: str, plan) -> str:
+    from emit_cases import load
+
+    from flexsearch.emit import parallelize
+    from flexsearch.errors import EmitError
+
+    model, _ = load(spec)
+    try:
+        parallelize(model, plan)
+    except EmitError as e:
+        return str(e)
+    return "ran"
 
 
 def test_fsdp_pipeline_plans_compute_what_the_model_does():

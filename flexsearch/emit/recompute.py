@@ -52,10 +52,13 @@ def context_fn(mode: str) -> Callable | None:
     return functools.partial(create_selective_checkpoint_contexts, _policy) if mode == "selective" else None
 
 
-def run_checkpointed(fn: Callable, mode: str, *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` under non-reentrant checkpointing in ``mode``."""
+def run_checkpointed(fn: Callable, mode: str, *args: Any, whole: bool = False, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` under non-reentrant checkpointing in ``mode``; ``whole``:
+    the recomputation runs all of ``fn``, not only up to its last saved tensor (torch's
+    early stop), so every rank runs the same collectives again (a SOAP unit's
+    redistributions, as the simulator reruns them)."""
     extra = {"context_fn": cf} if (cf := context_fn(mode)) is not None else {}
-    return checkpoint(fn, *args, use_reentrant=False, **extra, **kwargs)
+    return checkpoint(fn, *args, use_reentrant=False, early_stop=not whole, **extra, **kwargs)
 
 
 def checkpoint_modules(model: nn.Module, graph: OpGraph, mode: str) -> nn.Module:
@@ -71,7 +74,8 @@ def checkpoint_modules(model: nn.Module, graph: OpGraph, mode: str) -> nn.Module
 
 def unit_runs(gm: fx.GraphModule, graph: OpGraph) -> list[list[fx.Node]]:
     """Each unit's contiguous run of op nodes in ``gm`` (in order; a stage's boundary
-    copies belong to none)."""
+    copies belong to none; a ``get_attr`` among them, which the callers fetch first,
+    neither)."""
     unit_of: dict[str, int] = {}
     for k, u in enumerate(recompute_units(graph)):
         for n in graph.nodes[u.start:u.end]:
@@ -79,6 +83,8 @@ def unit_runs(gm: fx.GraphModule, graph: OpGraph) -> list[list[fx.Node]]:
     runs: list[list[fx.Node]] = []
     current: int | None = None
     for n in gm.graph.nodes:
+        if n.op == "get_attr":  # a weight or buffer fetched inside a unit (a mask) does not end it
+            continue
         op = n.op in ("call_function", "call_method", "call_module") and not n.meta.get(BOUNDARY)
         u = unit_of.get(n.name) if op else None
         if u is None:
@@ -108,6 +114,9 @@ def checkpoint_stage(gm: fx.GraphModule, graph: OpGraph, mode: str) -> fx.GraphM
     (module docstring)."""
     if mode == "none":
         return gm
+    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    for n in [n for n in gm.graph.nodes if n.op == "get_attr"]:  # fetched before any unit's call
+        first.prepend(n)
     for run in unit_runs(gm, graph):
         _outline(gm, run, mode)
     gm.graph.lint()

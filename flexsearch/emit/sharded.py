@@ -300,6 +300,11 @@ class ShardedModule(nn.Module):
         env: dict[fx.Node, Any] = {}
         inputs = iter(args)
         ran: set[fx.Node] = set()  # the nodes of checkpointed runs, run with their first
+        if self._runs:  # a weight fetched inside a unit is its input: fetched first
+            for n in gm.graph.nodes:
+                if n.op == "get_attr":
+                    env[n] = self._fetch(n.target)
+                    ran.add(n)
         for n in gm.graph.nodes:
             if n in ran:
                 continue
@@ -312,7 +317,7 @@ class ShardedModule(nn.Module):
             elif n in self._runs:
                 run, ins, outs = self._runs[n]
                 env.update(zip(outs, run_checkpointed(functools.partial(self._unit, run, ins, outs), self._recompute,
-                                                      *(env[a] for a in ins)), strict=True))
+                                                      *(env[a] for a in ins), whole=True), strict=True))
                 ran.update(run)
                 for m in run:
                     for done in self._last_uses.get(m, ()):

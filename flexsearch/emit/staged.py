@@ -190,12 +190,13 @@ class PipelineModule(nn.Module):
                 check_pipeline_shard(plan.shard, d, t, plan.schedule, len(mine))
             except ValueError as e:
                 raise EmitError(f"{e}; plan again") from None
-            held: dict[int, int] = {}
-            for k in mine:
-                for q in cuts[k].parameters():
-                    if q.requires_grad and held.setdefault(id(q), k) != k:
-                        raise EmitError(f"FSDP2 stages of one rank cannot share a weight ({ids.get(id(q))}); "
-                                        "plan again")
+            for rr in range(p):  # on every rank alike, so none goes on to wait for the others
+                held: dict[int, int] = {}
+                for k in range(rr, nstages, p):
+                    for q in cuts[k].parameters():
+                        if q.requires_grad and held.setdefault(id(q), k) != k:
+                            raise EmitError(f"FSDP2 stages of one rank cannot share a weight ({ids.get(id(q))}); "
+                                            "plan again")
             # FSDP2 over each pipeline rank's replicas, every rank making every mesh in the
             # same order: plain stages one device each; tensor-parallel stages a (dp, s, t)
             # mesh whose (s, t) slice this replica's stage places its weights on (FSDP2

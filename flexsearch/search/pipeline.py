@@ -317,7 +317,8 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
     gather_memo: dict[tuple[int, int], float] = {}
 
     def fsdp_gather_s(chain: Chain, part, t: int, d: int) -> float:
-        """FSDP2 stages gather their parameters when their first input arrives, so each
+        """FSDP2 stages gather their parameters when their first input arrives (under the
+        interleaved schedule at the step's start: an upper bound there), so each
         stage's all-gather over its replicas lies on the pipeline's fill: the largest
         stage's (per device, in the gathered dtype), at the bandwidth of a 1 GB one (on
         thousands of devices a collective costs milliseconds to price)."""

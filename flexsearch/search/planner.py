@@ -98,6 +98,7 @@ from flexsearch.strategy.config import Config
 from flexsearch.strategy.convergence import Constants, constants_for
 from flexsearch.strategy.fsdp import fsdp_units
 from flexsearch.strategy.kinds import FSDP_SHARDINGS, KINDS, DataParallel, Pipelined, Soap
+from flexsearch.strategy.recompute import partial_unit_op
 from flexsearch.strategy.space import Space
 
 DEFAULT_MAX_ITERS = 2000
@@ -160,16 +161,24 @@ def lower_bound(graph: OpGraph, ctx: CostContext, optimizer: str = "adam") -> fl
 
 
 def soap_candidate(graph: OpGraph, space: Space, ctx: CostContext, optimizer: str, sim: Simulator,
-                   result: SearchResult, seeds: Sequence[Mapping[str, Config]]) -> tuple[str, Soap, Simulation] | None:
+                   result: SearchResult, seeds: Sequence[Mapping[str, Config]],
+                   deadline: float | None = None) -> tuple[str, Soap, Simulation] | None:
     """The SOAP search's best configuration as a candidate (``result``: the best that fits
     as it is); when none fits, the fastest of the search's ``seeds`` (its baselines and
-    the ILP's plan) that fits with full activation checkpointing, which, as for data
-    plans, is tried only then (it makes no iteration faster); None when nothing fits."""
+    the ILP's plan: every op on every device, what a SOAP plan recomputes) that fits
+    with full activation checkpointing, which, as for data plans, is tried only then (it
+    makes no iteration faster), the first that fits past ``deadline``; None when
+    nothing fits."""
     if result.decisions is not None:
         return "soap", Soap(space.expand(result.decisions), result.decisions), result.simulation
     best = None
     for dec in seeds:
-        full = Soap(space.expand(dec), dec, "full")
+        if best is not None and past(deadline):
+            break
+        configs = space.expand(dec)
+        if partial_unit_op(graph, configs, ctx.cluster.devices) is not None:  # what the emitter recomputes
+            continue
+        full = Soap(configs, dec, "full")
         got = predict(graph, full, ctx, optimizer=optimizer, timeline=False, simulator=sim)
         if got.feasible and (best is None or got.iteration_time_s < best[2].iteration_time_s):
             best = ("soap", full, got)
@@ -456,8 +465,8 @@ def plan_synchronous(
                              f"({bound * 1e3:.3f} ms; skipped within {BOUND_GAP:.0%}), so no SOAP plan could be more "
                              f"than {margin:.1%} faster; the SOAP baselines and the ILP's plan compete")
             if not (result.decisions is not None and result.decisions == base["data"].decisions and "data" in kinds
-                    and data_ok) and (found_soap := soap_candidate(graph, space, ctx, optimizer, sim, result,
-                                                                   seeds)) is not None:
+                    and data_ok) and not interrupted and (found_soap := soap_candidate(
+                        graph, space, ctx, optimizer, sim, result, seeds, deadline)) is not None:
                 candidates.insert(0, found_soap)
         pipe = next((r for r in pipes if r.simulation.feasible), None)
         oplevel = min(candidates, key=lambda c: (not c[2].feasible, c[2].iteration_time_s, c[2].peak_memory_bytes),

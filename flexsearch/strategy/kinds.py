@@ -151,6 +151,7 @@ class Soap:
         if self.recompute == "selective":
             raise ValueError("a SOAP plan recomputes whole units (recompute='full') or not at all")
 
+
     @property
     def kind(self) -> str:
         return "soap"

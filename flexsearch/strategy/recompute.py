@@ -136,3 +136,16 @@ class Checkpointing:
     @classmethod
     def none(cls, n: int) -> Checkpointing:
         return cls("none", (False,) * n, (-1,) * n, (False,) * n)
+
+
+def partial_unit_op(graph: OpGraph, configs, devices: int) -> str | None:
+    """The first op inside a checkpointed unit that a SOAP configuration runs on fewer
+    than ``devices`` devices (None: none): a rank outside an op's devices saves nothing
+    of it, so torch would rebuild other ops, and other collectives, on each rank. A SOAP
+    plan recomputes only where every unit's op runs on every device."""
+    for u in recompute_units(graph):
+        for n in graph.nodes[u.start:u.end]:
+            c = configs.get(n.name)
+            if c is not None and (c.first or c.n != devices):
+                return n.name
+    return None

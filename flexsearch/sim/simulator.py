@@ -280,10 +280,11 @@ class Simulator:
                 unit[d] = unit.get(d, 0.0) + share
                 per_node[i][d] = share
             # a SOAP node's forward transfers and collectives run again with it, once its
-            # output's gradient is in, before its backward
+            # output's gradient is in, before its backward (a node without one has no
+            # backward to hold its rerun, compute or transfers)
             grads_in = tuple(dict.fromkeys(k for t in f.backward if t.kind == "bwd" for k in t.deps if k[0] == "G"))
             redo = [replace(t, name=f"{t.name} again", deps=grads_in, defines=tuple(("again", *k) for k in t.defines))
-                    for t in f.forward if t.kind in ("xfer", "coll")]
+                    for t in f.forward if t.kind in ("xfer", "coll")] if grads_in else []
             redone = tuple(k for t in redo for k in t.defines)
             out.append(replace(f, activations=acts, cast={}, backward=[*redo, *(
                 replace(t, duration=t.duration + again.get(t.resources[0], 0.0), deps=t.deps + redone)

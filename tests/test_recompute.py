@@ -230,6 +230,14 @@ def test_the_soap_search_checkpoints_where_nothing_else_fits(gpt):
     assert plan.kind == "soap" and plan.recompute == "full" and plan.predicted.peak_memory_bytes <= cap
     assert any(n.startswith("full activation checkpointing: the SOAP plan without it") for n in plan.notes)
     assert Plan.from_json(plan.to_json()).strategy(g).recompute == "full"
+    # below every checkpointed need too: one line that says so
+    from flexsearch.errors import PlanKindError
+
+    low = min(f for _, f in need.values()) * 0.9
+    dev = cl.spec.device.model_copy(update={"memory_capacity": Positive(value=low, source="test")})
+    with pytest.raises(PlanKindError, match="nor its baselines with full activation checkpointing"):
+        plan_graph(g, Cluster.from_spec(cl.spec.model_copy(update={"device": dev}), cl.devices), kinds=("soap",),
+                   max_iters=0, ilp_max_units=0)
 
 
 def calls_job(rank: int, world: int, spec: str, plans: list) -> list[int]:

@@ -251,6 +251,10 @@ def action_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineL
     pos = dict.fromkeys(by_lane, 0)
     waits: dict[tuple[int, int], Synced] = {}  # lane -> the sync its next action waits for
     rounds: dict[tuple[int, int], int] = {}  # PipeDream: (stage, round) -> backwards emitted
+    if layout.fsdp and layout.schedule == "interleaved":  # the runtime's UNSHARD actions, posted first
+        for s in range(layout.stages):
+            ordered.extend(_stage_gathers(ctx, costs, layout, s, ()))
+            done.add(Unsharded(s))
     while True:
         progressed = False
         for lane, acts in by_lane.items():
@@ -265,9 +269,7 @@ def action_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineL
                 if a.kind == "F" and layout.fsdp:
                     need.append(Unsharded(s))
                     if Unsharded(s) not in done:  # the pre-forward hook's gather, once every replica's input is in
-                        # (interleaved: the runtime's UNSHARD, posted at the step's start)
-                        inputs = tuple(Step("input", s, j, cc) for cc in chains[r]) \
-                            if s > 0 and layout.schedule != "interleaved" else ()
+                        inputs = tuple(Step("input", s, j, cc) for cc in chains[r]) if s > 0 else ()
                         if done.issuperset(inputs):
                             ordered.extend(_stage_gathers(ctx, costs, layout, s, inputs))
                             done.add(Unsharded(s))

@@ -18,7 +18,7 @@ output placement (e.g. ``Partial`` after a row-wise Linear) and redistributes wh
 op's strategy needs it, so every op computes exactly what the original did. Between
 ops on the *same* mesh, ``DTensor.redistribute`` moves data (all-gather, all-to-all,
 all-reduce); between *different* meshes (the operation dimension of SOAP: ops on
-different device blocks), :class:`_Move` gathers the tensor on its block and broadcasts
+different device blocks), :func:`~flexsearch.emit.transport.to_layout` gathers the tensor on its block and broadcasts
 it to the ranks of the next block (and the gradient back in the backward pass).
 
 Each parameter lives once, on the mesh and placement of the first op that uses it; a
@@ -37,12 +37,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 from torch.distributed.tensor import (
@@ -63,68 +61,20 @@ from flexsearch.emit.placements import REPLICATE, arg_placement, input_placement
 from flexsearch.emit.precision import autocast, backward, cast_inputs, cast_model
 from flexsearch.emit.recompute import run_checkpointed, run_edges, unit_runs
 from flexsearch.emit.runtime import Runtime
+from flexsearch.emit.transport import (
+    Anchor,
+    Whole,
+    build_layouts,
+    dense_stride,
+    to_layout,
+    whole_grad,
+)
 from flexsearch.emit.writes import AS_PLANNED, write_in_place
 from flexsearch.errors import EmitError
 from flexsearch.graph.lift import flat_inputs
 from flexsearch.graph.microbatch import batch_dim
 from flexsearch.graph.opgraph import OpGraph, OpNode
 from flexsearch.strategy.config import Config, is_source
-
-# ----------------------------------------------------------------------------- moving tensors
-
-
-def _mesh_ranks(mesh) -> frozenset[int]:
-    return frozenset(mesh.mesh.flatten().tolist())
-
-
-def _dense_stride(shape) -> tuple[int, ...]:
-    return torch.empty(shape, device="meta").stride()
-
-
-def _empty(mesh, placements, shape, dtype, device) -> DTensor:
-    """A DTensor on ``mesh`` as a rank outside it holds it: global metadata, no data."""
-    return DTensor.from_local(torch.empty(0, dtype=dtype, device=device), mesh, placements,
-                              run_check=False, shape=torch.Size(shape),
-                              stride=_dense_stride(shape))
-
-
-def _transfer(rt: Runtime, x: DTensor, dst, placements) -> DTensor:
-    """``x`` gathered on its mesh and sent to the ranks of ``dst`` (no autograd)."""
-    src = x.device_mesh
-    src_ranks, dst_ranks = _mesh_ranks(src), _mesh_ranks(dst)
-    shape, dtype = tuple(x.shape), x.dtype
-    device = x.to_local().device
-    full = None
-    if rt.rank in src_ranks:
-        full = x.redistribute(src, (Replicate(),) * src.ndim).to_local().contiguous()
-    group = rt.subgroup(tuple(src_ranks | dst_ranks))
-    if not dst_ranks <= src_ranks and group is not None:
-        root = min(src_ranks)
-        buf = full if rt.rank == root else torch.empty(shape, dtype=dtype, device=device)
-        dist.broadcast(buf, src=root, group=group)
-        full = buf
-    if rt.rank not in dst_ranks:
-        return _empty(dst, placements, shape, dtype, device)
-    out = DTensor.from_local(full, dst, (Replicate(),) * dst.ndim, run_check=False)
-    return out.redistribute(dst, placements) if tuple(placements) != out.placements else out
-
-
-def build_layouts(rt: Runtime, configs: Iterable[Config]) -> None:
-    """Make every device mesh and transfer group a :class:`ShardedModule` over ``configs``
-    on ``rt`` can use: the block mesh of each configuration (and of an op without one),
-    the whole-runtime mesh outputs are gathered on, and one group per pair of those meshes
-    (a :class:`_Move` between them broadcasts over the union of their ranks).
-
-    ``DeviceMesh`` and ``new_group`` are collective over the default group and name
-    groups by a counter, so every rank must make the same groups in the same order, also
-    those it is not in. A module whose forward runs on only some ranks (a stage of a
-    hybrid plan) must therefore not make them lazily: the caller runs this on every rank,
-    for every stage, before any forward."""
-    blocks = sorted({(0, len(rt.ranks), 1), (0, 1, 1)} | {(c.first, c.s, c.t) for c in configs})
-    for b in blocks:
-        rt.block_mesh(*b)
-    for (f1, s1, t1), (f2, s2, t2) in itertools.combinations(blocks, 2):
-        rt.subgroup(tuple(rt.ranks[d] for d in {*range(f1, f1 + s1 * t1), *range(f2, f2 + s2 * t2)}))
 
 
 def last_uses(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
@@ -145,67 +95,6 @@ def last_uses(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
                     out.setdefault(n, []).append(a)
     return out
 
-
-class _Move(torch.autograd.Function):
-    """A tensor from one device mesh to another (forward: gather + broadcast to the new
-    block; backward: the gradient the same way back)."""
-
-    @staticmethod
-    def forward(ctx, x: DTensor, dst, placements, rt: Runtime) -> DTensor:  # type: ignore[override]
-        ctx.rt, ctx.src = rt, x.device_mesh
-        ctx.src_placements = tuple(Replicate() if isinstance(p, Partial) else p for p in x.placements)
-        return _transfer(rt, x, dst, placements)
-
-    @staticmethod
-    def backward(ctx, grad: DTensor):  # type: ignore[override]
-        return _transfer(ctx.rt, grad, ctx.src, ctx.src_placements), None, None, None
-
-
-class _Whole(torch.autograd.Function):
-    """A DTensor replicated on every rank -> the plain tensor (its gradient comes back
-    dense, as every rank computed it)."""
-
-    @staticmethod
-    def forward(ctx, x: DTensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.mesh, ctx.shape = x.device_mesh, x.shape
-        return x.to_local().contiguous()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return DTensor.from_local(grad.contiguous(), ctx.mesh, REPLICATE, run_check=False, shape=ctx.shape,
-                                  stride=grad.contiguous().stride())
-
-
-class _Anchor(torch.autograd.Function):
-    """A zero that depends on a DTensor this rank holds no data of: outputs built on it
-    keep the tensor in the backward pass (its gradient is empty here)."""
-
-    @staticmethod
-    def forward(ctx, x: DTensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.spec = (x.device_mesh, x.placements, tuple(x.shape), x.dtype, x.to_local().device)
-        return torch.zeros((), device=ctx.spec[4])
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return _empty(*ctx.spec)
-
-
-def to_layout(rt: Runtime, x: Any, mesh, placements) -> Any:
-    """``x`` (a DTensor anywhere, or a plain tensor every rank holds) as a DTensor on
-    ``mesh`` with ``placements``; other values unchanged."""
-    if isinstance(x, DTensor):
-        if x.device_mesh == mesh:
-            return x if x.placements == tuple(placements) else x.redistribute(mesh, placements)
-        return _Move.apply(x, mesh, tuple(placements), rt)
-    if isinstance(x, torch.Tensor):
-        if mesh.get_coordinate() is None:
-            return _empty(mesh, placements, tuple(x.shape), x.dtype, x.device)
-        d = DTensor.from_local(x, mesh, (Replicate(),) * mesh.ndim, run_check=False)
-        return d.redistribute(mesh, placements) if tuple(placements) != d.placements else d
-    return x
-
-
-# ----------------------------------------------------------------------------- the module
 
 
 class ShardedModule(nn.Module):
@@ -390,7 +279,7 @@ class ShardedModule(nn.Module):
             call = loss_call(n.target, mod, args, kwargs)
             if mesh.get_coordinate() is None:  # not in the block: a number in the backward pass (a 0-dim
                 # local tensor: from_local reads an empty shape as none given)
-                return DTensor.from_local(_Anchor.apply(call.input), mesh, REPLICATE, run_check=False)
+                return DTensor.from_local(Anchor.apply(call.input), mesh, REPLICATE, run_check=False)
             return loss_by_samples(call, mesh)
         if node.kind in _LOCAL_KINDS or node.opaque or isinstance(mod, _LOCAL_MODULES) or \
                 (node.kind == "attention" and (c.n == 1 or mod is None and _per_head(args, kwargs))):
@@ -419,10 +308,10 @@ class ShardedModule(nn.Module):
         out_shape = (*ids.shape, mod.embedding_dim)
         out_pl = (s_pl, Partial())
         if mesh.get_coordinate() is None:
-            anchor = _Anchor.apply(w) if w.requires_grad else torch.zeros(())
+            anchor = Anchor.apply(w) if w.requires_grad else torch.zeros(())
             e = torch.empty(0, dtype=w.dtype, device=anchor.device) + anchor.to(w.dtype)
             return DTensor.from_local(e, mesh, out_pl, run_check=False, shape=torch.Size(out_shape),
-                                      stride=_dense_stride(out_shape))
+                                      stride=dense_stride(out_shape))
         rows = mod.num_embeddings // c.t
         lo = mesh.get_local_rank("t") * rows
         li = idx.to_local()
@@ -431,7 +320,7 @@ class ShardedModule(nn.Module):
         local = torch.nn.functional.embedding(torch.where(outside, 0, li - lo), wl)
         local = local.masked_fill(outside.unsqueeze(-1), 0.0)
         return DTensor.from_local(local, mesh, out_pl, run_check=False, shape=torch.Size(out_shape),
-                                  stride=_dense_stride(out_shape))
+                                  stride=dense_stride(out_shape))
 
     def _call_local(self, n: fx.Node, node: OpNode, mod: nn.Module | None, args, kwargs, c: Config, mesh) -> Any:
         """Run an op on local tensors with explicit placements (``local_map``'s contract),
@@ -460,7 +349,7 @@ class ShardedModule(nn.Module):
             if member:
                 return r.to_local(grad_placements=grad_pl) if isinstance(r, DTensor) else r
             if r.requires_grad:
-                anchors.append(_Anchor.apply(r))
+                anchors.append(Anchor.apply(r))
             return torch.empty(v.shape, dtype=v.dtype, device="meta")
 
         def meta(v: torch.Tensor) -> torch.Tensor:
@@ -536,31 +425,13 @@ class ShardedModule(nn.Module):
 
     def _gather_output(self, v: Any) -> Any:
         if isinstance(v, DTensor):
-            return _Whole.apply(to_layout(self._rt, v, self._world, REPLICATE))
+            return Whole.apply(to_layout(self._rt, v, self._world, REPLICATE))
         return v
 
 
 _LOCAL_KINDS = frozenset({"rnn", "opaque"})
 
 
-def _reduced(grad: Any) -> Any:
-    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
-        return grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements])
-    return grad
-
-
-def whole_grad(x: Any) -> Any:
-    """``x`` unchanged; a partial-sum gradient of it all-reduced when it arrives (a
-    tensor hook). On the output of an op replicated over its tensor-parallel group: its
-    readers split (the q, k and v projections of a normalised input) hand back partial
-    sums, which the op's own backward could carry on as ``Partial`` when it is linear in
-    its gradient (a decomposed RMSNorm: DTensor would reduce the sums only at the next
-    op that needs them whole, or reduce a parameter's gradient in their place, the
-    embedding's); the simulation reduces them once at this op, as Megatron's ``f``
-    operator does (:func:`flexsearch.sim.gradients.merged_reductions`)."""
-    if isinstance(x, DTensor) and x.requires_grad and x.grad_fn is not None:
-        x.register_hook(_reduced)
-    return x
 """Op kinds run on local tensors (DTensor has no sharding rule for them). Attention
 (``scaled_dot_product_attention``, and ``nn.MultiheadAttention`` on one device) also runs
 locally: with the kernel the original model runs (the profiled one; on DTensors it runs

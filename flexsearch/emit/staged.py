@@ -80,8 +80,9 @@ from flexsearch.emit.precision import (
 )
 from flexsearch.emit.recompute import checkpoint_stage
 from flexsearch.emit.runtime import Runtime
-from flexsearch.emit.sharded import ShardedModule, build_layouts
+from flexsearch.emit.sharded import ShardedModule
 from flexsearch.emit.stages import cut
+from flexsearch.emit.transport import build_layouts
 from flexsearch.errors import EmitError
 from flexsearch.graph.lift import flat_inputs, short_reason
 from flexsearch.graph.opgraph import OpGraph

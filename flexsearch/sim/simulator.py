@@ -247,7 +247,9 @@ class Simulator:
                     mode: str, cast: bool = True) -> tuple[list[Fragment], Rebuilt | None]:
         """The fragments under activation checkpointing (:mod:`flexsearch.strategy.recompute`):
         a dropped node's backward task also reruns its forward (its forward's transfers and
-        collectives too, before it: a SOAP plan's redistributions), it keeps neither what
+        collectives too, before it: a SOAP plan's redistributions); a cached one (selective)
+        keeps its outputs (:meth:`~flexsearch.strategy.recompute.Checkpointing.cached_bytes`).
+        A dropped node keeps neither what
         autograd saves (nor a SOAP plan's redistributed inputs) nor autocast's weight
         copies, but its whole output when a node
         outside its unit reads it (checkpointing keeps a unit's inputs); per device,
@@ -264,6 +266,18 @@ class Simulator:
         rebuilt: dict[int, dict[int, float]] = {}
         per_node: list[dict[int, float]] = [{} for _ in frags]
         for i, f in enumerate(frags):
+            if cp.cached[i]:  # a selective unit's matmul: its outputs cached, the rest rebuilt
+                node, c = self.graph.nodes[i], configs[self.graph.nodes[i].name]
+                output = node.output_bytes / activation_split(c, node)
+                acts = {}
+                unit = rebuilt.setdefault(cp.unit_of[i], {})
+                for d in {t.resources[0] for t in f.forward if t.kind == "fwd"}:
+                    acts[d], share = cp.cached_bytes(i, f.activations.get(d, 0.0),
+                                                     f.cast.get(d, 0.0) if cast else 0.0, output)
+                    unit[d] = unit.get(d, 0.0) + share
+                    per_node[i][d] = share
+                out.append(replace(f, activations=acts, cast={}))
+                continue
             if not cp.dropped[i]:
                 out.append(f)
                 continue

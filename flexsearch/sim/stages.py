@@ -297,13 +297,19 @@ def kept_bytes(c: NodeCost, i: int, cp: Checkpointing) -> float:
     """Bytes node ``i`` keeps per microbatch under checkpointing ``cp``: what autograd
     saves and autocast's weight copies when it is not dropped; its output when it is
     dropped but read outside its unit; else nothing."""
+    if cp.cached[i]:
+        return cp.cached_bytes(i, c.stash_bytes, c.cast_bytes, c.output_bytes)[0]
     if not cp.dropped[i]:
         return c.stash_bytes + c.cast_bytes
     return c.output_bytes if cp.boundary[i] else 0.0
 
 
 def rebuilt_bytes(c: NodeCost, i: int, cp: Checkpointing) -> float:
-    """Bytes a dropped node ``i`` rebuilds in the backward (0 if not dropped)."""
+    """Bytes a dropped node ``i`` rebuilds in the backward (0 if not dropped; a cached
+    one's, :meth:`~flexsearch.strategy.recompute.Checkpointing.cached_bytes`, may be
+    negative: it frees)."""
+    if cp.cached[i]:
+        return cp.cached_bytes(i, c.stash_bytes, c.cast_bytes, c.output_bytes)[1]
     if not cp.dropped[i]:
         return 0.0
     return c.cast_bytes + (max(0.0, c.stash_bytes - c.output_bytes) if cp.boundary[i] else c.stash_bytes)
@@ -337,7 +343,7 @@ def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float],
     again_bytes = [rebuilt_bytes(costs[i], i, cp) for i in seg]
     rebuilt: dict[int, float] = {}
     for i, r in zip(seg, again_bytes, strict=True):
-        if cp.dropped[i]:
+        if cp.dropped[i] or cp.cached[i]:
             u = cp.unit_of[i]
             rebuilt[u] = rebuilt.get(u, 0.0) + r
     return StageCost(
@@ -347,7 +353,7 @@ def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float],
         trained_bytes=sum(costs[i].trains for i in seg) + extra_params[1],
         stash_bytes=kept + inputs,
         send_bytes=cuts[b] if b < len(costs) else 0.0,
-        working_bytes=max(rebuilt.values(), default=0.0),
+        working_bytes=max([0.0, *rebuilt.values()]),
         tensors=sum(costs[i].tensors for i in seg),
         largest_param_bytes=max((costs[i].largest_param_bytes for i in seg), default=0.0),
         loss_bytes=sum(costs[i].loss_bytes for i in seg),

@@ -11,10 +11,12 @@ positions. Modes (:data:`MODES`):
   its backward reruns the unit's forward first, so at most one unit's activations are
   alive at a time in the backward;
 - ``selective``: a unit keeps its input and the outputs of its matmul-class ops
-  (:data:`flexsearch.precision.MATMUL_KINDS`), and recomputes the rest (norms,
-  activations, dropout, elementwise: cheap in FLOPs, most of the bytes): torch's
-  selective activation checkpointing with a "save the matmuls" policy, as torchtitan
-  applies it.
+  (:data:`SAVED_KINDS`), and recomputes the rest (norms, activations, dropout,
+  elementwise: cheap in FLOPs, most of the bytes): torch's selective activation
+  checkpointing with a "save the matmuls" policy, as torchtitan applies it. The policy
+  caches a matmul's outputs, whoever reads them, and nothing else it saved (autocast's
+  low-precision copies of its input and weights are recomputed):
+  :meth:`Checkpointing.cached_bytes`.
 
 A tensor-parallel pipeline stage is checkpointed whole (``full`` only): its module runs
 on DTensors through an interpreter, which the emitter checkpoints as one region.
@@ -34,6 +36,10 @@ from flexsearch.precision import MATMUL_KINDS
 from flexsearch.strategy.fsdp import fsdp_units
 
 MODES = ("none", "selective", "full")
+SAVED_KINDS = MATMUL_KINDS - {"rnn"}
+"""The op kinds whose outputs selective checkpointing caches: the emitter's policy saves
+the outputs of ``mm``, ``addmm``, ``bmm``, convolutions and fused attention
+(:mod:`flexsearch.emit.recompute`); a recurrent layer's kernels are recomputed."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +89,7 @@ def checkpointed(graph: OpGraph, mode: str, units: tuple[Unit, ...] | None = Non
         return tuple(out)
     for u in recompute_units(graph) if units is None else units:
         for i in range(u.start, u.end):
-            out[i] = mode == "full" or graph.nodes[i].kind not in MATMUL_KINDS
+            out[i] = mode == "full" or graph.nodes[i].kind not in SAVED_KINDS
     return tuple(out)
 
 
@@ -99,14 +105,26 @@ def unit_of_position(graph: OpGraph, units: tuple[Unit, ...] | None = None) -> t
 @dataclass(frozen=True)
 class Checkpointing:
     """A recompute mode laid over a graph's positions: per position, whether its output
-    is dropped (and its forward rerun in the backward), its unit (-1: none), and
-    whether a dropped output is kept anyway because a node outside its unit reads it
-    (a unit's output is the next unit's input, which checkpointing keeps)."""
+    is dropped (and its forward rerun in the backward), its unit (-1: none), whether a
+    dropped output is kept anyway because a node outside its unit reads it (a unit's
+    output is the next unit's input, which checkpointing keeps), whether its outputs are
+    cached (a selective unit's matmul-class op, :data:`SAVED_KINDS`) and whether an op
+    saves its output's storage for the backward (what the tracer measured,
+    ``OpNode.saves``; assumed saved where it did not)."""
 
     mode: str
     dropped: tuple[bool, ...]
     unit_of: tuple[int, ...]
     boundary: tuple[bool, ...]
+    cached: tuple[bool, ...] = ()
+    saved: tuple[bool, ...] = ()
+
+    def __post_init__(self):  # by default nothing cached, every output saved
+        n = len(self.dropped)
+        if not self.cached:
+            object.__setattr__(self, "cached", (False,) * n)
+        if not self.saved:
+            object.__setattr__(self, "saved", (True,) * n)
 
     @classmethod
     def of(cls, graph: OpGraph, mode: str) -> Checkpointing:
@@ -120,7 +138,26 @@ class Checkpointing:
                 i = index[name]
                 if dropped[i] and unit_of[j] != unit_of[i]:
                     boundary[i] = True
-        return cls(mode, dropped, unit_of, tuple(boundary))
+        cached = tuple(mode == "selective" and unit_of[i] >= 0 and not dropped[i] for i in range(len(dropped)))
+        measured = any(n.saves is not None for n in graph.nodes)
+        savers = {name for n in graph.nodes for name in n.saves or ()}
+        saved = tuple(not measured or n.name in savers for n in graph.nodes)
+        return cls(mode, dropped, unit_of, tuple(boundary), cached, saved)
+
+    def cached_bytes(self, i: int, stash: float, cast: float, output: float) -> tuple[float, float]:
+        """What a cached op ``i`` (``cached[i]``) keeps from the forward, and what its
+        unit's recomputation adds (negative: frees), given what it keeps unchecked
+        (``stash``: autograd's saves that it made, its output among them when an op
+        saves that), its weights' autocast copy (``cast``) and its outputs' bytes: torch's
+        policy keeps the outputs (``output``) and drops the rest; the recomputation
+        rebuilds the rest (the copy, and what it saved beside its output: autocast's
+        copy of its input), takes the cached outputs back, and frees them unless an op
+        saves them. Measured (``tests/test_memory_tracker.py``, data and pipeline plans,
+        fp32 and bf16-mixed): what the forward keeps within 3.1% of torch's allocator
+        on the tiny GPT and AlexNet; kept as an op unchecked keeps them (what it saved:
+        its input's copy, not its output), they were -98% to +39%."""
+        own = output if self.saved[i] else 0.0
+        return output, cast + max(0.0, stash - own) - (output - own)
 
     @classmethod
     def whole_stages(cls, graph: OpGraph, bounds) -> Checkpointing:

@@ -176,22 +176,28 @@ def test_a_soap_plan_recomputes_its_units_with_their_redistributions(gpt):
     """Megatron's layout on 2 devices, fully checkpointed: each unit keeps its input,
     and its ops run again in its backward with the transfers and collectives of their
     forward (the all-reduce after each row-parallel projection, the gathers before the
-    attention); a ``selective`` SOAP plan is refused (its memory model missed by 19%)."""
-    from flexsearch.strategy.kinds import Soap
-
+    attention). Selectively checkpointed, its matmuls keep their outputs and run no
+    compute again, but the whole unit's transfers and collectives rerun as under full
+    (the emitter's recomputation runs every op of the unit, its policy returning the
+    matmuls' cached outputs): it keeps more than full and less than none, and takes
+    less time than full."""
     g = gpt[2]
     ctx = CostContext(Cluster.resolve("cpu", 2))
-    plain, full = (predict(g, _megatron_soap(g, rc), ctx) for rc in ("none", "full"))
+    plain, selective, full = (predict(g, _megatron_soap(g, rc), ctx) for rc in ("none", "selective", "full"))
     assert max(m.activations for m in full.memory_terms) < 0.5 * max(m.activations for m in plain.memory_terms)
     dropped = {n.name for n, d in zip(g.nodes, Checkpointing.of(g, "full").dropped, strict=True) if d}
     forward = sorted((x.task.name, x.task.duration) for x in plain.timeline if x.task.kind in ("xfer", "coll")
                      and x.task.name in dropped and x.task.defines[0][0] in ("x", "F"))
-    again = sorted((x.task.name[:-len(" again")], x.task.duration) for x in full.timeline
-                   if x.task.name.endswith(" again"))
-    assert forward and again == forward
-    assert full.iteration_time_s > plain.iteration_time_s
-    with pytest.raises(ValueError, match="recomputes whole units"):
-        Soap(_megatron_soap(g).configs, recompute="selective")
+    for sim in (full, selective):
+        again = sorted((x.task.name[:-len(" again")], x.task.duration) for x in sim.timeline
+                       if x.task.name.endswith(" again"))
+        assert forward and again == forward
+    assert plain.iteration_time_s < selective.iteration_time_s < full.iteration_time_s
+
+    def kept(sim):
+        return max(m.activations for m in sim.memory_terms)
+
+    assert kept(full) < kept(selective) < kept(plain)
     # an op of a unit on part of the devices: not recomputed (the ranks would rebuild
     # different ops and collectives)
     from flexsearch.strategy.config import Config
@@ -205,10 +211,11 @@ def test_a_soap_plan_recomputes_its_units_with_their_redistributions(gpt):
 
 
 def test_the_soap_search_checkpoints_where_nothing_else_fits(gpt):
-    """With memory below every SOAP baseline's need and above a fully checkpointed one's,
-    and no other SOAP configuration to find (no ILP, no MCMC steps: the ILP's plan found
-    one that fits at 3.22 MB), ``--kind soap`` returns the fastest baseline that fits
-    fully checkpointed, and says why."""
+    """With memory below every SOAP baseline's need and above a checkpointed one's, and
+    no other SOAP configuration to find (no ILP, no MCMC steps: the ILP's plan found one
+    that fits at 3.22 MB), ``--kind soap`` returns the fastest baseline that fits
+    checkpointed (each selectively if that fits, else fully), and says why; with memory
+    for the full checkpointing of some baseline only, that one."""
     from flexsearch.search.planner import run_baselines
     from flexsearch.sim.simulator import Simulator
     from flexsearch.strategy.space import Space
@@ -220,22 +227,38 @@ def test_the_soap_search_checkpoints_where_nothing_else_fits(gpt):
     base = run_baselines(space, sim, cl.devices_per_node)
     from flexsearch.strategy.kinds import Soap
 
-    need = {k: [predict(g, Soap(space.expand(b.decisions), b.decisions, rc), ctx, timeline=False).peak_memory_bytes
-                for rc in ("none", "full")] for k, b in base.items()}
-    cap = min(n for n, _ in need.values()) * 0.99
-    assert any(f < cap for _, f in need.values())
-    dev = cl.spec.device.model_copy(update={"memory_capacity": Positive(value=cap, source="test")})
-    tight = Cluster.from_spec(cl.spec.model_copy(update={"device": dev}), cl.devices)
-    plan = plan_graph(g, tight, kinds=("soap",), max_iters=0, ilp_max_units=0)
-    assert plan.kind == "soap" and plan.recompute == "full" and plan.predicted.peak_memory_bytes <= cap
-    assert any(n.startswith("full activation checkpointing: the SOAP plan without it") for n in plan.notes)
-    assert Plan.from_json(plan.to_json()).strategy(g).recompute == "full"
+    sims = {k: {rc: predict(g, Soap(space.expand(b.decisions), b.decisions, rc), ctx, timeline=False)
+                for rc in ("none", "selective", "full")} for k, b in base.items()}
+
+    def planned(cap):
+        dev = cl.spec.device.model_copy(update={"memory_capacity": Positive(value=cap, source="test")})
+        tight = Cluster.from_spec(cl.spec.model_copy(update={"device": dev}), cl.devices)
+        return plan_graph(g, tight, kinds=("soap",), max_iters=0, ilp_max_units=0)
+
+    def expected(cap):  # per baseline the first mode that fits, the fastest of those
+        fits = [next((rc, s[rc]) for rc in ("selective", "full") if s[rc].peak_memory_bytes <= cap)
+                for s in sims.values() if s["full"].peak_memory_bytes <= cap]
+        return min(fits, key=lambda f: f[1].iteration_time_s)
+
+    need = {k: s["none"].peak_memory_bytes for k, s in sims.items()}
+    selective = min(s["selective"].peak_memory_bytes for s in sims.values())
+    full = min(s["full"].peak_memory_bytes for s in sims.values())
+    assert full < selective < min(need.values())
+    for cap in (min(need.values()) * 0.99, (full + selective) / 2):
+        plan = planned(cap)
+        mode, sim = expected(cap)
+        assert plan.kind == "soap" and plan.recompute == mode and plan.predicted.peak_memory_bytes <= cap
+        assert plan.predicted.iteration_time_s == pytest.approx(sim.iteration_time_s)
+        assert any(n.startswith(f"{mode} activation checkpointing: the SOAP plan without it") for n in plan.notes)
+        assert Plan.from_json(plan.to_json()).strategy(g).recompute == mode
+    assert planned(min(need.values()) * 0.99).recompute == "selective"
+    assert planned((full + selective) / 2).recompute == "full"
     # below every checkpointed need too: one line that says so
     from flexsearch.errors import PlanKindError
 
-    low = min(f for _, f in need.values()) * 0.9
+    low = full * 0.9
     dev = cl.spec.device.model_copy(update={"memory_capacity": Positive(value=low, source="test")})
-    with pytest.raises(PlanKindError, match="nor its baselines with full activation checkpointing"):
+    with pytest.raises(PlanKindError, match="nor its baselines with activation checkpointing"):
         plan_graph(g, Cluster.from_spec(cl.spec.model_copy(update={"device": dev}), cl.devices), kinds=("soap",),
                    max_iters=0, ilp_max_units=0)
 
@@ -259,29 +282,31 @@ def calls_job(rank: int, world: int, spec: str, plans: list) -> list[int]:
     return out
 
 
-def test_soap_plans_with_full_checkpointing_compute_what_the_model_does():
-    """2 gloo ranks: Megatron's layout on the tiny GPT, fully checkpointed, fp32 and
-    bf16-mixed: loss, gradients and parameters after 3 steps as the single process's;
-    a step runs a block's LayerNorm twice (once again in the backward), once unchecked."""
+def test_checkpointed_soap_plans_compute_what_the_model_does():
+    """2 gloo ranks: Megatron's layout on the tiny GPT, fully and selectively
+    checkpointed, fp32 and bf16-mixed: loss, gradients and parameters after 3 steps as
+    the single process's; a step runs a block's LayerNorm twice (once again in the
+    backward) under either, once unchecked."""
     from emit_cases import FAMILIES, load
 
     from flexsearch.precision import precision as precision_of
 
     plans = []
-    for precision in ("fp32", "bf16-mixed"):
-        model, x = load(FAMILIES["gpt"])
-        g = trace(model, x, precision=precision)
-        cl = Cluster.resolve("cpu", 2)
-        s = _megatron_soap(g, "full")
-        plans.append(plan_from(g, cl, s, predict(g, s, CostContext(cl, precision=precision_of(precision))),
-                               baselines={}, lower_bound_s=0.0))
-    assert [p.recompute for p in plans] == ["full", "full"]
+    for recompute in ("full", "selective"):
+        for precision in ("fp32", "bf16-mixed"):
+            model, x = load(FAMILIES["gpt"])
+            g = trace(model, x, precision=precision)
+            cl = Cluster.resolve("cpu", 2)
+            s = _megatron_soap(g, recompute)
+            plans.append(plan_from(g, cl, s, predict(g, s, CostContext(cl, precision=precision_of(precision))),
+                                   baselines={}, lower_bound_s=0.0))
+    assert [p.recompute for p in plans] == ["full", "full", "selective", "selective"]
     res = run_ranks(check_job, 2, FAMILIES["gpt"], plans, timeout_s=600)
     for rank in range(2):
         for (kind, _s, loss, ref, _params), plan in zip(res[rank], plans, strict=True):
             assert kind == "soap" and loss == pytest.approx(ref, rel=1e-5 if plan.precision == "fp32" else 1e-2)
     plain = plans[0].model_copy(update={"recompute": "none"})
-    assert run_ranks(calls_job, 2, FAMILIES["gpt"], [plans[0], plain], timeout_s=300)[0] == [2, 1]
+    assert run_ranks(calls_job, 2, FAMILIES["gpt"], [plans[0], plans[2], plain], timeout_s=300)[0] == [2, 2, 1]
 
 
 def test_a_weight_read_inside_a_unit_does_not_split_it():

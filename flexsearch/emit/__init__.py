@@ -133,8 +133,6 @@ def parallelize(model: nn.Module, plan: Plan, *, group: dist.ProcessGroup | None
             if name in graph.by_name and not legal(graph.node(name), c, plan.devices):
                 raise EmitError(f"the plan runs op {name} as {c.text}, which this version of flexsearch does not "
                                 "run; plan this model again")
-        if plan.recompute == "selective":
-            raise EmitError("a SOAP plan recomputes whole units or none, not 'selective'; plan again")
         if plan.recompute != "none":
             from flexsearch.strategy.recompute import partial_unit_op
 

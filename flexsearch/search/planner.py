@@ -71,6 +71,7 @@ from flexsearch.search.decentralized import with_decentralized
 from flexsearch.search.mcmc import SearchResult, mcmc
 from flexsearch.search.pipedream import pipedream_plan
 from flexsearch.search.pipeline import (
+    RECOMPUTE_ORDER,
     SYNC_SCHEDULES,
     PipelineResult,
     even_pipeline,
@@ -166,22 +167,26 @@ def soap_candidate(graph: OpGraph, space: Space, ctx: CostContext, optimizer: st
     """The SOAP search's best configuration as a candidate (``result``: the best that fits
     as it is); when none fits, the fastest of the search's ``seeds`` (its baselines and
     the ILP's plan: every op on every device, what a SOAP plan recomputes) that fits
-    with full activation checkpointing, which, as for data plans, is tried only then (it
-    makes no iteration faster), the first that fits past ``deadline``; None when
-    nothing fits."""
+    with activation checkpointing (selective, else full:
+    :data:`~flexsearch.search.pipeline.RECOMPUTE_ORDER`), which, as for data plans, is
+    tried only then (it makes no iteration faster), the first that fits past
+    ``deadline``; None when nothing fits."""
     if result.decisions is not None:
         return "soap", Soap(space.expand(result.decisions), result.decisions), result.simulation
     best = None
     for dec in seeds:
-        if best is not None and past(deadline):
-            break
         configs = space.expand(dec)
         if partial_unit_op(graph, configs, ctx.cluster.devices) is not None:  # what the emitter recomputes
             continue
-        full = Soap(configs, dec, "full")
-        got = predict(graph, full, ctx, optimizer=optimizer, timeline=False, simulator=sim)
-        if got.feasible and (best is None or got.iteration_time_s < best[2].iteration_time_s):
-            best = ("soap", full, got)
+        for mode in RECOMPUTE_ORDER[1:]:
+            if best is not None and past(deadline):
+                return best
+            checkpointed = Soap(configs, dec, mode)
+            got = predict(graph, checkpointed, ctx, optimizer=optimizer, timeline=False, simulator=sim)
+            if got.feasible:
+                if best is None or got.iteration_time_s < best[2].iteration_time_s:
+                    best = ("soap", checkpointed, got)
+                break  # full checkpointing costs more time than selective
     return best
 
 

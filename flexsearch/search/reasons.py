@@ -122,7 +122,7 @@ def no_plan_reason(kinds: Sequence[str], base: dict[str, BaselineRun], pipes: li
         lean = leanest([(name, b.simulation) for name, b in base.items()])
         need = f" (the leanest baseline, {lean[0]}, needs {fmt_bytes(lean[1].peak_memory_bytes)})" if lean else ""
         return (f"no {what} plan fits in memory on {cluster.devices} x {cluster.device.name}{need}: no SOAP "
-                "configuration the search simulated fits, nor its baselines with full activation checkpointing; "
+                "configuration the search simulated fits, nor its baselines with activation checkpointing; "
                 "use more devices or a smaller batch")
     if set(kinds) == {"fsdp"} and cluster.devices < 2:
         return "no fsdp plan on one device: sharded data parallelism needs 2 or more; use --kind data or more devices"

@@ -246,13 +246,13 @@ class Simulator:
     def _checkpoint(self, frags: list[Fragment], configs: Mapping[str, Config],
                     mode: str, cast: bool = True) -> tuple[list[Fragment], Rebuilt | None]:
         """The fragments under activation checkpointing (:mod:`flexsearch.strategy.recompute`):
-        a dropped node's backward task also reruns its forward (its forward's transfers and
-        collectives too, before it: a SOAP plan's redistributions); a cached one (selective)
-        keeps its outputs (:meth:`~flexsearch.strategy.recompute.Checkpointing.cached_bytes`).
-        A dropped node keeps neither what
-        autograd saves (nor a SOAP plan's redistributed inputs) nor autocast's weight
-        copies, but its whole output when a node
-        outside its unit reads it (checkpointing keeps a unit's inputs); per device,
+        a dropped node's backward task also reruns its forward; a dropped or cached node's
+        forward transfers and collectives (a SOAP plan's redistributions) run again before
+        its backward. A dropped node keeps neither what autograd saves (nor a SOAP plan's
+        redistributed inputs) nor autocast's weight copies, but its whole output when a
+        node outside its unit reads it (checkpointing keeps a unit's inputs); a cached one
+        (selective) keeps its outputs
+        (:meth:`~flexsearch.strategy.recompute.Checkpointing.cached_bytes`). Per device,
         the largest unit's dropped bytes are rebuilt at a time (the second result, with
         each node's share), autocast's weight copies with them unless ``cast`` is off
         (FSDP2 gathers low-precision weights: autocast copies none). Cached fragments
@@ -266,42 +266,34 @@ class Simulator:
         rebuilt: dict[int, dict[int, float]] = {}
         per_node: list[dict[int, float]] = [{} for _ in frags]
         for i, f in enumerate(frags):
-            if cp.cached[i]:  # a selective unit's matmul: its outputs cached, the rest rebuilt
-                node, c = self.graph.nodes[i], configs[self.graph.nodes[i].name]
-                output = node.output_bytes / activation_split(c, node)
-                acts = {}
-                unit = rebuilt.setdefault(cp.unit_of[i], {})
-                for d in {t.resources[0] for t in f.forward if t.kind == "fwd"}:
-                    acts[d], share = cp.cached_bytes(i, f.activations.get(d, 0.0),
-                                                     f.cast.get(d, 0.0) if cast else 0.0, output)
-                    unit[d] = unit.get(d, 0.0) + share
-                    per_node[i][d] = share
-                out.append(replace(f, activations=acts, cast={}))
-                continue
-            if not cp.dropped[i]:
+            if not (cp.dropped[i] or cp.cached[i]):
                 out.append(f)
                 continue
             node, c = self.graph.nodes[i], configs[self.graph.nodes[i].name]
+            output = node.output_bytes / activation_split(c, node)
             again = {t.resources[0]: t.duration for t in f.forward if t.kind == "fwd"}
-            whole = node.output_bytes / activation_split(c, node) if cp.boundary[i] else 0.0
             acts = dict(f.activations)
             unit = rebuilt.setdefault(cp.unit_of[i], {})
             for d in set(again) | set(f.cast) | set(f.activations):
-                # all it kept is rebuilt (what autograd saves, and a SOAP node's
-                # redistributed inputs); its whole output stays when another unit reads it
-                share = (f.cast.get(d, 0.0) if cast else 0.0) + f.activations.get(d, 0.0)
-                acts[d] = whole if d in again else 0.0
+                copy = f.cast.get(d, 0.0) if cast else 0.0
+                if cp.cached[i]:  # its outputs cached, the rest it saved rebuilt
+                    acts[d], share = cp.cached_bytes(i, f.activations.get(d, 0.0), copy, output if d in again else 0.0)
+                else:  # all it kept is rebuilt (what autograd saves, and a SOAP node's
+                    # redistributed inputs); its whole output stays when another unit reads it
+                    share = copy + f.activations.get(d, 0.0)
+                    acts[d] = output if d in again and cp.boundary[i] else 0.0
                 unit[d] = unit.get(d, 0.0) + share
                 per_node[i][d] = share
-            # a SOAP node's forward transfers and collectives run again with it, once its
-            # output's gradient is in, before its backward (a node without one has no
-            # backward to hold its rerun, compute or transfers)
+            # its forward transfers and collectives run again, once its output's gradient
+            # is in, before its backward (a node without one has no backward to hold its
+            # rerun, compute or transfers)
             grads_in = tuple(dict.fromkeys(k for t in f.backward if t.kind == "bwd" for k in t.deps if k[0] == "G"))
             redo = [replace(t, name=f"{t.name} again", deps=grads_in, defines=tuple(("again", *k) for k in t.defines))
                     for t in f.forward if t.kind in ("xfer", "coll")] if grads_in else []
             redone = tuple(k for t in redo for k in t.defines)
+            rerun = {} if cp.cached[i] else again  # a cached node's compute does not run again
             out.append(replace(f, activations=acts, cast={}, backward=[*redo, *(
-                replace(t, duration=t.duration + again.get(t.resources[0], 0.0), deps=t.deps + redone)
+                replace(t, duration=t.duration + rerun.get(t.resources[0], 0.0), deps=t.deps + redone)
                 if t.kind == "bwd" else t for t in f.backward)]))
         working: dict[int, float] = {}
         for unit in rebuilt.values():

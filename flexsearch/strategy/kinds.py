@@ -140,16 +140,12 @@ class Soap:
     configs: Mapping[str, Config]
     decisions: Mapping[str, Config] = field(default_factory=dict)
     recompute: str = "none"
-    """Activation checkpointing (:mod:`flexsearch.strategy.recompute`): ``full`` or none,
-    as a tensor-parallel pipeline stage recomputes; each unit's ops, their
-    redistributions included, run again in its backward. Not ``selective``: on SOAP
-    plans its memory model was 19% under torch's allocator (fp32, Megatron's layout):
-    the emitter's policy keeps the matmuls' outputs, the model their inputs."""
+    """Activation checkpointing (:mod:`flexsearch.strategy.recompute`): each unit's ops,
+    their redistributions included, run again in its backward (under ``selective`` the
+    matmuls return their cached outputs and compute nothing again)."""
 
     def __post_init__(self) -> None:
         check_mode(self.recompute)
-        if self.recompute == "selective":
-            raise ValueError("a SOAP plan recomputes whole units (recompute='full') or not at all")
 
 
     @property

@@ -159,8 +159,8 @@ def test_emitted_hf_plans_match_single_process(graphs):
     keyword inputs and its embedding tied across stages (interleaved: two stages of one
     rank share it), and GPT-2 on its own loss (``labels``) in the last stage; D-PSGD for
     a ResNet with BatchNorm (local statistics: the reference is the mean of the two
-    half-batch steps); the single-file GPT on its own loss; Llama's SOAP plan fully
-    checkpointed; 2 gloo ranks."""
+    half-batch steps); the single-file GPT on its own loss; Llama's SOAP plan fully and
+    selectively checkpointed; 2 gloo ranks."""
     import single_file_gpt as sf
 
     cl = Cluster.resolve("cpu", 2)
@@ -175,9 +175,11 @@ def test_emitted_hf_plans_match_single_process(graphs):
     model, x = sf.with_targets()
     cases.append(("single_file_gpt", flexsearch.plan(model, x, devices=2, cluster="cpu", kinds=["data"],
                                                      max_iters=0, precision="fp32")))
-    # SOAP on the exported ATen graph, fully checkpointed: each unit's ops rerun on DTensor
+    # SOAP on the exported ATen graph, fully and selectively checkpointed: each unit's ops
+    # rerun on DTensor (under selective, its matmuls' outputs cached)
     _, _, g = _graph(graphs, "llama")
-    cases.append(("llama", plan_graph(g, cl, kinds=("soap",), max_iters=0).model_copy(update={"recompute": "full"})))
+    soap = plan_graph(g, cl, kinds=("soap",), max_iters=0)
+    cases += [("llama", soap.model_copy(update={"recompute": rc})) for rc in ("full", "selective")]
     results = run_ranks(hf_job, 2, cases, timeout_s=600)
     for rank in results:
         for name, kind, shard, loss, ref in rank:

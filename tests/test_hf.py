@@ -14,6 +14,7 @@ from conftest import ROOT
 import flexsearch
 from flexsearch.cost.hardware import Cluster
 from flexsearch.emit.launch import run_ranks
+from flexsearch.graph.coupling import sample_coupling
 from flexsearch.graph.moe import NOTE as MOE_NOTE
 from flexsearch.graph.tracer import trace
 from flexsearch.search.planner import EXPORTED_NOTE, plan_graph
@@ -51,6 +52,26 @@ def test_traces(graphs, name):
     cache = [x for x in g.notes if "use_cache = False" in x]
     assert bool(cache) == (name in DECODERS + ("bert", "roberta", "t5", "bart")), g.notes
     assert (MOE_NOTE in g.notes) == (name in MOE)
+    assert sample_coupling(g) == ()  # per-sample losses (a mixture-of-experts dispatch's token counts couple nothing)
+
+
+def test_hugging_face_losses_that_couple_samples_are_found():
+    """CLIP's contrastive loss (``return_loss=True``: its image-text logits) and Mixtral's
+    load-balancing loss (``output_router_logits=True``: tokens per expert times the mean
+    router probability, over the batch), each at the line of the op that couples."""
+    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+                  patch_size=8)
+    text = dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=32, bos_token_id=0, eos_token_id=1)
+    clip = transformers.CLIPModel(transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16))
+    got = sample_coupling(trace(clip, (torch.randint(0, 99, (4, 8)), torch.randn(4, 3, 32, 32), {"return_loss": True})))
+    assert [(c.how, c.source.rsplit("/", 1)[-1].split(":")[0]) for c in got] == [("mixing", "modeling_clip.py")]
+    cfg = transformers.MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, output_router_logits=True, max_position_embeddings=32)
+    ids = torch.randint(0, 128, (4, 16))
+    got = sample_coupling(trace(transformers.MixtralForCausalLM(cfg), (ids, {"labels": ids})))
+    assert [(c.how, c.source.rsplit("/", 1)[-1].split(":")[0]) for c in got] == [("nonlinear", "modeling_mixtral.py")]
 
 
 def test_moe_experts_cost_their_expected_load(graphs):

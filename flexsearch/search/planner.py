@@ -16,6 +16,10 @@ that fits in memory.
    and the parameter-server baselines, on the same replica cost, against the best
    synchronous plan under the objective (:func:`with_decentralized`); the plan's
    ``notes`` say why D-PSGD was chosen or rejected.
+7. A plan that splits the batch (every kind but SOAP, which moves the samples an op
+   reads) over a model that couples its samples (:mod:`flexsearch.graph.coupling`:
+   CLIP's logits, a load-balancing loss) says so in its notes: it computes that per
+   replica and microbatch, as DDP would.
 
 Every candidate is a strategy value (:mod:`flexsearch.strategy.kinds`) predicted by
 :func:`flexsearch.sim.predict.predict` under one explicit cost context (cluster,
@@ -61,6 +65,7 @@ from flexsearch.cost.calibration import DeviceCalibration
 from flexsearch.cost.compute import MeasuredCosts
 from flexsearch.cost.hardware import Cluster
 from flexsearch.errors import PlanKindError, TraceError
+from flexsearch.graph.coupling import coupling_note, sample_coupling
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.graph.tracer import AUTOCAST_FSDP
 from flexsearch.plan import Plan, SearchInfo
@@ -301,6 +306,9 @@ def plan_graph(
                      if batch_norm == "local" else
                      "batch statistics synchronised over the replicas (SyncBatchNorm, GPUs only; its all-reduces "
                      "are not simulated)")
+    if plan.kind != "soap" and (cluster.devices > 1 or (plan.microbatches or 1) > 1) \
+            and (coupled := coupling_note(sample_coupling(graph), plan.kind)):
+        notes.append(coupled)  # the plan computes the loss over shares of the batch
     if notes:
         plan = plan.model_copy(update={"notes": (*notes, *plan.notes)})
     return plan.with_search_time(time.perf_counter() - t0)

@@ -16,14 +16,13 @@ from flexsearch.cost.hardware import Cluster, Positive
 from flexsearch.emit.launch import run_ranks
 from flexsearch.graph.tracer import trace
 from flexsearch.plan import Plan
-from flexsearch.precision import MATMUL_KINDS
 from flexsearch.search.planner import plan_graph
 from flexsearch.search.results import plan_from
 from flexsearch.sim.context import CostContext
 from flexsearch.sim.predict import predict
 from flexsearch.sim.stages import NodeCost, stage_cost
 from flexsearch.strategy.kinds import DataParallel, Pipelined
-from flexsearch.strategy.recompute import Checkpointing, recompute_units
+from flexsearch.strategy.recompute import SAVED_KINDS, Checkpointing, recompute_units
 
 GPT = str(ROOT / "benchmarks/models/gpt.py:gpt_tiny")
 
@@ -42,7 +41,9 @@ def test_units_are_the_block_instances(gpt):
     full, sel = Checkpointing.of(g, "full"), Checkpointing.of(g, "selective")
     inside = {i for u in units for i in range(u.start, u.end)}
     assert {i for i, d in enumerate(full.dropped) if d} == inside
-    assert all(sel.dropped[i] == (g.nodes[i].kind not in MATMUL_KINDS) for i in inside)
+    assert all(sel.dropped[i] == (g.nodes[i].kind not in SAVED_KINDS) for i in inside)
+    assert all(sel.cached[i] == (i in inside and g.nodes[i].kind in SAVED_KINDS) for i in range(len(g.nodes)))
+    assert not any(full.cached)
     # a unit's output (read by the next unit or the head) stays: it is the next one's input
     readers = g.consumers
     for u in units:
@@ -338,3 +339,30 @@ def test_a_weight_read_inside_a_unit_does_not_split_it():
     assert [r[0] for r in res[0]] == ["soap", "pipeline"]
     for _kind, _s, loss, ref, _params in res[0]:
         assert loss == pytest.approx(ref, rel=1e-5)
+
+
+def test_selective_caches_a_matmuls_outputs_and_frees_those_no_op_saves():
+    """:meth:`Checkpointing.cached_bytes`: a cached op keeps its outputs; its unit's
+    recomputation rebuilds its weights' autocast copy and what it saved beside its
+    output, and frees its output when no op saves it (a negative share). A unit that
+    frees more than it rebuilds rebuilds nothing (``C`` and ``W`` at least 0), and a
+    cached output a stage sends is the one it keeps, counted once."""
+    from flexsearch.sim.footprint import backward_working
+    from flexsearch.sim.stages import BoundaryCopies
+
+    cp = Checkpointing("selective", (True, False, True, True), (0, 0, 0, 0), (False,) * 4,
+                       cached=(False, True, False, False), saved=(True, False, True, True))
+    assert Checkpointing("full", (True,), (0,), (False,)).cached == (False,)
+    # saved output: 40 stash = 30 output + 10 input copy; unsaved output: nothing rebuilt but the copy
+    assert Checkpointing("selective", (False,), (0,), (False,), (True,), (True,)).cached_bytes(0, 40, 5, 30) == (30, 15)
+    assert cp.cached_bytes(1, 10, 5, 30) == (30, 5 + 10 - 30)
+    # a unit whose rebuilt shares sum below 0 (a cached output freed early): no rise above
+    # the kept activations (the unit's sum taken as C, -25, added 25 back: 2, as unchecked)
+    assert backward_working([0, 30, 0, 0], [1, 1, 1, 1]) == 2.0
+    assert backward_working([0, 30, 0, 0], [1, 1, 1, 1], rebuilt=[0, -25, 0, 0], units=[0, 0, 0, 0]) == 0.0
+    costs = [NodeCost(1.0, 2.0, 0.0, 10.0, output_bytes=20.0), NodeCost(1.0, 2.0, 0.0, 10.0, output_bytes=30.0),
+             NodeCost(1.0, 2.0, 0.0, 10.0, output_bytes=30.0), NodeCost(1.0, 2.0, 0.0, 10.0, output_bytes=30.0)]
+    edges = BoundaryCopies(((),) * 2 + (((1, 30.0, (), 3),),) + ((),) * 2)  # node 1's output crosses 2, unsaved
+    first = stage_cost(costs, 0, 2, (0.0, 20.0, 30.0, 30.0, 30.0), recompute=cp, edges=edges)
+    assert first.stash_bytes == 30.0  # node 1's cached output, sent: once
+    assert first.working_bytes == 10.0  # node 0 rebuilt before node 1 frees 20 of its own

@@ -40,7 +40,8 @@ _SAVED = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.ate
           torch.ops.aten.convolution.default, torch.ops.aten._scaled_dot_product_flash_attention.default,
           torch.ops.aten._scaled_dot_product_efficient_attention.default,
           torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
-"""What the selective policy saves: the matmul-class ATen ops (the simulator's MATMUL_KINDS)."""
+"""What the selective policy saves: the matmul-class ATen ops (the simulator's
+:data:`~flexsearch.strategy.recompute.SAVED_KINDS`)."""
 
 
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -5,7 +5,7 @@ run the model on a share of the batch (a replica's samples, a microbatch) and av
 the gradients. That is the gradient of the whole batch's loss while every op computes a
 sample's outputs from that sample alone and the samples meet only in sums or means
 that reach the loss linearly (a mean loss, a sum of mean losses, scaled). Two patterns
-break it, and :func:`sample_coupling` finds both:
+break it; :func:`sample_coupling` finds them where the ops' dim maps and kinds show them:
 
 - **mixing**: an op whose output for one sample reads other samples of an input, such
   as CLIP's image-text logits ``img @ txt.T`` (each image against every text of the
@@ -26,7 +26,13 @@ input (``histc``, counting tokens per expert); the latter counts only in a produ
 the former (a mixture-of-experts dispatch counts tokens per expert to group them, which
 couples nothing). Where nothing tells (an op with SOAP
 dims that drops the batch dim other than by a sum, an integer or boolean aggregate),
-nothing is inferred and nothing reported: the check names only what it can show. BatchNorm's batch statistics are the plan's own setting
+nothing is inferred and nothing reported: the check names only what it can show.
+Known gaps, not reported: a softmax, norm or elementwise op over the batch dim
+(``x.softmax(0)``, ``F.normalize(x, dim=0)``: their dim maps are right-aligned, as for
+any op of one shape); views and indexing that move samples (mixup's
+``x[torch.randperm(B)]``, ``x.roll(1, 0)``); a division by a batch-wide value (the
+graph does not say which argument a lone tensor input of a division is, and
+``loss / k`` is the common case). BatchNorm's batch statistics are the plan's own setting
 (``batch_norm``) and are not reported here.
 """
 
@@ -43,8 +49,9 @@ _MAPPED = frozenset({"linear", "matmul", "conv", "pool", "embedding", "attention
 """Kinds whose dim map says which input samples an output sample reads (others are not
 checked for mixing; a view only moves the batch dim, which the tracer follows, where
 shapes alone cannot tell a square transpose from the identity)."""
-_PASSING = frozenset({"add", "sub", "rsub", "neg", "float", "to", "type", "type_as", "half", "bfloat16", "double",
-                      "clone", "contiguous", "detach", "squeeze", "unsqueeze", "view", "reshape", "sum", "mean"})
+_PASSING = frozenset({"add", "sub", "rsub", "neg", "float", "to", "_to_copy", "type", "type_as", "half", "bfloat16",
+                      "double", "clone", "contiguous", "detach", "alias", "squeeze", "unsqueeze", "view", "reshape",
+                      "_unsafe_view", "lift_fresh_copy", "sum", "mean"})
 """Ops linear in a batch-wide value (an op name's part): a sum of losses, a cast."""
 _SCALING = frozenset({"mul", "truediv", "div"})
 """Ops linear in one batch-wide operand (the first, for a division)."""
@@ -66,10 +73,18 @@ class Coupling:
         return f"`{self.node}`{where} {self.why}"
 
 
+_IN_PLACE = {"iadd": "add", "isub": "sub", "imul": "mul", "itruediv": "truediv"}
+"""Python's augmented assignments (``loss += ...``), as fx records them."""
+
+
 def _op_parts(node: OpNode) -> set[str]:
-    """The parts of the node's target, an in-place op's as its out-of-place one's."""
-    return {p.rstrip("_") if p.endswith("_") and not p.startswith("_") else p
-            for p in node.target.replace("::", ".").split(".")}
+    """The parts of the node's target, an in-place op's as its out-of-place one's
+    (``add_``, ``operator.iadd``: ``add``)."""
+    parts = set()
+    for p in node.target.replace("::", ".").split("."):
+        p = _IN_PLACE.get(p, p)
+        parts.add(p.rstrip("_") if p.endswith("_") and not p.startswith("_") else p)
+    return parts
 
 
 def _batch_dims(graph: OpGraph) -> dict[str, int | None]:

@@ -306,12 +306,20 @@ def plan_graph(
                      if batch_norm == "local" else
                      "batch statistics synchronised over the replicas (SyncBatchNorm, GPUs only; its all-reduces "
                      "are not simulated)")
-    if plan.kind != "soap" and (cluster.devices > 1 or (plan.microbatches or 1) > 1) \
-            and (coupled := coupling_note(sample_coupling(graph), plan.kind)):
+    if splits_batch(plan) and (coupled := coupling_note(sample_coupling(graph), plan.kind)):
         notes.append(coupled)  # the plan computes the loss over shares of the batch
     if notes:
         plan = plan.model_copy(update={"notes": (*notes, *plan.notes)})
     return plan.with_search_time(time.perf_counter() - t0)
+
+
+def splits_batch(plan: Plan) -> bool:
+    """Does ``plan`` run the model on shares of the batch (replicas or microbatches)? A
+    SOAP plan moves the samples an op reads, whatever it splits."""
+    if plan.kind == "soap":
+        return False
+    replicas = plan.stages[0].replicas if plan.stages else plan.devices
+    return replicas > 1 or (plan.microbatches or 1) > 1
 
 
 def plan_synchronous(

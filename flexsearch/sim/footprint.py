@@ -63,6 +63,21 @@ def grad_bytes(node: OpNode) -> float:
     return float(node.output_bytes)
 
 
+def rebuilt_peaks(rebuilt: Sequence[float], units: Sequence[int]) -> dict[int, float]:
+    """Per unit (``units[i]``: node ``i``'s, -1 for none), the most its recomputation
+    holds at once, ``C_u``: the largest running sum of its nodes' rebuilt bytes in forward
+    order, at least 0. The recomputation runs forward; a cached output no op saves
+    (selective checkpointing, a negative share) is freed after the ops before it have
+    rebuilt theirs, so the unit's sum alone would miss what they hold before it goes."""
+    run: dict[int, float] = {}
+    peak: dict[int, float] = {}
+    for r, u in zip(rebuilt, units, strict=False):
+        if u >= 0:
+            run[u] = run.get(u, 0.0) + r
+            peak[u] = max(peak.get(u, 0.0), run[u])
+    return peak
+
+
 def backward_working(kept: Sequence[float], grads: Sequence[float], received: float = 0.0,
                      views: Sequence[bool] = (), rebuilt: Sequence[float] = (), units: Sequence[int] = ()) -> float:
     """``W``: the gradient buffers of one backward through a sequence of nodes (forward
@@ -80,7 +95,7 @@ def backward_working(kept: Sequence[float], grads: Sequence[float], received: fl
     when its unit reruns its forward, ``units[i]``: its unit, -1 for none), a unit's
     backward first rebuilds them, then frees them as it goes back through the unit,
     as it frees kept ones; the peak adds the largest unit's rebuilt bytes ``C``
-    (:mod:`flexsearch.sim.accounting`), so each term here adds the rebuilt bytes of node
+    (:func:`rebuilt_peaks`, :mod:`flexsearch.sim.accounting`), so each term here adds the rebuilt bytes of node
     ``i``'s unit up to it, less ``C``:
     ``max_i (kept[..i] - kept[..] + rebuilt_{u_i}[..i] - C + grads[i] + grads[i - 1])``.
     Counting the gradients over the kept bytes alone (as without checkpointing) and
@@ -88,11 +103,7 @@ def backward_working(kept: Sequence[float], grads: Sequence[float], received: fl
     batch 128 was predicted 37% over torch's allocator with full checkpointing, 8% under
     without it (``tests/test_memory_tracker.py``)."""
     total = sum(kept)
-    per_unit: dict[int, float] = {}
-    for r, u in zip(rebuilt, units, strict=False):
-        if r:
-            per_unit[u] = per_unit.get(u, 0.0) + r
-    largest = max(per_unit.values(), default=0.0)
+    largest = max(rebuilt_peaks(rebuilt, units).values(), default=0.0)  # C
     alive: dict[int, float] = {}  # per unit, what it has rebuilt up to the node
     prefix = work = 0.0
     for i, k in enumerate(kept):

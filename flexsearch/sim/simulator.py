@@ -263,7 +263,8 @@ class Simulator:
         if cp is None:
             cp = self._checkpointing[mode] = Checkpointing.of(self.graph, mode)
         out: list[Fragment] = []
-        rebuilt: dict[int, dict[int, float]] = {}
+        rebuilt: dict[int, dict[int, float]] = {}  # unit -> device -> rebuilt so far (graph order)
+        working: dict[int, float] = {}  # device -> the most a unit's recomputation holds at once
         per_node: list[dict[int, float]] = [{} for _ in frags]
         for i, f in enumerate(frags):
             if not (cp.dropped[i] or cp.cached[i]):
@@ -283,6 +284,7 @@ class Simulator:
                     share = copy + f.activations.get(d, 0.0)
                     acts[d] = output if d in again and cp.boundary[i] else 0.0
                 unit[d] = unit.get(d, 0.0) + share
+                working[d] = max(working.get(d, 0.0), unit[d])  # footprint.rebuilt_peaks, per device
                 per_node[i][d] = share
             # its forward transfers and collectives run again, once its output's gradient
             # is in, before its backward (a node without one has no backward to hold its
@@ -295,10 +297,6 @@ class Simulator:
             out.append(replace(f, activations=acts, cast={}, backward=[*redo, *(
                 replace(t, duration=t.duration + rerun.get(t.resources[0], 0.0), deps=t.deps + redone)
                 if t.kind == "bwd" else t for t in f.backward)]))
-        working: dict[int, float] = {}
-        for unit in rebuilt.values():
-            for d, b in unit.items():
-                working[d] = max(working.get(d, 0.0), b)
         return out, Rebuilt(working, tuple(per_node), cp.unit_of)
 
     def _fsdp(self, configs: Mapping[str, Config], keep_timeline: bool,

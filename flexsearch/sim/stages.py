@@ -44,6 +44,7 @@ from flexsearch.sim.footprint import (
     loss_copy_bytes,
     loss_held_bytes,
     loss_operands,
+    rebuilt_peaks,
 )
 from flexsearch.sim.gradients import merged_reductions
 from flexsearch.sim.pipeline import simulate_pipeline
@@ -295,8 +296,9 @@ def fsdp_stage_costs(costs: Sequence[NodeCost]) -> Sequence[NodeCost]:
 
 def kept_bytes(c: NodeCost, i: int, cp: Checkpointing) -> float:
     """Bytes node ``i`` keeps per microbatch under checkpointing ``cp``: what autograd
-    saves and autocast's weight copies when it is not dropped; its output when it is
-    dropped but read outside its unit; else nothing."""
+    saves and autocast's weight copies when it is not dropped; its outputs when it is
+    cached (:meth:`~flexsearch.strategy.recompute.Checkpointing.cached_bytes`); its
+    output when it is dropped but read outside its unit; else nothing."""
     if cp.cached[i]:
         return cp.cached_bytes(i, c.stash_bytes, c.cast_bytes, c.output_bytes)[0]
     if not cp.dropped[i]:
@@ -324,7 +326,7 @@ def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float],
     forward in the backward and keeps nothing per microbatch unless its output leaves
     its unit (a unit's output is the next one's input, kept); a stage whose first node
     is dropped keeps the input it received; one unit's dropped activations are rebuilt at a time
-    (``working_bytes``, the largest unit's). ``extra_params``: the bytes of tied weights
+    (``working_bytes``, the largest unit's, :func:`~flexsearch.sim.footprint.rebuilt_peaks`). ``extra_params``: the bytes of tied weights
     another stage owns, and of those the bytes that train (:func:`tied_weights`)."""
     cp = recompute or Checkpointing.none(len(costs))
     seg = range(a, b)
@@ -338,14 +340,10 @@ def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float],
         inputs = edges.received(a, b) if edges is not None else 0.0
     for p, size, saved in edges.sent(a, b) if edges is not None else ():
         # a sent tensor the stage's kept bytes leave out: PipelineStage holds it anyway
-        if not (cp.boundary[p] if cp.dropped[p] else saved):
+        if not (cp.boundary[p] if cp.dropped[p] else saved or cp.cached[p]):  # a cached output is kept
             inputs += size
     again_bytes = [rebuilt_bytes(costs[i], i, cp) for i in seg]
-    rebuilt: dict[int, float] = {}
-    for i, r in zip(seg, again_bytes, strict=True):
-        if cp.dropped[i] or cp.cached[i]:
-            u = cp.unit_of[i]
-            rebuilt[u] = rebuilt.get(u, 0.0) + r
+    rebuilt = rebuilt_peaks(again_bytes, [cp.unit_of[i] if cp.dropped[i] or cp.cached[i] else -1 for i in seg])
     return StageCost(
         forward_s=fwd,
         backward_s=sum(costs[i].backward_s for i in seg) + again,
@@ -353,7 +351,7 @@ def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float],
         trained_bytes=sum(costs[i].trains for i in seg) + extra_params[1],
         stash_bytes=kept + inputs,
         send_bytes=cuts[b] if b < len(costs) else 0.0,
-        working_bytes=max([0.0, *rebuilt.values()]),
+        working_bytes=max(rebuilt.values(), default=0.0),
         tensors=sum(costs[i].tensors for i in seg),
         largest_param_bytes=max((costs[i].largest_param_bytes for i in seg), default=0.0),
         loss_bytes=sum(costs[i].loss_bytes for i in seg),

@@ -400,7 +400,7 @@ def test_peak_memory_without_scheduling_is_the_simulations(cl, precision):
             cuts = sorted(rnd.sample(range(1, k), p * v - 1))
             bounds = tuple(zip([0, *cuts], [*cuts, k], strict=True))
             for m in (1, 2):
-                for rc in ("none", "full") if t > 1 else ("none", "selective", "full"):
+                for rc in ("none", "selective", "full"):
                     for shard in pipeline_shardings(t, d, schedule):
                         kw = dict(bounds=bounds, tensor=t, replicas=d, schedule=schedule, microbatches=m, chunks=v,
                                   recompute=rc, shard=shard)

@@ -487,12 +487,14 @@ def test_fsdp_pipeline_plans_compute_what_the_model_does():
     full checkpointing; 4 such stages, 2 per rank under the interleaved schedule, fp32
     and bf16-mixed with full checkpointing; and one stage of 2 replicas x 2-way tensor parallelism as an
     FSDP2 module over its replicas (torchtitan's FSDP x TP: DTensor weights on a
-    ``(dp, s, t)`` mesh), bf16-mixed with full checkpointing and fp32: each matches the
+    ``(dp, s, t)`` mesh), bf16-mixed with full checkpointing, fp32, and fp32 with selective
+    checkpointing (each block's ops in the interpreter): each matches the
     single-process model, and each replica holds half of its stage's weights (of its
     tensor-parallel shards) and of their Adam state (FSDP2 shards every tensor on its
     first dimension, padded: within 2% of the model's ``P / d``)."""
     cases = (("fp32", "1f1b", "none", 1), ("bf16-mixed", "gpipe", "full", 1), ("bf16-mixed", "1f1b", "full", 2),
-             ("fp32", "1f1b", "none", 2), ("fp32", "interleaved", "none", 1), ("bf16-mixed", "interleaved", "full", 1))
+             ("fp32", "1f1b", "none", 2), ("fp32", "interleaved", "none", 1), ("bf16-mixed", "interleaved", "full", 1),
+             ("fp32", "1f1b", "selective", 2))
 
     def strategy(g, sched, rc, t):
         if sched != "interleaved":

@@ -15,7 +15,8 @@ This rank (pipeline rank ``r``, replica ``j``, tensor index ``i``) builds:
   ``t > 1`` each is a :class:`~flexsearch.emit.sharded.ShardedModule` running the
   stage's Megatron configurations on DTensor over its ``t`` devices; with
   ``recompute``, activation checkpointing: each checkpointed unit of a stage
-  (:mod:`flexsearch.emit.recompute`), a tensor-parallel stage as a whole;
+  (:mod:`flexsearch.emit.recompute`; in a tensor-parallel stage, each unit's run of ops
+  in the interpreter, with its redistributions, as a SOAP plan runs it);
 - a :class:`PipelineStage` per stage on the pipeline group of (``j``, ``i``), and the
   schedule the plan names (``ScheduleGPipe``, ``Schedule1F1B``,
   ``ScheduleInterleaved1F1B``) with the plan's microbatch count;
@@ -64,7 +65,6 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.func import functional_call
 from torch.utils._pytree import tree_unflatten
-from torch.utils.checkpoint import checkpoint
 
 from flexsearch.emit.data import batch_shard
 from flexsearch.emit.inputs import model_loss, split
@@ -88,19 +88,9 @@ from flexsearch.graph.lift import flat_inputs, short_reason
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.plan import Plan
 from flexsearch.strategy.kinds import check_pipeline_shard
+from flexsearch.strategy.recompute import partial_unit_op
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
-
-
-class _Recompute(nn.Module):
-    """A stage whose activations are recomputed in the backward pass."""
-
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, *args: Any) -> Any:
-        return checkpoint(self.inner, *args, use_reentrant=False)
 
 
 def _layout(plan: Plan) -> tuple[int, int, int]:
@@ -158,7 +148,7 @@ class PipelineModule(nn.Module):
         cuts = cut(gm, graph, [s.nodes for s in plan.stages], constants)
         # the structure of the last stage's flat outputs: an exported model's, or a dict the cut flattened
         self._out_spec = getattr(gm, "_out_spec", None) or getattr(cuts[-1], "out_spec", None)
-        if t == 1:  # each checkpointed unit of a stage runs as one region (tensor-parallel stages: whole)
+        if t == 1:  # each checkpointed unit of a stage runs as one region (tensor-parallel: the interpreter's)
             cuts = [checkpoint_stage(c, graph, plan.recompute) for c in cuts]
         # the plan lays a stage out on its d x t devices (s = d: data parallel over the
         # replicas); each replica runs it on its own t devices, gradients synced below
@@ -212,10 +202,8 @@ class PipelineModule(nn.Module):
                 subs[r, self.replica].adopt_block(0, 1, t, roots[r]["s", "t"])
         self._tied = self._tie_groups(cuts, ids, rt, p, g)
 
-        def runnable(m: nn.Module) -> nn.Module:  # the precision's autocast, inside the recomputed region
-            m = Autocast(m, rt.precision, rt.device_type) if rt.precision.mixed else m
-            # a tensor-parallel stage recomputes whole; a plain one its units (checkpoint_stage above)
-            return _Recompute(m) if plan.recompute != "none" and t > 1 else m
+        def runnable(m: nn.Module) -> nn.Module:  # the precision's autocast, around the recomputed regions
+            return Autocast(m, rt.precision, rt.device_type) if rt.precision.mixed else m
 
         # every stage's input and output tensors, given to torch (static metadata): found on
         # fake tensors, on the stages before any is sharded (a tensor-parallel stage takes
@@ -228,9 +216,13 @@ class PipelineModule(nn.Module):
         distributed: dict[int, torch.Tensor] = {}  # a weight two of this rank's stages hold: one DTensor
         for k in mine:
             m = cuts[k]
-            if t > 1:
-                m = ShardedModule(m, m, graph, {n.name: configs[n.name] for n in m.graph.nodes if n.name in configs},
-                                  subs[r, self.replica], distributed)
+            if t > 1:  # each checkpointed unit's run of ops interpreted under checkpoint, as SOAP plans run
+                mine_configs = {n.name: configs[n.name] for n in m.graph.nodes if n.name in configs}
+                if plan.recompute != "none" and (op := partial_unit_op(graph, mine_configs, t)) is not None:
+                    raise EmitError(f"the plan recomputes op {op}, which runs on part of a tensor-parallel stage's "
+                                    "devices; plan again")
+                m = ShardedModule(m, m, graph, mine_configs, subs[r, self.replica], distributed,
+                                  recompute=plan.recompute)
             mods.append(m)
         self.stages = nn.ModuleList(mods)
         device = rt.local_device

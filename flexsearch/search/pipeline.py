@@ -281,16 +281,12 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
     cps = {mode: Checkpointing.of(graph, mode) for mode in RECOMPUTE_ORDER}
     chain_memo: dict[tuple[int, int, str, bool], Chain] = {}
 
-    def modes_of(t: int) -> tuple[str, ...]:
-        return RECOMPUTE_ORDER if t == 1 else ("none", "full")  # tensor-parallel stages: whole
-
     def chain_for(k: int, t: int, mode: str, fsdp: bool = False) -> Chain:
         """The partitioner's chain; ``fsdp``: of FSDP2 stages, whose bf16 weights autocast
         copies not (:func:`flexsearch.sim.stages.stage_layout`)."""
         if (k, t, mode, fsdp) not in chain_memo:
             costs = costs_for(k, t, "zero2" if fsdp else "none")[0]
-            chain_memo[k, t, mode, fsdp] = stage_chain(costs, cut_memo[k, fsdp][0], cps[mode] if t == 1 or mode == "none"
-                                                       else None, whole=t > 1 and mode == "full")
+            chain_memo[k, t, mode, fsdp] = stage_chain(costs, cut_memo[k, fsdp][0], cps[mode])
         return chain_memo[k, t, mode, fsdp]
 
     def estimate(t: int, p: int, d: int, m: int, schedule: str, v: int, q: int, shard: str,
@@ -344,7 +340,7 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
             break
         if costs_for(d * m, t) is None:
             continue
-        modes = modes_of(t)
+        modes = RECOMPUTE_ORDER
         for schedule in schedules:
             v = 2 if schedule == "interleaved" else 1
             if v * p > layers:
@@ -418,7 +414,7 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
                 results.append(simulated(aligned, t, p, d, m, schedule, v, recompute, shard))
                 continue
             skipped = skipped or (bounds, t, p, d, m, schedule, v, recompute, shard)
-            modes = modes_of(t)
+            modes = RECOMPUTE_ORDER
             heavier = estimate(t, p, d, m, schedule, v, q, shard, modes[modes.index(recompute) + 1:])
             if heavier is not None:
                 heapq.heappush(queue, (heavier[0], SAVINGS.index((heavier[7], shard)), order, heavier))
@@ -501,18 +497,13 @@ def block_bounds(graph: OpGraph, stages: int) -> tuple[tuple[int, int], ...] | N
     return tuple(zip(starts, ends, strict=True))
 
 
-def stage_chain(costs: Sequence[NodeCost], cuts: Sequence[float], recompute: Checkpointing | None = None,
-                whole: bool = False) -> Chain:
+def stage_chain(costs: Sequence[NodeCost], cuts: Sequence[float], recompute: Checkpointing | None = None) -> Chain:
     """Per microbatch and node: compute ``f + b`` (``2 f + b`` for a node checkpointing
-    drops) and the bytes it keeps per microbatch (:func:`flexsearch.sim.stages.stage_cost`'s
-    rule; ``whole``: every stage checkpointed as one unit, keeping only its input, which
-    the partitioner's cut bytes already count)."""
+    drops, plus its transfers and collectives for one it caches) and the bytes it keeps per microbatch (:func:`flexsearch.sim.stages.stage_cost`'s
+    rule)."""
     params = tuple(c.trains for c in costs)
     frozen = tuple(c.param_bytes - c.trains for c in costs) if any(c.trains < c.param_bytes for c in costs) else ()
-    if whole:
-        return Chain(compute=tuple(2 * c.forward_s + c.backward_s for c in costs), params=params,
-                     cut_bytes=tuple(cuts), stash=(0.0,) * len(costs), frozen=frozen)
     cp = recompute or Checkpointing.none(len(costs))
     stash = [kept_bytes(c, i, cp) for i, c in enumerate(costs)]
-    return Chain(compute=tuple(c.forward_s * (2 if cp.dropped[i] else 1) + c.backward_s for i, c in enumerate(costs)),
+    return Chain(compute=tuple(c.forward_s + c.rerun_s(i, cp) + c.backward_s for i, c in enumerate(costs)),
                  params=params, cut_bytes=tuple(cuts), stash=tuple(stash), frozen=frozen)

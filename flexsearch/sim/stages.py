@@ -90,6 +90,14 @@ class NodeCost:
     trained_bytes: float | None = None
     """Of ``param_bytes``, those that train (None: all of them; frozen ones have no
     gradient, optimizer state or synchronisation)."""
+    comm_s: float = 0.0
+    """Of ``forward_s``, what is not its compute: a tensor-parallel op's transfers and
+    collectives, which a cached op (selective checkpointing) runs again with its unit."""
+
+    def rerun_s(self, i: int, cp: Checkpointing) -> float:
+        """What node ``i`` runs again in the backward under ``cp``: all its forward when
+        dropped, its transfers and collectives when cached."""
+        return self.forward_s if cp.dropped[i] else self.comm_s if cp.cached[i] else 0.0
 
     @property
     def trains(self) -> float:
@@ -136,11 +144,13 @@ def node_costs(graph: OpGraph, configs: Mapping[str, Config], ctx: CostContext) 
             bw = [t for t in frag.backward if not any(k[0] == "s" for k in t.defines)] + mine
             split = activation_split(configs[node.name], node)
             share, grad = node.output_bytes / split, grad_bytes(node) / split
-            hit = memo[key] = NodeCost(_span(fw), _span(bw), frag.params.get(0, 0.0), frag.activations.get(0, 0.0),
+            span = _span(fw)
+            compute = sum(t.duration for t in fw if t.kind == "fwd" and t.resources[0] == 0)
+            hit = memo[key] = NodeCost(span, _span(bw), frag.params.get(0, 0.0), frag.activations.get(0, 0.0),
                                        frag.tensors.get(0, 0), frag.largest.get(0, 0.0), frag.cast.get(0, 0.0),
                                        share, loss_held_bytes(node, share) if node.name in returned else 0.0, grad,
                                        loss_copy_bytes(node, share) if node.name in returned else 0.0,
-                                       aliases(node), frag.trained.get(0, 0.0))
+                                       aliases(node), frag.trained.get(0, 0.0), max(0.0, span - compute))
         out[node.name] = hit
     return out
 
@@ -331,10 +341,10 @@ def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float],
     cp = recompute or Checkpointing.none(len(costs))
     seg = range(a, b)
     fwd = sum(costs[i].forward_s for i in seg)
-    again = sum(costs[i].forward_s for i in seg if cp.dropped[i])
+    again = sum(costs[i].rerun_s(i, cp) for i in seg)
     per_node = [kept_bytes(costs[i], i, cp) for i in seg]
     kept = sum(per_node)
-    if 0 < a < b and cp.dropped[a]:  # the received input, kept by its unit
+    if 0 < a < b and (cp.dropped[a] or cp.cached[a]):  # the received input, kept by its unit
         inputs = cuts[a]
     else:
         inputs = edges.received(a, b) if edges is not None else 0.0
@@ -465,12 +475,7 @@ def stage_layout(graph: OpGraph, ctx: CostContext, *, bounds: Sequence[tuple[int
         raise ValueError(f"FSDP2 stages of one rank cannot share a weight ({shared[0]}): "
                          "shard zero1 or none, or give each stage a rank of its own")
     extra, tied = tied_weights(graph, costs, bounds, p)
-    if tensor > 1 and recompute != "none":  # a tensor-parallel stage is checkpointed whole
-        if recompute != "full":
-            raise ValueError("a tensor-parallel stage recomputes whole (recompute='full') or not at all")
-        cp = Checkpointing.whole_stages(graph, bounds)
-    else:
-        cp = Checkpointing.of(graph, recompute)
+    cp = Checkpointing.of(graph, recompute)
     stage_costs = [stage_cost(costs, a, b, cuts, extra[k], cp, edges) for k, (a, b) in enumerate(bounds)]
     ranks = tuple(tuple(tuple(range(r * g + i * tensor, r * g + (i + 1) * tensor)) for i in range(replicas))
                   for r in range(p))

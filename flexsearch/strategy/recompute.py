@@ -18,9 +18,6 @@ positions. Modes (:data:`MODES`):
   low-precision copies of its input and weights are recomputed):
   :meth:`Checkpointing.cached_bytes`.
 
-A tensor-parallel pipeline stage is checkpointed whole (``full`` only): its module runs
-on DTensors through an interpreter, which the emitter checkpoints as one region.
-
 :func:`checkpointed` tells, per node position, whether its output is dropped and
 recomputed; the simulator turns that into memory (unit inputs kept, one unit's dropped
 activations rebuilt at a time) and time (the dropped ops' forwards run again in the
@@ -158,17 +155,6 @@ class Checkpointing:
         its input's copy, not its output), they were -98% to +39%."""
         own = output if self.saved[i] else 0.0
         return output, cast + max(0.0, stash - own) - (output - own)
-
-    @classmethod
-    def whole_stages(cls, graph: OpGraph, bounds) -> Checkpointing:
-        """Every pipeline stage checkpointed as one unit (a tensor-parallel stage: the
-        emitter checkpoints the stage module as a whole)."""
-        unit_of = [-1] * len(graph.nodes)
-        for k, (a, b) in enumerate(bounds):
-            for i in range(a, b):
-                unit_of[i] = k
-        n = len(graph.nodes)  # a stage keeps only the input it received (stage_cost)
-        return cls("full", (True,) * n, tuple(unit_of), (False,) * n)
 
     @classmethod
     def none(cls, n: int) -> Checkpointing:

@@ -291,8 +291,11 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
 
     def estimate(t: int, p: int, d: int, m: int, schedule: str, v: int, q: int, shard: str,
                  modes: Sequence[str]) -> tuple | None:
-        """The first of ``modes`` whose layout the partitioner fits: (estimate, layout...,
-        partition, shard)."""
+        """The first of ``modes`` (lightest first) whose layout the partitioner fits:
+        (estimate, layout..., partition, shard). After the lightest, the heaviest (full) is
+        tried: where it does not fit, none between does (selective checkpointing keeps,
+        per node, at least what full keeps, in the chain the partitioner sizes), and the
+        partitioner is not run for them."""
         bw, lat = _link_between(cluster, d * t)
         # ZeRO-1: the optimizer state's copies over the replicas; FSDP2 stages: the gathered
         # parameters and the whole gradients, the rest over the replicas
@@ -300,15 +303,23 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
         held = gather + 1 / d if shard == "zero2" else 1.0  # a frozen parameter's bytes per byte
         # a rank holds v chunks: each within its share of the memory
         memory = Memory(cap / v, state, in_flight=lambda r: q, frozen_factor=held)
-        for recompute in modes:
+
+        def fitted(recompute: str) -> tuple | None:
             part = partition(chain_for(d * m, t, recompute, shard == "zero2"), [Level(p * v, bw, lat)], memory=memory,
                              replicate=False)
-            if part is not None and len(part.stages) == p * v:
-                est = (m * v + p - 1) / v * part.bottleneck_s
-                if shard == "zero2":
-                    est += p * fsdp_gather_s(chain_for(d * m, t, recompute, True), part, t, d)
-                return est, t, p, d, m, schedule, v, recompute, part, shard, q
-        return None
+            if part is None or len(part.stages) != p * v:
+                return None
+            est = (m * v + p - 1) / v * part.bottleneck_s
+            if shard == "zero2":
+                est += p * fsdp_gather_s(chain_for(d * m, t, recompute, True), part, t, d)
+            return est, t, p, d, m, schedule, v, recompute, part, shard, q
+
+        if not modes or (got := fitted(modes[0])) is not None or len(modes) == 1:
+            return got if modes else None
+        heaviest = fitted(modes[-1])
+        if heaviest is None:
+            return None
+        return next((got for mode in modes[1:-1] if (got := fitted(mode)) is not None), heaviest)
 
     gather_memo: dict[tuple[int, int], float] = {}
 

@@ -172,10 +172,10 @@ def soap_candidate(graph: OpGraph, space: Space, ctx: CostContext, optimizer: st
     """The SOAP search's best configuration as a candidate (``result``: the best that fits
     as it is); when none fits, the fastest of the search's ``seeds`` (its baselines and
     the ILP's plan: every op on every device, what a SOAP plan recomputes) that fits
-    with activation checkpointing (selective, else full:
-    :data:`~flexsearch.search.pipeline.RECOMPUTE_ORDER`), which, as for data plans, is
-    tried only then (it makes no iteration faster), the first that fits past
-    ``deadline``; None when nothing fits."""
+    with activation checkpointing, selective or full (full tried first: where it does
+    not fit, selective, which keeps more, does not), which, as for data plans, is tried
+    only then (it makes no iteration faster), the first that fits past ``deadline``;
+    None when nothing fits."""
     if result.decisions is not None:
         return "soap", Soap(space.expand(result.decisions), result.decisions), result.simulation
     best = None
@@ -183,15 +183,18 @@ def soap_candidate(graph: OpGraph, space: Space, ctx: CostContext, optimizer: st
         configs = space.expand(dec)
         if partial_unit_op(graph, configs, ctx.cluster.devices) is not None:  # what the emitter recomputes
             continue
-        for mode in RECOMPUTE_ORDER[1:]:
+        fits = []
+        for mode in reversed(RECOMPUTE_ORDER[1:]):  # full first: where it does not fit, selective does not
             if best is not None and past(deadline):
                 return best
             checkpointed = Soap(configs, dec, mode)
             got = predict(graph, checkpointed, ctx, optimizer=optimizer, timeline=False, simulator=sim)
-            if got.feasible:
-                if best is None or got.iteration_time_s < best[2].iteration_time_s:
-                    best = ("soap", checkpointed, got)
-                break  # full checkpointing costs more time than selective
+            if not got.feasible:
+                break
+            fits.append(("soap", checkpointed, got))
+        for found in fits:
+            if best is None or found[2].iteration_time_s < best[2].iteration_time_s:
+                best = found
     return best
 
 

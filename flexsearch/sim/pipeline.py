@@ -235,8 +235,10 @@ def action_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineL
     def replica(stage: int, j: int, lane_rep: int) -> int:
         return j % len(layout.replicas(stage)) if asynchronous else lane_rep
 
+    groups = [layout.replicas(stage) for stage in range(layout.stages)]
+
     def group(stage: int, rep: int) -> tuple[int, ...]:
-        return layout.replicas(stage)[rep]
+        return groups[stage][rep]
 
     routes: dict[tuple, tuple[float, tuple[int, ...]]] = {}
 

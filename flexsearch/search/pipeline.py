@@ -510,8 +510,8 @@ def block_bounds(graph: OpGraph, stages: int) -> tuple[tuple[int, int], ...] | N
 
 def stage_chain(costs: Sequence[NodeCost], cuts: Sequence[float], recompute: Checkpointing | None = None) -> Chain:
     """Per microbatch and node: compute ``f + b`` (``2 f + b`` for a node checkpointing
-    drops, plus its transfers and collectives for one it caches) and the bytes it keeps per microbatch (:func:`flexsearch.sim.stages.stage_cost`'s
-    rule)."""
+    drops, plus its transfers and collectives for one it caches) and the bytes it keeps
+    per microbatch (:func:`flexsearch.sim.stages.stage_cost`'s rule)."""
     params = tuple(c.trains for c in costs)
     frozen = tuple(c.param_bytes - c.trains for c in costs) if any(c.trains < c.param_bytes for c in costs) else ()
     cp = recompute or Checkpointing.none(len(costs))

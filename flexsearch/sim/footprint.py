@@ -95,8 +95,8 @@ def backward_working(kept: Sequence[float], grads: Sequence[float], received: fl
     when its unit reruns its forward, ``units[i]``: its unit, -1 for none), a unit's
     backward first rebuilds them, then frees them as it goes back through the unit,
     as it frees kept ones; the peak adds the largest unit's rebuilt bytes ``C``
-    (:func:`rebuilt_peaks`, :mod:`flexsearch.sim.accounting`), so each term here adds the rebuilt bytes of node
-    ``i``'s unit up to it, less ``C``:
+    (:func:`rebuilt_peaks`, :mod:`flexsearch.sim.accounting`), so each term here adds
+    the rebuilt bytes of node ``i``'s unit up to it, less ``C``:
     ``max_i (kept[..i] - kept[..] + rebuilt_{u_i}[..i] - C + grads[i] + grads[i - 1])``.
     Counting the gradients over the kept bytes alone (as without checkpointing) and
     adding ``C`` counted the rebuilt activations twice: the tiny AlexNet (one unit) at

@@ -334,10 +334,12 @@ def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float],
     (:class:`BoundaryCopies`; default none: a profile's chain). With checkpointing
     (:class:`~flexsearch.strategy.recompute.Checkpointing`), a dropped node reruns its
     forward in the backward and keeps nothing per microbatch unless its output leaves
-    its unit (a unit's output is the next one's input, kept); a stage whose first node
-    is dropped keeps the input it received; one unit's dropped activations are rebuilt at a time
-    (``working_bytes``, the largest unit's, :func:`~flexsearch.sim.footprint.rebuilt_peaks`). ``extra_params``: the bytes of tied weights
-    another stage owns, and of those the bytes that train (:func:`tied_weights`)."""
+    its unit (a unit's output is the next one's input, kept); a cached one (selective)
+    keeps its outputs and reruns its transfers and collectives; a stage whose first node
+    is in a unit keeps the input it received; one unit's dropped activations are rebuilt
+    at a time (``working_bytes``, the largest unit's,
+    :func:`~flexsearch.sim.footprint.rebuilt_peaks`). ``extra_params``: the bytes of tied
+    weights another stage owns, and of those the bytes that train (:func:`tied_weights`)."""
     cp = recompute or Checkpointing.none(len(costs))
     seg = range(a, b)
     fwd = sum(costs[i].forward_s for i in seg)

@@ -284,24 +284,24 @@ def calls_job(rank: int, world: int, spec: str, plans: list) -> list[int]:
 
 
 def test_checkpointed_soap_plans_compute_what_the_model_does():
-    """2 gloo ranks: Megatron's layout on the tiny GPT, fully and selectively
-    checkpointed, fp32 and bf16-mixed: loss, gradients and parameters after 3 steps as
-    the single process's; a step runs a block's LayerNorm twice (once again in the
-    backward) under either, once unchecked."""
+    """2 gloo ranks: Megatron's layout on the tiny GPT, fully checkpointed in fp32 and
+    bf16-mixed, selectively in bf16-mixed (in fp32: Hugging Face Llama's SOAP plan,
+    ``tests/test_hf.py``): loss, gradients and parameters after 3 steps as the single
+    process's; a step runs a block's LayerNorm twice (once again in the backward) under
+    either, once unchecked."""
     from emit_cases import FAMILIES, load
 
     from flexsearch.precision import precision as precision_of
 
     plans = []
-    for recompute in ("full", "selective"):
-        for precision in ("fp32", "bf16-mixed"):
-            model, x = load(FAMILIES["gpt"])
-            g = trace(model, x, precision=precision)
-            cl = Cluster.resolve("cpu", 2)
-            s = _megatron_soap(g, recompute)
-            plans.append(plan_from(g, cl, s, predict(g, s, CostContext(cl, precision=precision_of(precision))),
-                                   baselines={}, lower_bound_s=0.0))
-    assert [p.recompute for p in plans] == ["full", "full", "selective", "selective"]
+    for recompute, precision in (("full", "fp32"), ("full", "bf16-mixed"), ("selective", "bf16-mixed")):
+        model, x = load(FAMILIES["gpt"])
+        g = trace(model, x, precision=precision)
+        cl = Cluster.resolve("cpu", 2)
+        s = _megatron_soap(g, recompute)
+        plans.append(plan_from(g, cl, s, predict(g, s, CostContext(cl, precision=precision_of(precision))),
+                               baselines={}, lower_bound_s=0.0))
+    assert [p.recompute for p in plans] == ["full", "full", "selective"]
     res = run_ranks(check_job, 2, FAMILIES["gpt"], plans, timeout_s=600)
     for rank in range(2):
         for (kind, _s, loss, ref, _params), plan in zip(res[rank], plans, strict=True):

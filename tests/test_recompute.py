@@ -366,3 +366,40 @@ def test_selective_caches_a_matmuls_outputs_and_frees_those_no_op_saves():
     first = stage_cost(costs, 0, 2, (0.0, 20.0, 30.0, 30.0, 30.0), recompute=cp, edges=edges)
     assert first.stash_bytes == 30.0  # node 1's cached output, sent: once
     assert first.working_bytes == 10.0  # node 0 rebuilt before node 1 frees 20 of its own
+
+
+def refused_job(rank: int, world: int, spec: str, plans: list) -> list[str]:
+    """Per plan: the ``EmitError`` its emission raises on this rank ('' when none)."""
+    from emit_cases import with_target
+
+    from flexsearch.emit import parallelize
+    from flexsearch.errors import EmitError
+
+    out = []
+    for plan in plans:
+        model, _, _ = with_target(spec)
+        try:
+            parallelize(model, plan)
+            out.append("")
+        except EmitError as e:
+            out.append(str(e))
+    return out
+
+
+def test_the_emitter_recomputes_no_unit_with_an_op_on_part_of_the_devices():
+    """A SOAP plan that checkpoints a unit one of whose ops runs on device 0 alone is
+    refused on every rank (each rank would rebuild different ops and collectives)."""
+    from emit_cases import FAMILIES, load
+
+    from flexsearch.strategy.config import Config
+    from flexsearch.strategy.kinds import Soap
+
+    model, x = load(FAMILIES["gpt"])
+    g = trace(model, x)
+    cl = Cluster.resolve("cpu", 2)
+    configs = dict(_megatron_soap(g).configs)
+    configs[g.nodes[recompute_units(g)[0].start].name] = Config()  # the first block's first op on device 0
+    plans = [plan_from(g, cl, s, predict(g, s, CostContext(cl)), baselines={}, lower_bound_s=0.0)
+             for s in (Soap(configs, recompute="full"), Soap(configs))]
+    for rank in run_ranks(refused_job, 2, FAMILIES["gpt"], plans, timeout_s=300):
+        assert "runs on part of the devices" in rank[0] and rank[1] == ""

@@ -133,12 +133,6 @@ def parallelize(model: nn.Module, plan: Plan, *, group: dist.ProcessGroup | None
             if name in graph.by_name and not legal(graph.node(name), c, plan.devices):
                 raise EmitError(f"the plan runs op {name} as {c.text}, which this version of flexsearch does not "
                                 "run; plan this model again")
-        if plan.recompute != "none":
-            from flexsearch.strategy.recompute import partial_unit_op
-
-            if (op := partial_unit_op(graph, plan.node_configs(), plan.devices)) is not None:
-                raise EmitError(f"the plan recomputes op {op}, which runs on part of the devices: a SOAP plan "
-                                "recomputes only where every op of a unit runs on every device; plan again")
         relift = (lambda m: lift_exported(m, plan)) if graph.via == "export" else lift
         return shard(model, relift, graph, plan.node_configs(), rt, plan.recompute)
     from flexsearch.emit.staged import pipeline

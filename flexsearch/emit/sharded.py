@@ -75,6 +75,7 @@ from flexsearch.graph.lift import flat_inputs
 from flexsearch.graph.microbatch import batch_dim
 from flexsearch.graph.opgraph import OpGraph, OpNode
 from flexsearch.strategy.config import Config, is_source
+from flexsearch.strategy.recompute import partial_unit_op
 
 
 def last_uses(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
@@ -109,7 +110,8 @@ class ShardedModule(nn.Module):
         """``distributed``: id of an original tensor -> its DTensor, shared by the stage
         modules of one rank, so a weight two of them hold (tied) stays one parameter;
         ``recompute``: activation checkpointing of the graph's units, each unit's run of
-        ops interpreted under ``torch.utils.checkpoint``
+        ops interpreted under ``torch.utils.checkpoint`` (``EmitError`` where a unit's op
+        runs on part of the devices: the ranks would rebuild different ops)
         (:func:`flexsearch.emit.recompute.run_checkpointed`), its redistributions
         included."""
         super().__init__()
@@ -124,6 +126,9 @@ class ShardedModule(nn.Module):
         milliseconds per call)."""
         self._last_uses = last_uses(gm.graph)
         self._recompute = recompute
+        if recompute != "none" and (op := partial_unit_op(graph, self._configs, len(rt.ranks))) is not None:
+            raise EmitError(f"the plan recomputes op {op}, which runs on part of the devices: a DTensor plan "
+                            "recomputes only where every op of a unit runs on every device; plan again")
         self._runs = {} if recompute == "none" else {run[0]: (run, *run_edges(run)) for run in unit_runs(gm, graph)}
         build_layouts(rt, self._configs.values())
         self._world = rt.block_mesh(0, len(rt.ranks), 1)

@@ -88,7 +88,6 @@ from flexsearch.graph.lift import flat_inputs, short_reason
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.plan import Plan
 from flexsearch.strategy.kinds import check_pipeline_shard
-from flexsearch.strategy.recompute import partial_unit_op
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 
@@ -217,12 +216,8 @@ class PipelineModule(nn.Module):
         for k in mine:
             m = cuts[k]
             if t > 1:  # each checkpointed unit's run of ops interpreted under checkpoint, as SOAP plans run
-                mine_configs = {n.name: configs[n.name] for n in m.graph.nodes if n.name in configs}
-                if plan.recompute != "none" and (op := partial_unit_op(graph, mine_configs, t)) is not None:
-                    raise EmitError(f"the plan recomputes op {op}, which runs on part of a tensor-parallel stage's "
-                                    "devices; plan again")
-                m = ShardedModule(m, m, graph, mine_configs, subs[r, self.replica], distributed,
-                                  recompute=plan.recompute)
+                m = ShardedModule(m, m, graph, {n.name: configs[n.name] for n in m.graph.nodes if n.name in configs},
+                                  subs[r, self.replica], distributed, recompute=plan.recompute)
             mods.append(m)
         self.stages = nn.ModuleList(mods)
         device = rt.local_device

@@ -98,31 +98,36 @@ def _check_bytes(nbytes: float) -> float:
     return float(nbytes)
 
 
-def _phase_terms(cluster: Cluster, transfers: Iterable[tuple[int, int, float]]) -> tuple[float, float, dict[Link, float]]:
-    """(max path latency, max link load / bandwidth, load per link) of concurrent transfers."""
+def _phase_terms(cluster: Cluster, transfers: Iterable[tuple[int, int, float]]) -> tuple[float, float, dict[str, float]]:
+    """(max path latency, max link load / bandwidth, load per link id) of concurrent
+    transfers (keyed by id: a string hashes in C, a :class:`Link` in Python)."""
     lat = 0.0
-    load: dict[Link, float] = {}
+    load: dict[str, float] = {}
+    get = load.get
+    path = cluster.path
     for src, dst, amount in transfers:
         if src == dst or amount <= 0:
             continue
-        path = cluster.path(src, dst)
-        lat = max(lat, sum(link.latency for link in path))
-        for link in path:
-            load[link] = load.get(link, 0.0) + amount
-    bw_time = max((b / link.bandwidth for link, b in load.items()), default=0.0)
+        here = 0
+        for link in path(src, dst):
+            here += link.latency
+            load[link.id] = get(link.id, 0.0) + amount
+        if here > lat:
+            lat = here
+    bw_time = max((b / cluster.link(i).bandwidth for i, b in load.items()), default=0.0)
     return lat, bw_time, load
 
 
 def _shape(cluster: Cluster, phases: Sequence[_Phase]) -> _Shape:
     alpha = beta = 0.0
-    per_byte: dict[Link, float] = {}
+    per_byte: dict[str, float] = {}
     for p in phases:
         lat, bw_time, load = _phase_terms(cluster, p.transfers)
         alpha += p.latency_steps * lat
         beta += p.bandwidth_steps * bw_time
-        for link, b in load.items():
-            per_byte[link] = per_byte.get(link, 0.0) + p.bandwidth_steps * b
-    return _Shape(alpha, beta, tuple(sorted(per_byte.items(), key=lambda kv: kv[0].id)))
+        for i, b in load.items():
+            per_byte[i] = per_byte.get(i, 0.0) + p.bandwidth_steps * b
+    return _Shape(alpha, beta, tuple((cluster.link(i), f) for i, f in sorted(per_byte.items())))
 
 
 def _cost(op: str, algorithm: str, shape: _Shape, nbytes: float) -> CommCost:

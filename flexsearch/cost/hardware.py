@@ -338,6 +338,10 @@ class Cluster:
                 f"{self.devices} requested; ask for {cap} or fewer or use another cluster"
             )
 
+    def __getstate__(self) -> dict:
+        """Pickled (to worker processes) without its memos, which each process rebuilds."""
+        return {"spec": self.spec, "devices": self.devices}
+
     # -- construction
     @classmethod
     def from_spec(cls, spec: ClusterSpec, devices: int | None = None) -> Cluster:
@@ -445,6 +449,19 @@ class Cluster:
         Same device: ``()``. Same node: ``(intra.d{src}.tx, intra.d{dst}.rx)`` on a
         switch, ``(intra.n{k}.bus,)`` on a bus. Different nodes: the sending node's NIC
         egress and the receiving node's NIC ingress (NICs assigned round-robin)."""
+        memo = self._paths
+        hit = memo.get((src, dst))
+        if hit is None:
+            hit = memo[src, dst] = self._path(src, dst)
+        return hit
+
+    @cached_property
+    def _paths(self) -> dict[tuple[int, int], tuple[Link, ...]]:
+        """:meth:`path`'s memo: a collective over thousands of devices asks for the same
+        paths again and again."""
+        return {}
+
+    def _path(self, src: int, dst: int) -> tuple[Link, ...]:
         ns, nd = self.node_of(src), self.node_of(dst)
         if src == dst:
             return ()

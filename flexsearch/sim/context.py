@@ -198,7 +198,7 @@ def fsdp_collective_task(ctx: CostContext, op: str, group: list[int] | tuple[int
     if cal is None:
         return t
     copy_s = 2 / ddp.cluster.device.memory_bandwidth.value
-    return replace(t, duration=t.duration + copy_s * nbytes + cal.fsdp_collective_s.value * calls)
+    return t._replace(duration=t.duration + copy_s * nbytes + cal.fsdp_collective_s.value * calls)
 
 
 def transfer_task(ctx: CostContext, src: int, dst: int, nbytes: float, name: str,

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import replace
 
 from flexsearch.graph.opgraph import OpNode
 from flexsearch.sim.taskgraph import Fragment
@@ -64,7 +63,7 @@ def merged_reductions(frags: Sequence[Fragment]) -> list[list[Task]]:
             hit = seen.pop(key, None)
             if hit is not None:
                 j, pos = hit
-                t = replace(t, deps=out[j][pos].deps + t.deps)
+                t = t._replace(deps=out[j][pos].deps + t.deps)
                 out[j][pos] = None  # moved to this (earlier) consumer
             seen[key] = (i, len(out[i]))
             out[i].append(t)

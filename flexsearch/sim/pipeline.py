@@ -67,8 +67,8 @@ Dependencies are typed keys (:class:`Step`, :class:`Synced`, :class:`TiedSynced`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import Literal
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 from flexsearch.sim.accounting import (
     check_optimizer,
@@ -86,12 +86,13 @@ from flexsearch.strategy.schedules import Action
 # ----------------------------------------------------------------------------- keys
 
 
-@dataclass(frozen=True, slots=True)
-class Step:
+class Step(NamedTuple):
     """A microbatch's progress through a stage: ``what`` is ``input`` (its activations
     arrived), ``forward`` (ran), ``grad`` (its output's gradient arrived) or
     ``backward`` (ran). ``chain`` is the replica lane of a synchronous schedule (0 for
-    PipeDream, whose minibatches move between replicas)."""
+    PipeDream, whose minibatches move between replicas). A named tuple, not a
+    dataclass like the other keys: a 1T pipeline makes half a million of them, and a
+    tuple hashes in C; ``what`` comes first, so no other key equals one."""
 
     what: Literal["input", "forward", "grad", "backward"]
     stage: int
@@ -257,55 +258,58 @@ def action_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineL
         for s in range(layout.stages):
             ordered.extend(_stage_gathers(ctx, costs, layout, s, ()))
             done.add(Unsharded(s))
+    fsdp = layout.fsdp
     while True:
         progressed = False
         for lane, acts in by_lane.items():
             r, i = lane
-            while pos[lane] < len(acts):
-                a = acts[pos[lane]]
+            c = 0 if asynchronous else i
+            at, n_acts = pos[lane], len(acts)
+            while at < n_acts:
+                a = acts[at]
                 s, j = a.stage, a.microbatch
-                c = 0 if asynchronous else i
-                need: list = []
-                if a.kind == "F" and s > 0:
-                    need.append(Step("input", s, j, c))
-                if a.kind == "F" and layout.fsdp:
-                    need.append(Unsharded(s))
-                    if Unsharded(s) not in done:  # the pre-forward hook's gather, once every replica's input is in
-                        inputs = tuple(Step("input", s, j, cc) for cc in chains[r]) if s > 0 else ()
-                        if done.issuperset(inputs):
-                            ordered.extend(_stage_gathers(ctx, costs, layout, s, inputs))
-                            done.add(Unsharded(s))
-                if a.kind == "B":
-                    need.append(Step("forward", s, j, c))
-                    if s < last:
-                        need.append(Step("grad", s, j, c))
-                if lane in waits:
-                    need.append(waits[lane])
+                forward = a.kind == "F"
+                if forward:
+                    need: tuple = (Step("input", s, j, c),) if s > 0 else ()
+                    if fsdp:
+                        need += (Unsharded(s),)
+                        if Unsharded(s) not in done:  # the pre-forward hook's gather, once every replica's input is in
+                            inputs = tuple(Step("input", s, j, cc) for cc in chains[r]) if s > 0 else ()
+                            if done.issuperset(inputs):
+                                ordered.extend(_stage_gathers(ctx, costs, layout, s, inputs))
+                                done.add(Unsharded(s))
+                elif s < last:
+                    need = (Step("forward", s, j, c), Step("grad", s, j, c))
+                else:
+                    need = (Step("forward", s, j, c),)
+                wait = waits.get(lane)
+                if wait is not None:
+                    need += (wait,)
                 if not done.issuperset(need):
                     break
-                devs = group(s, i)
+                devs = groups[s][i]
                 c_s = costs[s]
-                if a.kind == "F":
+                text = f"{s}{a.kind}{j}"
+                if forward:
                     key = Step("forward", s, j, c)
-                    ordered.append(Task("fwd", a.text, c_s.forward_s + action_s, devs, tuple(need), (key,),
-                                        copies=copies))
+                    ordered.append(Task("fwd", text, c_s.forward_s + action_s, devs, need, (key,), copies=copies))
                     done.add(key)
                     if s < last:
                         nxt = Step("input", s + 1, j, c)
                         ordered.append(_move(route(devs, group(s + 1, replica(s + 1, j, i)), c_s.send_bytes),
-                                             f"act {a.text}", len(devs), c_s.send_bytes, key, nxt, copies))
+                                             "act " + text, len(devs), c_s.send_bytes, key, nxt, copies))
                         done.add(nxt)
                 else:
                     key = Step("backward", s, j, c)
-                    ordered.append(Task("bwd", a.text, c_s.backward_s + action_s, devs, tuple(need), (key,),
-                                        copies=copies))
+                    ordered.append(Task("bwd", text, c_s.backward_s + action_s, devs, need, (key,), copies=copies))
                     done.add(key)
-                    waits.pop(lane, None)
+                    if wait is not None:
+                        del waits[lane]
                     if s > 0:
                         prev = Step("grad", s - 1, j, c)
                         nbytes = costs[s - 1].send_bytes
                         ordered.append(_move(route(devs, group(s - 1, replica(s - 1, j, i)), nbytes),
-                                             f"grad {a.text}", len(devs), nbytes, key, prev, copies))
+                                             "grad " + text, len(devs), nbytes, key, prev, copies))
                         done.add(prev)
                     if asynchronous:
                         n = len(layout.ranks[r])
@@ -322,8 +326,9 @@ def action_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineL
                                                         c_s.tensors, (skey,), Updated(stage=s, microbatch=jj)))
                             done.add(skey)
                         waits[lane] = skey
-                pos[lane] += 1
+                at += 1
                 progressed = True
+            pos[lane] = at
         if all(pos[lane] == len(acts) for lane, acts in by_lane.items()):
             return ordered
         if not progressed:
@@ -415,7 +420,7 @@ def _zero1_gathers(ctx: CostContext, layout: PipelineLayout, held: Sequence[floa
             t = collective_task(ctx, "all_gather", group, nbytes, "zero1 params", deps, (Gathered(r, q),),
                                 f"ZeRO-1 parameters of pipeline rank {r}")
             if cal is not None and cal.zero1_per_tensor_s is not None:  # the optimizer's bookkeeping per tensor
-                t = replace(t, duration=t.duration + cal.zero1_per_tensor_s.value * tensors[group[0]]
+                t = t._replace(duration=t.duration + cal.zero1_per_tensor_s.value * tensors[group[0]]
                             + cal.step("zero1"))
             out.append(t)
     return out

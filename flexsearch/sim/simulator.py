@@ -290,12 +290,12 @@ class Simulator:
             # is in, before its backward (a node without one has no backward to hold its
             # rerun, compute or transfers)
             grads_in = tuple(dict.fromkeys(k for t in f.backward if t.kind == "bwd" for k in t.deps if k[0] == "G"))
-            redo = [replace(t, name=f"{t.name} again", deps=grads_in, defines=tuple(("again", *k) for k in t.defines))
+            redo = [t._replace(name=f"{t.name} again", deps=grads_in, defines=tuple(("again", *k) for k in t.defines))
                     for t in f.forward if t.kind in ("xfer", "coll")] if grads_in else []
             redone = tuple(k for t in redo for k in t.defines)
             rerun = {} if cp.cached[i] else again  # a cached node's compute does not run again
             out.append(replace(f, activations=acts, cast={}, backward=[*redo, *(
-                replace(t, duration=t.duration + rerun.get(t.resources[0], 0.0), deps=t.deps + redone)
+                t._replace(duration=t.duration + rerun.get(t.resources[0], 0.0), deps=t.deps + redone)
                 if t.kind == "bwd" else t for t in f.backward)]))
         return out, Rebuilt(working, tuple(per_node), cp.unit_of)
 
@@ -341,7 +341,7 @@ class Simulator:
                                                                           (tag, u, k))]
 
         def waiting(tasks: list[Task], tag: str, u: str) -> list[Task]:
-            return [replace(t, deps=t.deps + ((tag, u, group_of[t.resources[0]]),)) if t.kind in ("fwd", "bwd")
+            return [t._replace(deps=t.deps + ((tag, u, group_of[t.resources[0]]),)) if t.kind in ("fwd", "bwd")
                     else t for t in tasks]
 
         ordered: list[Task] = []
@@ -416,7 +416,7 @@ class Simulator:
                 task = collective_task(self.ctx.as_ddp(), "all_reduce", devices, size, f"bucket {k}", deps,
                                    (("s", "bucket", k),), f"DDP bucket {k} ({len(members)} ops)")
                 extra = cal.ddp_per_tensor_s.value * tensors + 4 * size / bandwidth  # hooks, copies in and out
-                out[i] = replace(task, duration=task.duration + extra)
+                out[i] = task._replace(duration=task.duration + extra)
                 members, size, tensors, cap = [], 0.0, 0, cal.ddp_bucket_bytes.value
         return out
 
@@ -542,7 +542,7 @@ class Simulator:
                                 tuple(("u", d) for d in range(devices) if trained[d]), (("zero1",),),
                                 "ZeRO-1 parameter broadcast")
             if cal is not None and cal.zero1_per_tensor_s is not None:  # the optimizer's bookkeeping per tensor
-                t = replace(t, duration=t.duration + cal.zero1_per_tensor_s.value * max(tensors) + cal.step("zero1"))
+                t = t._replace(duration=t.duration + cal.zero1_per_tensor_s.value * max(tensors) + cal.step("zero1"))
             start = max(free[r] for r in (*range(devices), *t.resources))
             for r in (*range(devices), *t.resources):
                 free[r] = start + t.duration

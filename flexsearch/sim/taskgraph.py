@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from flexsearch.graph.opgraph import OpNode, dtype_size
 from flexsearch.graph.regions import Region, input_region, intersect, split_interval, volume
@@ -90,7 +90,7 @@ class Replica:
         group the same shifted by ``width``)."""
         inside = [d < self.width for d in members]
         if all(inside):
-            return replace(t, copies=self.copies)
+            return t._replace(copies=self.copies)
         if not any(inside):
             return None
         group = set(members)

@@ -24,18 +24,20 @@ from __future__ import annotations
 import bisect
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 Key = Hashable
 
 
-@dataclass(frozen=True, slots=True)
-class Task:
+class Task(NamedTuple):
     """One task: ``kind`` in fwd/bwd/xfer/coll/update; ``resources`` are device ids
     (``< devices``) and link indexes (``devices + i``); ``deps`` keys it waits for;
     ``defines`` the keys it satisfies (module docstring). ``copies``: how many identical
     tasks on other replicas it stands for in a simulation of one replica (the
     op-level simulator's replica quotient, :mod:`flexsearch.sim.simulator`); it counts
-    that many times in ``serial``."""
+    that many times in ``serial``. A named tuple: immutable, and built four times
+    faster than a frozen dataclass (a pipeline of 64 stages and 512 microbatches is
+    130,000 tasks); change one with ``task._replace(...)``."""
 
     kind: str
     name: str

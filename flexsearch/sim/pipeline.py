@@ -158,14 +158,6 @@ def _route(ctx: CostContext, src: tuple[int, ...], dst: tuple[int, ...], nbytes:
     return dur, tuple(sorted(links))
 
 
-def _move(route: tuple[float, tuple[int, ...]], name: str, width: int, nbytes: float, dep, key,
-          copies: int = 1) -> Task:
-    """Activations or gradients from one replica's ``width`` devices to another's along
-    ``route`` (:func:`_route`); posted asynchronously: they hold the links, not the
-    devices."""
-    return Task("xfer", name, route[0], route[1], (dep,), (key,), nbytes * width, copies=copies)
-
-
 def mirror(ctx: CostContext, layout: PipelineLayout) -> dict[int, int] | None:
     """Device -> its counterpart in replica 0 when one replica may stand for all
     (module docstring): a synchronous schedule, every rank with the same ``d > 1``
@@ -233,22 +225,26 @@ def action_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineL
     cal = ctx.calibration
     action_s = cal.pipeline_action_s.value if cal is not None else 0.0
 
-    def replica(stage: int, j: int, lane_rep: int) -> int:
-        return j % len(layout.replicas(stage)) if asynchronous else lane_rep
-
     groups = [layout.replicas(stage) for stage in range(layout.stages)]
-
-    def group(stage: int, rep: int) -> tuple[int, ...]:
-        return groups[stage][rep]
-
     routes: dict[tuple, tuple[float, tuple[int, ...]]] = {}
 
-    def route(src: tuple[int, ...], dst: tuple[int, ...], nbytes: float) -> tuple[float, tuple[int, ...]]:
-        if (src, dst, nbytes) not in routes:
-            routes[src, dst, nbytes] = _route(ctx, src, dst, nbytes)
-        return routes[src, dst, nbytes]
+    def hop(s: int, i: int, to: int, j: int) -> tuple[float, tuple[int, ...], float]:
+        """(time, links, bytes) of moving microbatch ``j``'s activations (``to = s + 1``)
+        or gradients (``to = s - 1``) from stage ``s``'s replica ``i`` to the replica of
+        stage ``to`` that takes ``j`` (the lane's own in a synchronous schedule)."""
+        nbytes = costs[min(s, to)].send_bytes
+        dst = groups[to][j % len(groups[to]) if asynchronous else i]
+        key = (groups[s][i], dst, nbytes)
+        if key not in routes:
+            routes[key] = (*_route(ctx, groups[s][i], dst, nbytes), nbytes * len(groups[s][i]))
+        return routes[key]
 
+    # per (stage, replica, direction) in a synchronous schedule, where the hop does not depend on j
+    hops: dict[tuple[int, int, int], tuple[float, tuple[int, ...], float]] = {}
+    forward_s = [c.forward_s + action_s for c in costs]
+    backward_s = [c.backward_s + action_s for c in costs]
     ordered: list[Task] = []
+    append = ordered.append
     done: set = set()
     chains = {r: [i for (rr, i) in by_lane if rr == r] for r in range(len(layout.ranks))}
     pos = dict.fromkeys(by_lane, 0)
@@ -288,28 +284,36 @@ def action_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineL
                 if not done.issuperset(need):
                     break
                 devs = groups[s][i]
-                c_s = costs[s]
                 text = f"{s}{a.kind}{j}"
                 if forward:
                     key = Step("forward", s, j, c)
-                    ordered.append(Task("fwd", text, c_s.forward_s + action_s, devs, need, (key,), copies=copies))
+                    append(Task("fwd", text, forward_s[s], devs, need, (key,), 0.0, "", copies))
                     done.add(key)
                     if s < last:
                         nxt = Step("input", s + 1, j, c)
-                        ordered.append(_move(route(devs, group(s + 1, replica(s + 1, j, i)), c_s.send_bytes),
-                                             "act " + text, len(devs), c_s.send_bytes, key, nxt, copies))
+                        if asynchronous:
+                            dur, links, nbytes = hop(s, i, s + 1, j)
+                        elif (got := hops.get((s, i, 1))) is not None:
+                            dur, links, nbytes = got
+                        else:
+                            dur, links, nbytes = hops[s, i, 1] = hop(s, i, s + 1, j)
+                        append(Task("xfer", "act " + text, dur, links, (key,), (nxt,), nbytes, "", copies))
                         done.add(nxt)
                 else:
                     key = Step("backward", s, j, c)
-                    ordered.append(Task("bwd", text, c_s.backward_s + action_s, devs, need, (key,), copies=copies))
+                    append(Task("bwd", text, backward_s[s], devs, need, (key,), 0.0, "", copies))
                     done.add(key)
                     if wait is not None:
                         del waits[lane]
                     if s > 0:
                         prev = Step("grad", s - 1, j, c)
-                        nbytes = costs[s - 1].send_bytes
-                        ordered.append(_move(route(devs, group(s - 1, replica(s - 1, j, i)), nbytes),
-                                             "grad " + text, len(devs), nbytes, key, prev, copies))
+                        if asynchronous:
+                            dur, links, nbytes = hop(s, i, s - 1, j)
+                        elif (got := hops.get((s, i, -1))) is not None:
+                            dur, links, nbytes = got
+                        else:
+                            dur, links, nbytes = hops[s, i, -1] = hop(s, i, s - 1, j)
+                        append(Task("xfer", "grad " + text, dur, links, (key,), (prev,), nbytes, "", copies))
                         done.add(prev)
                     if asynchronous:
                         n = len(layout.ranks[r])
@@ -322,8 +326,8 @@ def action_tasks(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineL
                             ordered.extend(_stage_sync(ctx, costs, layout, f"sync {s}/{q}", s, deps, skey))
                             reps = layout.ranks[r]
                             for jj in members:
-                                ordered.extend(_updates(ctx, layout, optimizer, reps[jj % n], c_s.trains,
-                                                        c_s.tensors, (skey,), Updated(stage=s, microbatch=jj)))
+                                ordered.extend(_updates(ctx, layout, optimizer, reps[jj % n], costs[s].trains,
+                                                        costs[s].tensors, (skey,), Updated(stage=s, microbatch=jj)))
                             done.add(skey)
                         waits[lane] = skey
                 at += 1

@@ -96,6 +96,41 @@ def _gap(busy: dict[int, tuple[list[float], list[float]]], resources: Sequence[i
     return start
 
 
+def _occupy(busy: dict[int, tuple[list[float], list[float]]], free: list[float], res: Sequence[int], devices: int,
+            start: float, dur: float) -> float:
+    """:func:`run_tasks`'s placement of a task on links (and devices) ready at ``start``:
+    after its devices are free, in the first gap of every link it loads (``busy``, ``free``
+    updated); its start."""
+    late = False
+    for r in res:
+        f = free[r]
+        if f > start:
+            if r < devices:
+                start = f
+            else:
+                late = True
+    if late and dur > 0:
+        start = _gap(busy, res, devices, start, dur, free)
+    stop = start + dur
+    for r in res:
+        if r >= devices and dur > 0:
+            intervals = busy.get(r)
+            if intervals is None:
+                busy[r] = ([start], [stop])
+            else:
+                starts, ends = intervals
+                if start >= ends[-1]:
+                    starts.append(start)
+                    ends.append(stop)
+                else:
+                    i = bisect.bisect_left(starts, start)
+                    starts.insert(i, start)
+                    ends.insert(i, stop)
+        if stop > free[r]:
+            free[r] = stop
+    return start
+
+
 def busy_compute(ordered: Sequence[Task], devices: int) -> list[float]:
     """Per device, the summed duration of the compute tasks it runs (forward, backward,
     update): a stage-level simulation's ``compute_s``."""
@@ -121,54 +156,37 @@ def run_tasks(ordered: Sequence[Task], devices: int, links: int, keep_timeline: 
     chain: dict = {}  # critical path: end times without resource waits
     serial = 0.0
     for t in ordered:
+        kind, _, dur, res, deps, defines, _, _, copies = t
         start = 0.0
-        for k in t.deps:
+        for k in deps:
             v = get(k)
             if v is not None and v > start:
                 start = v
-        res, dur = t.resources, t.duration
-        late = False
-        for r in res:
-            f = free[r]
-            if f > start:
-                if r < devices:
+        if res and max(res) < devices:  # on devices alone (compute): each free when it starts
+            for r in res:
+                f = free[r]
+                if f > start:
                     start = f
-                else:
-                    late = True
-        if late and dur > 0:
-            start = _gap(busy, res, devices, start, dur, free)
-        stop = start + dur
-        for r in res:
-            if r >= devices and dur > 0:
-                intervals = busy.get(r)
-                if intervals is None:
-                    busy[r] = ([start], [stop])
-                else:
-                    starts, ends = intervals
-                    if start >= ends[-1]:
-                        starts.append(start)
-                        ends.append(stop)
-                    else:
-                        i = bisect.bisect_left(starts, start)
-                        starts.insert(i, start)
-                        ends.insert(i, stop)
-            if stop > free[r]:
+            stop = start + dur
+            for r in res:
                 free[r] = stop
-        for k in t.defines:
+        else:
+            start = _occupy(busy, free, res, devices, start, dur)
+            stop = start + dur
+        for k in defines:
             if type(k) is not tuple or k[0] != "G":  # not _accumulates(k): the last definition
                 end[k] = stop
             else:
                 v = get(k)
                 if v is None or stop > v:
                     end[k] = stop
-        kind = t.kind
         if kind == "fwd" or kind == "bwd":
             compute[res[0]] += dur
-        serial += dur * t.copies
+        serial += dur * copies
         if keep_timeline:
             timeline.append(Scheduled(t, start, stop))
-            cstop = max([chain.get(k, 0.0) for k in t.deps], default=0.0) + dur
-            for k in t.defines:
+            cstop = max([chain.get(k, 0.0) for k in deps], default=0.0) + dur
+            for k in defines:
                 if not _accumulates(k) or cstop > chain.get(k, 0.0):
                     chain[k] = cstop
     return TaskRun(free, end, timeline, compute, chain, serial)

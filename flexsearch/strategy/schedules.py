@@ -11,6 +11,7 @@ The orders for ``gpipe``, ``1f1b`` and ``interleaved`` are the ones torch's ``Sc
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ def parse_action(text: str) -> Action:
     return Action(int(match[1]), match[2], int(match[3]))  # type: ignore[arg-type]
 
 
+@functools.lru_cache(maxsize=64)
 def rank_actions(
     schedule: str, ranks: int, microbatches: int, *, chunks: int = 1
 ) -> tuple[tuple[Action, ...], ...]:
@@ -79,6 +81,10 @@ def rank_actions(
     - ``"pipedream"``: PipeDream's asynchronous 1F1B (no flush, weight stashing) for one window of
       m minibatches: w = min(m, p - r). Within a window this is the ``"1f1b"`` order; the
       difference is that the real system starts the next window without draining.
+
+    Memoised (a pure function of integers, its value immutable): a search simulates one
+    layout under several shardings, and a 1T model's 64 x 512 actions take a tenth of a
+    second to build.
     """
     for name, value in (("ranks", ranks), ("microbatches", microbatches), ("chunks", chunks)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

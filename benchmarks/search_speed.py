@@ -9,7 +9,7 @@
 
    Both include ``Space.expand`` and run as the search runs them: without the timeline
    and with Python's cyclic garbage collector paused
-   (:func:`flexsearch.search.workers.cycles_paused`; with it running, full simulations
+   (:func:`flexsearch.collector.cycles_paused`; with it running, full simulations
    lose a third to a half of their speed to it, delta ones a sixth to a third, and the ratio looks
    better than the planner sees it: ``paused_full_speedup=`` and
    ``paused_delta_speedup=``, the rates paused over the rates with it running, measured
@@ -79,11 +79,11 @@ import plan_time  # noqa: E402
 from zoo import build, get  # noqa: E402
 
 import flexsearch  # noqa: E402
+from flexsearch.collector import cycles_paused  # noqa: E402
 from flexsearch.cost.hardware import Cluster  # noqa: E402
 from flexsearch.search.assignment import AssignmentBuilder  # noqa: E402
 from flexsearch.search.mcmc import cost_of, mcmc  # noqa: E402
 from flexsearch.search.planner import lower_bound, run_baselines  # noqa: E402
-from flexsearch.search.workers import cycles_paused  # noqa: E402
 from flexsearch.sim.context import CostContext  # noqa: E402
 from flexsearch.sim.simulator import Simulator  # noqa: E402
 from flexsearch.strategy.space import Space  # noqa: E402

@@ -614,8 +614,8 @@ def test_mcmc_may_stop_after_the_same_simulated_work_on_a_large_graph(monkeypatc
 
 
 def test_the_search_makes_no_reference_cycles_and_pauses_the_collector(monkeypatch):
-    """The planner pauses Python's cyclic garbage collector (:func:`flexsearch.search.
-    workers.cycles_paused`), which is safe only while a search frees what it allocates
+    """The planner pauses Python's cyclic garbage collector (:func:`flexsearch.
+    collector.cycles_paused`), which is safe only while a search frees what it allocates
     by reference counting: simulations, baselines and MCMC steps leave no unreachable
     cycle behind, and a whole plan a few hundred objects (the ILP's ``CpModel`` and its
     closures) however many steps it takes, which the collector frees once it runs again

@@ -782,3 +782,31 @@ def test_packed_sequences_get_their_own_advice():
     packed, other = (f"m.py:3 `...`: {_break_reason(skipped.format(f))}" for f in ("pack_padded_sequence", "f"))
     assert advice([packed]) == PACKED_ADVICE and advice([other]) == SKIPPED_ADVICE
     assert advice([other, "m.py:4 `if x.sum() > 0:`: a branch on a tensor's value"]) == f"{SKIPPED_ADVICE}; {ADVICE}"
+
+
+def test_a_trace_pauses_the_cycle_collector_and_restores_it(monkeypatch):
+    """Tracing runs with Python's cyclic collector paused (:mod:`flexsearch.collector`:
+    Megatron's GPT 1T traces 15-33% faster), and leaves it as it found it, on or off."""
+    import gc
+
+    from flexsearch.graph.measure import Measure
+
+    seen = []
+    run_all = Measure.run_all
+
+    def spy(self, *a, **k):
+        seen.append(gc.isenabled())
+        return run_all(self, *a, **k)
+
+    monkeypatch.setattr(Measure, "run_all", spy)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    assert gc.isenabled()
+    trace(model, torch.randn(3, 4), precision="bf16-mixed")
+    assert seen == [False, False]  # both passes (the second with autocast's parameters)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        trace(model, torch.randn(3, 4))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

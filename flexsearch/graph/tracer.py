@@ -30,6 +30,7 @@ import torch.fx as fx
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from flexsearch.collector import cycles_paused
 from flexsearch.errors import TraceError
 from flexsearch.graph import moe, registry
 from flexsearch.graph.blocks import find_blocks
@@ -57,6 +58,7 @@ def trace(model: nn.Module, example_inputs: tuple | Any, *, name: str | None = N
     return trace_calls(model, example_inputs, name=name, precision=precision)[0]
 
 
+@cycles_paused()  # a trace allocates a million objects and few cycles (flexsearch.collector)
 def trace_calls(
     model: nn.Module, example_inputs: tuple | Any, *, name: str | None = None,
     precision: Precision | str | None = None,

@@ -60,6 +60,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from flexsearch.collector import cycles_paused
 from flexsearch.cost.alignment import misaligned_note
 from flexsearch.cost.calibration import DeviceCalibration
 from flexsearch.cost.compute import MeasuredCosts
@@ -93,8 +94,8 @@ from flexsearch.search.reasons import (
 )
 from flexsearch.search.results import graph_inputs, plan_from, predicted
 from flexsearch.search.variants import fitting_variant, shardings, splits, unsplit_reason
-from flexsearch.search.workers import cycles_paused, submit, worker_count
 from flexsearch.search.workers import pool as worker_pool
+from flexsearch.search.workers import submit, worker_count
 from flexsearch.sim.context import CostContext
 from flexsearch.sim.predict import better, fsdp_graph, predict, runtime_graph
 from flexsearch.sim.result import Simulation

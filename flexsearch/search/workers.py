@@ -1,17 +1,16 @@
 """How a search uses this machine: search phases in a forked worker process (the planner
 hands independent phases, the pipeline search and the ILP, to one worker while it runs
 the baselines; every phase is deterministic, so the plan does not depend on how many
-workers ran it), with Python's cyclic garbage collector paused (:func:`cycles_paused`)."""
+workers ran it), with Python's cyclic garbage collector paused
+(:func:`flexsearch.collector.cycles_paused`)."""
 
 from __future__ import annotations
 
-import gc
 import multiprocessing
 import os
 import pickle
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
-from contextlib import contextmanager
 
 
 def pool() -> ProcessPoolExecutor:
@@ -38,25 +37,3 @@ def worker_count(workers: int | None) -> int:
     if workers is not None:
         return max(1, workers)
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-@contextmanager
-def cycles_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector paused for the block or, as a decorator, the
-    call (restored after; a worker forked inside inherits the pause). A search allocates millions of small objects
-    (tasks, keys, fragments) that reference counting frees, for they make no reference
-    cycles (``gc.collect()`` after 300 delta and 50 full simulations, the baselines and
-    200 MCMC steps of GPT-2 small on 8 devices found none; a whole plan leaves the ILP's
-    model, a few hundred objects however long it searches, freed once the collector
-    runs again), yet every few hundred
-    allocations start a collection, and the older generations' rescan the traced graph
-    and the caches. Paused, GPT-2 small's full simulations on 8 devices ran 1.5-2.1x
-    as many per second and its delta simulations 1.2-1.4x (``benchmarks/
-    search_speed.py``: ``paused_full_speedup=``, ``paused_delta_speedup=``)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()

@@ -238,6 +238,8 @@ def test_search_pipelines_results_fit_and_cover(vgg16):
     cluster = Cluster.preset("dgx-h100", 8)
     results = search_pipelines(vgg16, CostContext(cluster))
     assert results
+    # half simulated in a helper process: the same results (repr: exact floats, and NaN equal to NaN)
+    assert repr(search_pipelines(vgg16, CostContext(cluster), helper=True)) == repr(results)
     for r in results:
         assert r.stages[0][0] == 0 and r.stages[-1][1] == len(vgg16.nodes)
         assert len({d for _, _, devs in r.stages for d in devs}) == 8

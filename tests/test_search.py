@@ -663,3 +663,28 @@ def test_a_batch_that_does_not_split_gets_no_data_parallel_plan():
     even = flexsearch.plan(model, (torch.randn(4, 4),), devices=2, cluster="cpu", max_iters=20,
                            kinds=["data", "soap"], precision="fp32")
     assert not any("no data-parallel plan" in n for n in even.notes)
+
+
+def test_a_helper_runs_every_other_call_in_a_forked_process_with_the_same_results():
+    """:class:`~flexsearch.search.workers.Helper` forks at its first batch, inheriting a
+    closure (nothing of it is pickled), and gives what the calls would give here, in
+    order; one call, or ``enabled=False``, runs here."""
+    import os
+
+    from flexsearch.search.workers import Helper
+
+    base = {"offset": 10}  # closure state the fork inherits
+
+    def fn(x):
+        return x * x + base["offset"], os.getpid()
+
+    helper = Helper(fn)
+    try:
+        out = helper.map([(i,) for i in range(5)])
+        assert helper.map([(7,)]) == [(59, os.getpid())]
+    finally:
+        helper.close()
+    assert [v for v, _ in out] == [10, 11, 14, 19, 26]
+    assert [p for _, p in out][0::2] == [os.getpid()] * 3
+    assert all(p != os.getpid() for _, p in out[1::2])
+    assert Helper(fn, enabled=False).map([(2,), (3,)]) == [(14, os.getpid()), (19, os.getpid())]

@@ -45,6 +45,7 @@ from flexsearch.graph.microbatch import batch_size, microbatch_graph
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.search.clock import past
 from flexsearch.search.partition import Chain, Level, Memory, partition
+from flexsearch.search.workers import Helper
 from flexsearch.sim.accounting import param_copies
 from flexsearch.sim.context import CostContext
 from flexsearch.sim.pipeline_layout import fsdp_grad_copies
@@ -238,13 +239,16 @@ def even_pipeline(graph: OpGraph, ctx: CostContext, schedule: str, tensor: int =
 
 def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam",
                      simulate_top: int = SIMULATE_TOP, schedules: Sequence[str] = SYNC_SCHEDULES,
-                     max_stages: int | None = None, deadline: float | None = None) -> list[PipelineResult]:
+                     max_stages: int | None = None, deadline: float | None = None,
+                     helper: bool = False) -> list[PipelineResult]:
     """Every emittable pipeline and hybrid candidate on ``ctx``'s cluster (module
     docstring), the best ``simulate_top`` by the partitioner's estimate simulated
     (and, while none of those fits, the next ones until one does, up to
     :data:`SIMULATE_MAX`; past ``deadline``, a ``time.perf_counter()`` time, no more
     layouts are estimated and no more are simulated once one is); results sorted
-    fastest first, feasible ones first."""
+    fastest first, feasible ones first. ``helper``: the candidates chosen for simulation
+    are simulated in batches, half of each in a second process
+    (:class:`~flexsearch.search.workers.Helper`); the results are the same."""
     cluster = ctx.cluster
     n = cluster.devices
     try:
@@ -385,9 +389,11 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
         return PipelineResult("hybrid" if t > 1 else "pipeline", schedule, m, v, recompute, t, d,
                               stages, replicated_configs(local, d), sim, shard)
 
-    def again(r: PipelineResult, bounds, shard: str) -> PipelineResult:
-        return simulated(bounds, r.tensor, len(r.stages) // r.chunks, r.replicas, r.microbatches, r.schedule,
-                         r.chunks, r.recompute, shard)
+    def again(r: PipelineResult, bounds, shard: str) -> tuple:
+        """The job (:func:`simulated`'s arguments) of ``r``'s layout cut at ``bounds``,
+        sharded by ``shard``."""
+        return (bounds, r.tensor, len(r.stages) // r.chunks, r.replicas, r.microbatches, r.schedule, r.chunks,
+                r.recompute, shard)
 
     def runs(bounds, p: int, shard: str) -> bool:
         return shard != "zero2" or not shared_within_rank(graph_of(shard), bounds, p)
@@ -405,12 +411,19 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
 
     aligned_bounds = functools.cache(functools.partial(block_bounds, graph))  # per stage count
 
-    results = []
+    results: list[PipelineResult] = []
+    jobs: list[tuple] = []  # candidates to simulate, in order: a batch for the helper
+    sims = Helper(simulated, enabled=helper)
     skipped = None  # the first candidate left out as over memory (simulated when nothing fits)
     order = len(queue)
     while queue:
-        if (results or skipped) and past(deadline) or len(results) >= max(simulate_top, SIMULATE_MAX) \
-                or (len(results) >= simulate_top and any(r.simulation.feasible for r in results)):
+        count = len(results) + len(jobs)
+        if count >= simulate_top or past(deadline) or (deadline is not None and len(jobs) > 1):
+            # the rule below needs their feasibility; under a deadline, two at a time
+            results += sims.map(jobs)
+            jobs.clear()
+        if (results or skipped) and past(deadline) or count >= max(simulate_top, SIMULATE_MAX) \
+                or (count >= simulate_top and any(r.simulation.feasible for r in results)):
             break
         _, t, p, d, m, schedule, v, recompute, part, shard, q = heapq.heappop(queue)[3]
         bounds = [(s.start, s.end) for s in part.stages]
@@ -422,7 +435,7 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
             aligned = aligned_bounds(len(bounds))
             if aligned is not None and aligned != tuple(bounds) and \
                     fits(aligned, t, p, d, m, schedule, v, recompute, shard):
-                results.append(simulated(aligned, t, p, d, m, schedule, v, recompute, shard))
+                jobs.append((aligned, t, p, d, m, schedule, v, recompute, shard))
                 continue
             skipped = skipped or (bounds, t, p, d, m, schedule, v, recompute, shard)
             modes = RECOMPUTE_ORDER
@@ -431,7 +444,8 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
                 heapq.heappush(queue, (heavier[0], SAVINGS.index((heavier[7], shard)), order, heavier))
                 order += 1
             continue
-        results.append(simulated(bounds, t, p, d, m, schedule, v, recompute, shard))
+        jobs.append((bounds, t, p, d, m, schedule, v, recompute, shard))
+    results += sims.map(jobs)
     if not results and skipped is not None:  # none fits: the first, for what it needs
         results.append(simulated(*skipped))
 
@@ -453,13 +467,15 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
     tops: dict[tuple, PipelineResult] = {}  # the fastest feasible layouts, each once
     for r in sorted((r for r in results if r.simulation.feasible), key=lambda r: r.simulation.iteration_time_s):
         tops.setdefault(shape(r), r)
+    jobs = []
     for r in list(tops.values())[:ALIGN_TOP]:
         # cut at block boundaries, as Megatron and torchtitan cut (the partitioner
         # balances its estimate and may cut inside a block)
         aligned = aligned_bounds(len(r.stages))
         if aligned is not None and aligned != tuple((a, b) for a, b, _ in r.stages) and not past(deadline) \
                 and fits_as(r, aligned, r.shard):
-            results.append(again(r, aligned, r.shard))
+            jobs.append(again(r, aligned, r.shard))
+    results += sims.map(jobs)
     best = min((r for r in results if r.simulation.feasible), key=lambda r: r.simulation.iteration_time_s,
                default=None)
     if best is not None and best.replicas > 1 and not past(deadline):
@@ -470,11 +486,12 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
         # that cannot win; the estimate leaves out the smaller update, so plain stages
         # are always simulated)
         bounds = tuple((a, b) for a, b, _ in best.stages)
-        for other in pipeline_shardings(best.tensor, best.replicas, best.schedule, best.chunks):
-            if other != best.shard and fits_as(best, bounds, other) and \
-                    (other != "zero2" or best.tensor == 1
-                     or layout_estimate(best, other) <= layout_estimate(best, best.shard)):
-                results.append(again(best, bounds, other))
+        results += sims.map([again(best, bounds, other)
+                             for other in pipeline_shardings(best.tensor, best.replicas, best.schedule, best.chunks)
+                             if other != best.shard and fits_as(best, bounds, other) and
+                             (other != "zero2" or best.tensor == 1
+                              or layout_estimate(best, other) <= layout_estimate(best, best.shard))])
+    sims.close()
     results.sort(key=lambda r: (not r.simulation.feasible, r.simulation.iteration_time_s))
     return results
 

@@ -377,8 +377,9 @@ def plan_synchronous(
     if (want_pipes or ilp_early) and not past(deadline) and worker_count(workers) > 1:
         pool = worker_pool()
         if want_pipes:
+            # in a worker, with a helper of its own: the baselines here take a few seconds
             pending = submit(pool, pipeline_candidates, graph, ctx, tuple(kinds), optimizer, tuple(schedules),
-                              deadline)
+                              deadline, True)
         if ilp_early:
             ilp_pending = submit(pool, ilp_seed, space, ctx, optimizer, ilp_limit, seed, budget_s is None, deadline)
     try:
@@ -552,12 +553,14 @@ def plan_synchronous(
 
 
 def pipeline_candidates(graph: OpGraph, ctx: CostContext, kinds: tuple[str, ...], optimizer: str,
-                        schedules: tuple[str, ...], deadline: float | None = None,
+                        schedules: tuple[str, ...], deadline: float | None = None, helper: bool = False,
                         ) -> tuple[list[PipelineResult], PipelineResult | None, bool]:
     """Step 3 (module docstring): the pipeline and hybrid layouts of ``kinds``, best
     first, PipeDream's own plan (None where it does not apply), and whether ``deadline``
-    cut the search short."""
-    pipes = [r for r in search_pipelines(graph, ctx, optimizer=optimizer, schedules=schedules, deadline=deadline)
+    cut the search short. ``helper``: simulate the layouts two at a time
+    (:func:`~flexsearch.search.pipeline.search_pipelines`)."""
+    pipes = [r for r in search_pipelines(graph, ctx, optimizer=optimizer, schedules=schedules, deadline=deadline,
+                                         helper=helper)
              if r.kind in kinds]
     if past(deadline):
         return pipes, None, True

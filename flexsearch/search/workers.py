@@ -37,3 +37,43 @@ def worker_count(workers: int | None) -> int:
     if workers is not None:
         return max(1, workers)
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+_INHERITED: Callable | None = None
+"""The function a :class:`Helper` process runs, set before it forks."""
+
+
+def _call_inherited(args: tuple):
+    assert _INHERITED is not None
+    return _INHERITED(*args)
+
+
+class Helper:
+    """A second process for a phase that has a batch of independent calls of one
+    function, closures included: it forks at the first batch of two or more, inheriting
+    ``fn`` and everything ``fn`` holds then (only arguments and results are pickled).
+    :meth:`map` runs every other call there and the rest here, and returns the results in
+    order, as ``[fn(*a) for a in jobs]`` would: ``fn`` must be deterministic and its
+    result must not depend on what earlier calls cached. ``enabled=False``: every call
+    here."""
+
+    def __init__(self, fn: Callable, enabled: bool = True) -> None:
+        self.fn = fn
+        self.enabled = enabled and "fork" in multiprocessing.get_all_start_methods()
+        self._pool: ProcessPoolExecutor | None = None
+
+    def map(self, jobs: list[tuple]) -> list:
+        if not self.enabled or len(jobs) < 2:
+            return [self.fn(*a) for a in jobs]
+        if self._pool is None:
+            global _INHERITED
+            _INHERITED = self.fn
+            self._pool = pool()
+        there = [self._pool.submit(_call_inherited, a) for a in jobs[1::2]]
+        here = [self.fn(*a) for a in jobs[::2]]
+        return [here[i // 2] if i % 2 == 0 else there[i // 2].result() for i in range(len(jobs))]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+            self._pool = None

@@ -569,8 +569,9 @@ def test_plan_argument_errors():
 
 @pytest.mark.parametrize("name,cluster,devices", [("gpt_tiny", "flexflow-k80", 4), ("mlp_tiny", "commodity", 4)])
 def test_the_plan_file_does_not_depend_on_the_workers(name, cluster, devices):
-    """The pipeline search and the ILP run in a forked worker with two or more workers;
-    the plan file is the same byte for byte."""
+    """With two or more workers the pipeline search runs in a forked worker (its layouts
+    simulated two at a time with a helper process) and the ILP after the baselines; the
+    plan file is the same byte for byte."""
     model, inputs = zoo.build(name)
     files = {w: flexsearch.plan(model, inputs, devices=devices, cluster=cluster, max_iters=120, seed=3,
                                 workers=w).to_json() for w in (1, 2)}

@@ -58,6 +58,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from flexsearch.collector import cycles_paused
@@ -124,8 +125,9 @@ FSDP_MAX_TASKS = 4_000_000
 op by op): GPT-3 175B on 1,024 devices (2.4 M) is; GPT 1T on 3,072 (8.6 M) ran out of
 this machine's memory after minutes."""
 ILP_EARLY_MAX = 20_000
-"""Ops x devices up to which the ILP is built before the pipelines are known (in the
-worker, alongside them); a larger one is built only when the MCMC will run (no plan
+"""Ops x devices up to which the ILP is built before the pipelines are known (here,
+after the baselines, while the worker searches the pipelines; in the worker when there
+are none to search); a larger one is built only when the MCMC will run (no plan
 within :data:`BOUND_GAP` of the bound): its build grows with ops x devices x candidate
 pairs (137 s for GPT 18.4B on 256 devices)."""
 BOUND_GAP = 0.05
@@ -349,8 +351,9 @@ def plan_synchronous(
     (module docstring, steps 1-5; pipelines before the SOAP search, which they may make
     unnecessary). ``pipelines=False`` skips step 3; ``schedules`` restricts the pipeline
     schedules tried. ``workers``: processes to use (default: the CPUs this process may
-    run on); with two or more, step 3 runs in a forked worker while steps 1 and 2 run
-    here, then step 4. Each step is deterministic, so the plan does not depend on
+    run on); with two or more, step 3 runs in a forked worker (simulating its layouts
+    two at a time with a helper process of its own) while steps 1 and 2, then an early
+    ILP (:data:`ILP_EARLY_MAX`), run here. Each step is deterministic, so the plan does not depend on
     ``workers``. Past the ``budget_s`` deadline every step stops at what it has, and
     the ones after it run only while nothing found fits: a budget spent before the
     search (``stated_budget_s``, the budget the notes quote, less tracing) gets the
@@ -380,7 +383,7 @@ def plan_synchronous(
             # in a worker, with a helper of its own: the baselines here take a few seconds
             pending = submit(pool, pipeline_candidates, graph, ctx, tuple(kinds), optimizer, tuple(schedules),
                               deadline, True)
-        if ilp_early:
+        if ilp_early and not want_pipes:  # else it runs here, after the baselines, while the worker searches
             ilp_pending = submit(pool, ilp_seed, space, ctx, optimizer, ilp_limit, seed, budget_s is None, deadline)
     try:
         bound = lower_bound(graph, ctx, optimizer)
@@ -431,6 +434,10 @@ def plan_synchronous(
                     candidates.append(("fsdp", sharded, fsdp_sim))
                 elif (fit := fitting_variant(graph, sharded, ctx, optimizer, shared, deadline, data_runs)) is not None:
                     candidates.append(("fsdp", *fit))
+        if ilp_early and pending is not None and not past(deadline):
+            # the worker is still on the pipelines (both queued there, the ILP waited for them)
+            ilp_pending = Future()
+            ilp_pending.set_result(ilp_seed(space, ctx, optimizer, ilp_limit, seed, budget_s is None, deadline))
         pipes: list[PipelineResult] = []
         dream = None
         interrupted = False

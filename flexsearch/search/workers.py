@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 
@@ -55,7 +56,7 @@ class Helper:
     :meth:`map` runs every other call there and the rest here, and returns the results in
     order, as ``[fn(*a) for a in jobs]`` would: ``fn`` must be deterministic and its
     result must not depend on what earlier calls cached. ``enabled=False``: every call
-    here."""
+    here. :meth:`close` (or the helper's end) stops the process."""
 
     def __init__(self, fn: Callable, enabled: bool = True) -> None:
         self.fn = fn
@@ -69,6 +70,8 @@ class Helper:
             global _INHERITED
             _INHERITED = self.fn
             self._pool = pool()
+            # shut down with this helper when a phase leaves by an exception, without close()
+            weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
         there = [self._pool.submit(_call_inherited, a) for a in jobs[1::2]]
         here = [self.fn(*a) for a in jobs[::2]]
         return [here[i // 2] if i % 2 == 0 else there[i // 2].result() for i in range(len(jobs))]

@@ -425,7 +425,7 @@ def _zero1_gathers(ctx: CostContext, layout: PipelineLayout, held: Sequence[floa
                                 f"ZeRO-1 parameters of pipeline rank {r}")
             if cal is not None and cal.zero1_per_tensor_s is not None:  # the optimizer's bookkeeping per tensor
                 t = t._replace(duration=t.duration + cal.zero1_per_tensor_s.value * tensors[group[0]]
-                            + cal.step("zero1"))
+                           + cal.step("zero1"))
             out.append(t)
     return out
 

@@ -332,3 +332,12 @@ def test_past_the_deadline_one_topology_and_a_note(resnet20):
     assert not {"ps", "ps-sharded"} & set(late.baselines)
     assert {"ps", "ps-sharded"} <= set(with_decentralized(plan, resnet20, ctx, allow=False).baselines)
     assert PS_SHARDED_MAX_DEVICES < 3072
+    # simulated beforehand (the planner does while its worker searches the pipelines): the same plan
+    from flexsearch.search.decentralized import simulate_decentralized
+
+    for allow in (False, True):
+        runs = simulate_decentralized(resnet20, ctx, optimizer=plan.optimizer, objective=plan.objective)
+        assert repr(with_decentralized(plan, resnet20, ctx, allow=allow, runs=runs)) == \
+            repr(with_decentralized(plan, resnet20, ctx, allow=allow))
+    early = simulate_decentralized(resnet20, ctx, optimizer=plan.optimizer, objective=plan.objective, deadline=past)
+    assert repr(with_decentralized(plan, resnet20, ctx, allow=False, runs=early)) == repr(late)

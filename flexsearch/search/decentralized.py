@@ -286,9 +286,47 @@ measured iterations in ``benchmarks/fidelity.py`` runs was 8.3%, 10.7%, 12.4%, 1
 iterations are not counted at all."""
 
 
+@dataclass(frozen=True)
+class DecentralizedRuns:
+    """What :func:`with_decentralized` simulates, none of which needs the synchronous
+    plan (the planner runs it while its worker searches the pipelines): the D-PSGD
+    candidates, the parameter-server baselines, and what the budget cut (``unsplit``:
+    why the batch does not split over the devices, when it does not; then nothing was
+    simulated)."""
+
+    candidates: tuple[DecentralizedResult, ...] = ()
+    central: tuple[tuple[str, Simulation], ...] = ()
+    cut: tuple[str, ...] = ()
+    unsplit: str | None = None
+
+
+def simulate_decentralized(graph: OpGraph, ctx: CostContext, *, optimizer: str, objective: str,
+                           convergence: Constants = DEFAULT_CONSTANTS,
+                           deadline: float | None = None) -> DecentralizedRuns:
+    """The simulations of :func:`with_decentralized` (:class:`DecentralizedRuns`) on a
+    cluster of two devices or more: every applicable topology's D-PSGD, then the
+    parameter servers, on one replica cost. Past ``deadline`` (a ``time.perf_counter()``
+    time) no more topologies are simulated after the first, nor the parameter servers."""
+    try:
+        cost = replica_cost(graph, ctx)
+    except ValueError as e:  # the batch does not split over the devices (each rank's share)
+        return DecentralizedRuns(unsplit=unsplit_reason(graph, ctx.cluster.devices) or str(e))
+    cands = decentralized_candidates(graph, ctx, optimizer=optimizer, objective=objective, cost=cost,
+                                     noise_ratio=convergence.noise_ratio,
+                                     heterogeneity_ratio=convergence.heterogeneity_ratio, deadline=deadline)
+    cut = []
+    late = past(deadline)
+    if late and len(cands) < (tops := len(candidate_topologies(ctx.cluster.devices)[0])):
+        cut.append(f"{tops - len(cands)} of {tops} D-PSGD topologies")
+    central = {} if late else centralized_baselines(graph, ctx, optimizer=optimizer, cost=cost)
+    if late:
+        cut.append("the parameter-server baselines")
+    return DecentralizedRuns(tuple(cands), tuple(central.items()), tuple(cut))
+
+
 def with_decentralized(plan: Plan, graph: OpGraph, ctx: CostContext, *, allow: bool = True,
                        require: bool = False, convergence: Constants = DEFAULT_CONSTANTS,
-                       deadline: float | None = None) -> Plan:
+                       deadline: float | None = None, runs: DecentralizedRuns | None = None) -> Plan:
     """``plan`` (the best synchronous plan) against D-PSGD on every applicable topology
     and the parameter-server baselines, on the same replica
     cost. The best decentralized candidate replaces ``plan`` when ``allow`` and its
@@ -298,31 +336,25 @@ def with_decentralized(plan: Plan, graph: OpGraph, ctx: CostContext, *, allow: b
     ``notes`` say why D-PSGD was chosen or rejected, under which objective, and where the
     iterations factor's constants (``convergence``) come from. Past ``deadline`` (a
     ``time.perf_counter()`` time) no more topologies are simulated after the first, nor
-    the parameter servers, and a note says so."""
+    the parameter servers, and a note says so. ``runs``: the simulations made already
+    (:func:`simulate_decentralized` with the plan's optimizer and objective), else made
+    here."""
     if ctx.cluster.devices < 2:
         if require:
             raise PlanKindError("no decentralized plan on one device: there is nothing to exchange; "
                                 "use --devices 2 or more")
         return plan
-    try:
-        cost = replica_cost(graph, ctx)
-    except ValueError as e:  # the batch does not split over the devices (each rank's share)
-        why = unsplit_reason(graph, ctx.cluster.devices) or str(e)
+    if runs is None:
+        runs = simulate_decentralized(graph, ctx, optimizer=plan.optimizer, objective=plan.objective,
+                                      convergence=convergence, deadline=deadline)
+    if runs.unsplit is not None:
+        why = runs.unsplit
         if require:
             fix = f"; {unsplit_fix(why, ctx.cluster.devices)}" if "does not split evenly" in why else ""
             raise PlanKindError(f"no decentralized plan: {why}{fix}") from None
         note = explain(None, plan.kind, plan.predicted.iteration_time_s, objective=plan.objective, reason=why)
         return plan.model_copy(update={"notes": (*plan.notes, note)})
-    cands = decentralized_candidates(graph, ctx, optimizer=plan.optimizer, objective=plan.objective, cost=cost,
-                                        noise_ratio=convergence.noise_ratio,
-                                        heterogeneity_ratio=convergence.heterogeneity_ratio, deadline=deadline)
-    cut = []
-    late = past(deadline)
-    if late and len(cands) < (tops := len(candidate_topologies(ctx.cluster.devices)[0])):
-        cut.append(f"{tops - len(cands)} of {tops} D-PSGD topologies")
-    central = {} if late else centralized_baselines(graph, ctx, optimizer=plan.optimizer, cost=cost)
-    if late:
-        cut.append("the parameter-server baselines")
+    cands, central, cut = list(runs.candidates), dict(runs.central), list(runs.cut)
     baselines = dict(plan.baselines)
     infeasible = list(plan.infeasible_baselines)
     for name, sim in central.items():

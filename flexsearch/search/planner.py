@@ -74,7 +74,11 @@ from flexsearch.plan import Plan, SearchInfo
 from flexsearch.precision import precision as precision_of
 from flexsearch.search.assignment import SKIPPED_LATE, ilp_seed
 from flexsearch.search.clock import past
-from flexsearch.search.decentralized import with_decentralized
+from flexsearch.search.decentralized import (
+    DecentralizedRuns,
+    simulate_decentralized,
+    with_decentralized,
+)
 from flexsearch.search.mcmc import SearchResult, mcmc
 from flexsearch.search.pipedream import pipedream_plan
 from flexsearch.search.pipeline import (
@@ -286,23 +290,33 @@ def plan_graph(
     if measured is None and (aligned := misaligned_note(graph, ctx.precision, cluster)):
         notes.append(aligned)  # the roofline prices misaligned GEMMs as aligned
     sync_kinds = tuple(k for k in kinds if k != "decentralized")
+    budget_s = kw.get("budget_s")
+    deadline = None if budget_s is None else t0 + budget_s
+    convergence = convergence or constants_for(graph.family or graph.model)
+    early: list[DecentralizedRuns] = []
+
+    def meanwhile() -> None:
+        """D-PSGD's simulations, which need no synchronous plan: run while the worker
+        searches the pipelines."""
+        if ("decentralized" in kinds or default) and cluster.devices > 1:
+            early.append(simulate_decentralized(graph, ctx, optimizer=optimizer, objective=objective,
+                                                convergence=convergence, deadline=deadline))
+
     if not sync_kinds:  # D-PSGD alone: a synchronous plan to compare with, cheaply
         plan = plan_synchronous(graph, ctx, kinds=("data", "soap", "pipeline", "hybrid"), optimizer=optimizer,
                                 objective=objective, **{**kw, "max_iters": 0, "budget_s": None})
     else:
         plan = plan_synchronous(graph, ctx, kinds=sync_kinds, optimizer=optimizer, objective=objective,
-                                stated_budget_s=stated_budget_s, **kw)
+                                stated_budget_s=stated_budget_s, meanwhile=meanwhile, **kw)
     if plan.interrupted:
         return plan
-    budget_s = kw.get("budget_s")
-    if budget_s is not None and time.perf_counter() - t0 >= budget_s and sync_kinds:
+    if budget_s is not None and time.perf_counter() - t0 >= budget_s and sync_kinds and not early:
         stated = stated_budget_s if stated_budget_s is not None else budget_s
         notes.append(f"budget {stated:g} s: spent before the decentralized candidates; D-PSGD not simulated")
     elif "decentralized" in kinds or default:
         plan = with_decentralized(plan, graph, ctx, allow=decentralized and "decentralized" in kinds,
-                                  require=not sync_kinds,
-                                  convergence=convergence or constants_for(graph.family or graph.model),
-                                  deadline=None if budget_s is None else t0 + budget_s)
+                                  require=not sync_kinds, convergence=convergence, deadline=deadline,
+                                  runs=early[0] if early else None)
     if batch_norm not in ("local", "sync"):
         raise ValueError(f"batch_norm is 'local' or 'sync', not {batch_norm!r}")
     if any("batch_norm" in n.target or "BatchNorm" in n.target for n in graph.nodes):
@@ -346,6 +360,7 @@ def plan_synchronous(
     schedules: Sequence[str] = SYNC_SCHEDULES,
     workers: int | None = None,
     stated_budget_s: float | None = None,
+    meanwhile: Callable[[], None] | None = None,
 ) -> Plan:
     """The best synchronous plan of ``kinds`` for ``graph`` on ``ctx``'s cluster
     (module docstring, steps 1-5; pipelines before the SOAP search, which they may make
@@ -353,7 +368,8 @@ def plan_synchronous(
     schedules tried. ``workers``: processes to use (default: the CPUs this process may
     run on); with two or more, step 3 runs in a forked worker (simulating its layouts
     two at a time with a helper process of its own) while steps 1 and 2, then an early
-    ILP (:data:`ILP_EARLY_MAX`), run here. Each step is deterministic, so the plan does not depend on
+    ILP (:data:`ILP_EARLY_MAX`) and ``meanwhile`` (the caller's work that needs no
+    synchronous plan), run here. Each step is deterministic, so the plan does not depend on
     ``workers``. Past the ``budget_s`` deadline every step stops at what it has, and
     the ones after it run only while nothing found fits: a budget spent before the
     search (``stated_budget_s``, the budget the notes quote, less tracing) gets the
@@ -438,6 +454,8 @@ def plan_synchronous(
             # the worker is still on the pipelines (both queued there, the ILP waited for them)
             ilp_pending = Future()
             ilp_pending.set_result(ilp_seed(space, ctx, optimizer, ilp_limit, seed, budget_s is None, deadline))
+        if meanwhile is not None and pending is not None and not pending.done():
+            meanwhile()
         pipes: list[PipelineResult] = []
         dream = None
         interrupted = False

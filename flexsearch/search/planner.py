@@ -396,7 +396,7 @@ def plan_synchronous(
     if (want_pipes or ilp_early) and not past(deadline) and worker_count(workers) > 1:
         pool = worker_pool()
         if want_pipes:
-            # in a worker, with a helper of its own: the baselines here take a few seconds
+            # in a worker that forks a helper of its own for the simulations: the longest phase on large models
             pending = submit(pool, pipeline_candidates, graph, ctx, tuple(kinds), optimizer, tuple(schedules),
                               deadline, True)
         if ilp_early and not want_pipes:  # else it runs here, after the baselines, while the worker searches
@@ -451,7 +451,7 @@ def plan_synchronous(
                 elif (fit := fitting_variant(graph, sharded, ctx, optimizer, shared, deadline, data_runs)) is not None:
                     candidates.append(("fsdp", *fit))
         if ilp_early and pending is not None and not past(deadline):
-            # the worker is still on the pipelines (both queued there, the ILP waited for them)
+            # here, while the worker searches the pipelines (queued behind them there, it waited)
             ilp_pending = Future()
             ilp_pending.set_result(ilp_seed(space, ctx, optimizer, ilp_limit, seed, budget_s is None, deadline))
         if meanwhile is not None and pending is not None and not pending.done():

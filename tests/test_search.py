@@ -415,6 +415,12 @@ def test_infeasible_model_raises_one_line():
         flexsearch.plan(model, (x,), devices=8, cluster="dgx-h100", max_iters=50)
     msg = str(e.value)
     assert "\n" not in msg and "no plan fits" in msg and "GiB" in msg
+    # a budget that runs out before a plan that fits is simulated: the budget is what to change
+    with pytest.raises(InfeasiblePlanError) as e:
+        flexsearch.plan(model, (x,), devices=8, cluster="dgx-h100", budget_s=1e-9, workers=1)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("budget 1e-09 s: no plan that fits was found") and "GiB" in msg
+    assert "cut short: " in msg and msg.endswith("give a longer --budget, or none")
     with pytest.raises(InfeasiblePlanError) as e:
         flexsearch.plan(model, (x,), devices=1, cluster="cpu", max_iters=20)
     assert "\n" not in str(e.value)

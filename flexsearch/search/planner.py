@@ -90,6 +90,7 @@ from flexsearch.search.pipeline import (
     tensor_degrees,
 )
 from flexsearch.search.reasons import (
+    budget_error,
     data_label,
     infeasible_error,
     no_plan_reason,
@@ -524,9 +525,12 @@ def plan_synchronous(
                       default=None)
         if oplevel is None and pipe is None:
             runs = [(data_label(st), s) for st, s in data_runs]
+            tried = [*((f"the {k} baseline", b.simulation) for k, b in base.items()), *runs,
+                     *((pipeline_label(r), r.simulation) for r in pipes)]
+            if cut:  # not "no plan fits": the budget stopped the search before one that fits was simulated
+                raise budget_error(stated, cut, tried)
             if set(kinds) >= {"data", "soap", "pipeline", "hybrid"}:
-                raise infeasible_error([*((f"the {k} baseline", b.simulation) for k, b in base.items()), *runs,
-                                   *((pipeline_label(r), r.simulation) for r in pipes)], cluster)
+                raise infeasible_error(tried, cluster)
             raise PlanKindError(no_plan_reason(kinds, base, pipes, cluster, data_runs=runs,
                                                unsplit=unsplit_reason(graph, cluster.devices)))
         baselines = {k: b.simulation.iteration_time_s for k, b in base.items() if b.simulation.feasible}

@@ -135,6 +135,17 @@ def no_plan_reason(kinds: Sequence[str], base: dict[str, BaselineRun], pipes: li
     return f"no {what} plan fits in memory on {cluster.devices} x {cluster.device.name}{need}; use more devices"
 
 
+def budget_error(budget_s: float, cut: Sequence[str], tried: Sequence[tuple[str, Simulation]]) -> InfeasiblePlanError:
+    """No plan fits among those simulated before the budget ran out (``cut``: the phases
+    it cut short; ``tried`` as :func:`infeasible_error`'s): the budget, not the cluster,
+    is what to change."""
+    lean = leanest(tried)
+    need = (f"; the leanest simulated, {lean[0]}, needs {fmt_bytes(lean[1].peak_memory_bytes)} of "
+            f"{fmt_bytes(lean[1].capacity_bytes)}") if lean is not None else ""
+    return InfeasiblePlanError(f"budget {budget_s:g} s: no plan that fits was found before it ran out (cut short: "
+                               f"{', '.join(cut)}{need}); give a longer --budget, or none")
+
+
 def infeasible_error(tried: Sequence[tuple[str, Simulation]], cluster: Cluster) -> InfeasiblePlanError:
     """Why no plan fits: the leanest of everything simulated (``tried``: label and
     simulation of the baselines, the data-parallel variants and the pipeline layouts),

@@ -82,8 +82,8 @@ import flexsearch  # noqa: E402
 from flexsearch.collector import cycles_paused  # noqa: E402
 from flexsearch.cost.hardware import Cluster  # noqa: E402
 from flexsearch.search.assignment import AssignmentBuilder  # noqa: E402
+from flexsearch.search.baselines import lower_bound, run_baselines  # noqa: E402
 from flexsearch.search.mcmc import cost_of, mcmc  # noqa: E402
-from flexsearch.search.planner import lower_bound, run_baselines  # noqa: E402
 from flexsearch.sim.context import CostContext  # noqa: E402
 from flexsearch.sim.simulator import Simulator  # noqa: E402
 from flexsearch.strategy.space import Space  # noqa: E402

@@ -14,8 +14,9 @@ from flexsearch.errors import PlanKindError
 from flexsearch.graph.tracer import trace
 from flexsearch.plan import Plan
 from flexsearch.precision import precision as precision_of
+from flexsearch.search.baselines import lower_bound
 from flexsearch.search.pipeline import SYNC_SCHEDULES
-from flexsearch.search.planner import lower_bound, plan_graph
+from flexsearch.search.planner import plan_graph
 from flexsearch.search.results import plan_from
 from flexsearch.sim.context import CostContext
 from flexsearch.sim.predict import predict
@@ -70,6 +71,19 @@ def with_target(spec: str):
     with torch.no_grad():
         y = torch.randn(model(*x).shape)
     return model, x, y
+
+
+def emit_error(model, plan) -> str | None:
+    """The ``EmitError`` message that emitting ``plan`` on ``model`` raises on this rank
+    (None when it emits)."""
+    from flexsearch.emit import parallelize
+    from flexsearch.errors import EmitError
+
+    try:
+        parallelize(model, plan)
+    except EmitError as e:
+        return str(e)
+    return None
 
 
 def mse(out, target):

@@ -14,6 +14,7 @@ from flexsearch.cost import comm
 from flexsearch.cost.hardware import Cluster
 from flexsearch.graph.tracer import trace
 from flexsearch.model_files import load_model
+from flexsearch.search.baselines import flat_baselines
 from flexsearch.search.decentralized import (
     COMPLETE_MAX_RANKS,
     DecentralizedResult,
@@ -23,7 +24,6 @@ from flexsearch.search.decentralized import (
     effective_time,
     explain,
 )
-from flexsearch.search.planner import flat_baselines
 from flexsearch.sim.accounting import roofline_update_s
 from flexsearch.sim.context import CostContext
 from flexsearch.sim.decentralized import (

@@ -217,7 +217,7 @@ def test_the_soap_search_checkpoints_where_nothing_else_fits(gpt):
     that fits at 3.22 MB), ``--kind soap`` returns the fastest baseline that fits
     checkpointed (each selectively if that fits, else fully), and says why; with memory
     for the full checkpointing of some baseline only, that one."""
-    from flexsearch.search.planner import run_baselines
+    from flexsearch.search.baselines import run_baselines
     from flexsearch.sim.simulator import Simulator
     from flexsearch.strategy.space import Space
 
@@ -370,20 +370,9 @@ def test_selective_caches_a_matmuls_outputs_and_frees_those_no_op_saves():
 
 def refused_job(rank: int, world: int, spec: str, plans: list) -> list[str]:
     """Per plan: the ``EmitError`` its emission raises on this rank ('' when none)."""
-    from emit_cases import with_target
+    from emit_cases import emit_error, with_target
 
-    from flexsearch.emit import parallelize
-    from flexsearch.errors import EmitError
-
-    out = []
-    for plan in plans:
-        model, _, _ = with_target(spec)
-        try:
-            parallelize(model, plan)
-            out.append("")
-        except EmitError as e:
-            out.append(str(e))
-    return out
+    return [emit_error(with_target(spec)[0], plan) or "" for plan in plans]
 
 
 def test_the_emitter_recomputes_no_unit_with_an_op_on_part_of_the_devices():

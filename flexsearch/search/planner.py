@@ -1,10 +1,10 @@
 """The planner: runs every search over one graph and cluster and keeps the best plan
 that fits in memory.
 
-1. Baselines (:mod:`flexsearch.strategy.recipes`): data parallel, Megatron-style (best
+1. Baselines (:mod:`.baselines`, from :mod:`flexsearch.strategy.recipes`): data parallel, Megatron-style (best
    tensor degree), FlexFlow's expert plan, each simulated by the same simulator; data
    parallelism with each sharding (``fsdp``).
-2. The lower bound: the single-device iteration time (memory ignored) divided by N.
+2. The lower bound (:mod:`.baselines`): the single-device iteration time (memory ignored) divided by N.
 3. Pipeline and hybrid plans (:mod:`.pipeline`): the partitioner over every emittable
    (tensor degree, stages, microbatches, schedule), the best simulated; and PipeDream's
    own plan (per-stage replication, asynchronous 1F1B) as the ``pipedream`` baseline.
@@ -59,7 +59,6 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 from flexsearch.collector import cycles_paused
 from flexsearch.cost.alignment import misaligned_note
@@ -73,6 +72,7 @@ from flexsearch.graph.tracer import AUTOCAST_FSDP
 from flexsearch.plan import Plan, SearchInfo
 from flexsearch.precision import precision as precision_of
 from flexsearch.search.assignment import SKIPPED_LATE, ilp_seed
+from flexsearch.search.baselines import BaselineRun, flat_baselines, lower_bound, run_baselines
 from flexsearch.search.clock import past
 from flexsearch.search.decentralized import (
     DecentralizedRuns,
@@ -87,7 +87,6 @@ from flexsearch.search.pipeline import (
     PipelineResult,
     even_pipeline,
     search_pipelines,
-    tensor_degrees,
 )
 from flexsearch.search.reasons import (
     budget_error,
@@ -103,14 +102,14 @@ from flexsearch.search.variants import fitting_variant, shardings, splits, unspl
 from flexsearch.search.workers import pool as worker_pool
 from flexsearch.search.workers import submit, worker_count
 from flexsearch.sim.context import CostContext
-from flexsearch.sim.predict import better, fsdp_graph, predict, runtime_graph
+from flexsearch.sim.predict import predict, runtime_graph
 from flexsearch.sim.result import Simulation
 from flexsearch.sim.simulator import Simulator
 from flexsearch.strategy import recipes as bl
 from flexsearch.strategy.config import Config
 from flexsearch.strategy.convergence import Constants, constants_for
 from flexsearch.strategy.fsdp import fsdp_units
-from flexsearch.strategy.kinds import FSDP_SHARDINGS, KINDS, DataParallel, Pipelined, Soap
+from flexsearch.strategy.kinds import FSDP_SHARDINGS, KINDS, DataParallel, Soap
 from flexsearch.strategy.recompute import partial_unit_op
 from flexsearch.strategy.space import Space
 
@@ -143,13 +142,6 @@ error (:data:`~flexsearch.search.decentralized.DECENTRALIZED_MARGIN`). The SOAP 
 MCMC would start from) still compete."""
 
 
-@dataclass(frozen=True)
-class BaselineRun:
-    name: str
-    decisions: dict[str, Config]
-    simulation: Simulation
-
-
 def check_kinds(kinds: Iterable[str] | None) -> tuple[str, ...]:
     """The plan kinds to search, in :data:`KINDS` order (default :data:`DEFAULT_KINDS`);
     ValueError names an unknown one."""
@@ -160,18 +152,6 @@ def check_kinds(kinds: Iterable[str] | None) -> tuple[str, ...]:
     if bad or not kinds:
         raise ValueError(f"unknown plan kind {bad[0] if bad else '(none)'!r}; use one or more of {', '.join(KINDS)}")
     return tuple(k for k in KINDS if k in kinds)
-
-
-def lower_bound(graph: OpGraph, ctx: CostContext, optimizer: str = "adam") -> float:
-    """Single-device iteration time (memory ignored) divided by the device count; under
-    mixed precision, of the faster of the graph and what FSDP2 computes
-    (:func:`flexsearch.sim.predict.fsdp_graph`: parameters in autocast's dtype)."""
-    one = ctx.on(Cluster.from_spec(ctx.cluster.spec, 1))
-    space = Space(graph, 1)
-    configs = space.expand({})
-    low = fsdp_graph(graph, ctx)
-    return min(Simulator(g, one, optimizer=optimizer).simulate(configs, timeline=False).iteration_time_s
-               for g in ((graph,) if low is graph else (graph, low))) / ctx.cluster.devices
 
 
 def soap_candidate(graph: OpGraph, space: Space, ctx: CostContext, optimizer: str, sim: Simulator,
@@ -204,48 +184,6 @@ def soap_candidate(graph: OpGraph, space: Space, ctx: CostContext, optimizer: st
             if best is None or found[2].iteration_time_s < best[2].iteration_time_s:
                 best = found
     return best
-
-
-def run_baselines(space: Space, sim: Simulator, devices_per_node: int,
-                  deadline: float | None = None) -> dict[str, BaselineRun]:
-    """Simulate every baseline recipe at op level (the data baseline as DDP runs it);
-    Megatron degrees collapse into the best one. Past ``deadline`` (a
-    ``time.perf_counter()`` time) only the first recipe, data parallelism, is run."""
-    out: dict[str, BaselineRun] = {}
-    for name, dec in bl.baselines(space, devices_per_node).items():
-        if out and past(deadline):
-            break
-        configs = space.expand(dec)
-        strategy = DataParallel(configs, dec) if name == "data" else Soap(configs, dec)
-        run = BaselineRun(name, dec, predict(space.graph, strategy, sim.ctx, optimizer=sim.optimizer,
-                                             timeline=False, simulator=sim))
-        key = "megatron" if name.startswith("megatron") else name
-        prev = out.get(key)
-        if prev is None or better(run.simulation, prev.simulation):
-            out[key] = BaselineRun(key, dec, run.simulation)
-    return out
-
-
-def flat_baselines(graph: OpGraph, ctx: CostContext, optimizer: str = "adam",
-                   deadline: float | None = None) -> dict[str, BaselineRun]:
-    """Data parallel and Megatron (best tensor degree within a node) simulated as one
-    pipeline stage on every device (one replica stands for all): the baselines of a
-    graph too large for the op-level simulator (past ``deadline``, data parallelism only)."""
-    out: dict[str, BaselineRun] = {}
-    for t in tensor_degrees(ctx.cluster):
-        if out and past(deadline):
-            break
-        one_stage = Pipelined(((0, len(graph.nodes)),), tensor=t, replicas=ctx.cluster.devices // t,
-                              schedule="1f1b", microbatches=1)
-        try:
-            sim = predict(graph, one_stage, ctx, optimizer=optimizer, timeline=False)
-        except ValueError:
-            continue
-        key = "data" if t == 1 else "megatron"
-        prev = out.get(key)
-        if prev is None or better(sim, prev.simulation):
-            out[key] = BaselineRun(key, {}, sim)
-    return out
 
 
 @cycles_paused()  # a search makes (almost) no reference cycles: the collector is overhead

@@ -16,7 +16,7 @@ from flexsearch.search.pipeline import PipelineResult
 from flexsearch.sim.result import Simulation
 
 if TYPE_CHECKING:
-    from flexsearch.search.planner import BaselineRun
+    from flexsearch.search.baselines import BaselineRun
 
 
 def sharding_note(pipe: PipelineResult, pipes: list[PipelineResult]) -> str:

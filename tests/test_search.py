@@ -522,6 +522,51 @@ def test_an_ilp_started_past_the_budget_skips_and_one_started_before_stops_at_it
     assert dec is not None and status != SKIPPED_LATE
 
 
+def test_an_ilp_whose_costs_outlast_the_budget_is_cut(monkeypatch):
+    """The ILP's problem is built under the deadline too (GPT 1.7B over 32 A100s: 3-4 s of
+    region intersections, which ran 2 s past a 6 s budget): the deadline passing while
+    it is built stops it, with no assignment."""
+    import time
+
+    from flexsearch.search import assignment
+    from flexsearch.strategy.space import Space
+
+    g = zoo_graph("mlp_tiny")
+    space, ctx = Space(g, 4), CostContext(Cluster.preset("dgx-h100", 4))
+    checks = []
+    monkeypatch.setattr(assignment, "past", lambda deadline: checks.append(deadline) or len(checks) > 1)
+    assert assignment.ilp_seed(space, ctx, "adam", 10.0, 0, False, time.perf_counter() + 30) == \
+        (None, assignment.CUT_LATE)
+    assert len(checks) == 2  # at the start, then at the first unit's costs
+
+
+def test_mcmc_under_a_budget_leaves_later_seeds_and_can_skip_the_timeline(monkeypatch):
+    """Past its budget the chain simulates no more seeds once one fits (each a whole
+    simulation: 1-2 s on GPT 18.4B over 256 devices); ``timeline=False`` returns the
+    best state's simulation as the chain made it: the same time, memory and compute as
+    the timeline's, without simulating it again."""
+    from flexsearch.strategy import recipes
+    from flexsearch.strategy.space import Space
+
+    g = zoo_graph("gpt_tiny")
+    cl = Cluster.preset("dgx-h100", 4)
+    space = Space(g, 4)
+    seeds = list(recipes.baselines(space, 4).values())
+    sim = Simulator(g, cl)
+    calls = []
+    real = sim.simulate
+    monkeypatch.setattr(sim, "simulate", lambda *a, **k: calls.append(k.get("timeline", True)) or real(*a, **k))
+    late = mcmc(space, sim, seeds, budget_s=1e-9, seed=0)
+    assert late.iterations == 0 and calls == [False, True]  # one seed, then the best with its timeline
+    calls.clear()
+    lean = mcmc(space, sim, seeds, max_iters=30, seed=0, timeline=False)
+    assert True not in calls and not lean.simulation.timeline
+    full = mcmc(space, sim, seeds, max_iters=30, seed=0)
+    assert full.simulation.timeline and lean.decisions == full.decisions
+    assert (lean.simulation.iteration_time_s, lean.simulation.memory_bytes, lean.simulation.compute_s) == \
+        (full.simulation.iteration_time_s, full.simulation.memory_bytes, full.simulation.compute_s)
+
+
 def test_budget_notes_quote_the_stated_budget():
     """The caller that spent part of the budget (tracing) passes what is left and the
     budget it was given: the notes and the search record quote the one given."""
@@ -696,3 +741,6 @@ def test_a_helper_runs_every_other_call_in_a_forked_process_with_the_same_result
     assert [p for _, p in out][0::2] == [os.getpid()] * 3
     assert all(p != os.getpid() for _, p in out[1::2])
     assert Helper(fn, enabled=False).map([(2,), (3,)]) == [(14, os.getpid()), (19, os.getpid())]
+    # how long a batch takes: the larger process's share, side by side; all of it in one
+    assert helper.span([3.0, 1.0, 2.0]) == 5.0 and helper.span([4.0]) == 4.0 and helper.span([]) == 0.0
+    assert Helper(fn, enabled=False).span([3.0, 1.0, 2.0]) == 6.0

@@ -235,7 +235,7 @@ def test_the_pipeline_search_shards_the_optimizer_state_when_memory_needs_it(gpt
 
     cl = Cluster.preset("dgx-h100", 16)
     ctx = CostContext(cl, precision=precision_of("bf16-mixed"))
-    res = search_pipelines(gpt_small, ctx)
+    res = search_pipelines(gpt_small, ctx).results
     best = res[0]
     twins = [r for r in res if (r.stages, r.schedule, r.microbatches, r.recompute) ==
              (best.stages, best.schedule, best.microbatches, best.recompute)]
@@ -427,7 +427,7 @@ def test_the_pipeline_search_runs_fsdp_stages_where_they_are_faster(gpt_small):
 
     cl = Cluster.preset("dgx-h100", 16)
     ctx = CostContext(cl, precision=precision_of("bf16-mixed"))
-    res = search_pipelines(gpt_small, ctx, schedules=("1f1b",))
+    res = search_pipelines(gpt_small, ctx, schedules=("1f1b",)).results
     best = res[0]
     twins = {r.shard: r.simulation.iteration_time_s for r in res
              if (r.stages, r.microbatches, r.recompute) == (best.stages, best.microbatches, best.recompute)}
@@ -456,7 +456,7 @@ def test_no_fsdp_stages_of_one_rank_share_a_weight():
     s = Pipelined(bounds, tensor=1, replicas=2, schedule="interleaved", microbatches=2, chunks=2, shard="zero2")
     with pytest.raises(ValueError, match=r"FSDP2 stages of one rank cannot share a weight \(wte.weight\)"):
         predict(g, s, ctx)
-    res = search_pipelines(g, ctx, schedules=("interleaved",))
+    res = search_pipelines(g, ctx, schedules=("interleaved",)).results
     assert any(r.shard == "zero2" for r in res)
     assert not any(r.shard == "zero2" and shared_within_rank(g, [(a, b) for a, b, _ in r.stages],
                                                               len(r.stages) // r.chunks) for r in res)

@@ -71,7 +71,7 @@ from flexsearch.graph.opgraph import OpGraph
 from flexsearch.graph.tracer import AUTOCAST_FSDP
 from flexsearch.plan import Plan, SearchInfo
 from flexsearch.precision import precision as precision_of
-from flexsearch.search.assignment import SKIPPED_LATE, ilp_seed
+from flexsearch.search.assignment import CUT_LATE, SKIPPED_LATE, ilp_seed
 from flexsearch.search.baselines import BaselineRun, flat_baselines, lower_bound, run_baselines
 from flexsearch.search.clock import past
 from flexsearch.search.decentralized import (
@@ -361,10 +361,26 @@ def plan_synchronous(
         if "data" in kinds and not data_ok:
             notes.append(f"no data-parallel plan: {unsplit_reason(graph, cluster.devices)}; use a batch that is a "
                          f"multiple of {cluster.devices} for one (its figure stays the baseline to compare with)")
+        pipes: list[PipelineResult] = []
+
+        def settled() -> bool:
+            """Past the deadline with a plan that fits: here, or in the worker's pipeline
+            search when it is done (each phase here otherwise goes on past the deadline
+            until one fits)."""
+            if not past(deadline):
+                return False
+            if any(c[2].feasible for c in candidates):
+                return True
+            if pending is not None and pending.done() and pending.exception() is None:
+                return any(r.simulation.feasible for r in pending.result()[0])
+            return any(r.simulation.feasible for r in pipes)
+
         if "data" in kinds and "data" in base and data_ok:
             data_runs.append((data_strategy, base["data"].simulation))
             if base["data"].simulation.feasible:
                 candidates.append(("data", data_strategy, base["data"].simulation))
+            elif settled():
+                cut.append("data-parallel variants")
             elif (fit := fitting_variant(graph, data_strategy, ctx, optimizer, sim, deadline, data_runs)) is not None:
                 candidates.append(("data", *fit))
         if "fsdp" in kinds and len(graph.nodes) * cluster.devices > FSDP_MAX_TASKS:
@@ -374,7 +390,7 @@ def plan_synchronous(
             simulators = {id(graph): sim} if sim is not None else {}  # per runtime graph (predict.runtime_graph)
             units = fsdp_units(graph.modules)
             for shard, group in shardings(cluster):
-                if past(deadline) and any(c[2].feasible for c in candidates):
+                if settled():
                     cut.append("sharded data parallelism")
                     break
                 sharded = dataclasses.replace(data_strategy, shard=shard, shard_group=group,
@@ -387,6 +403,9 @@ def plan_synchronous(
                 data_runs.append((sharded, fsdp_sim))
                 if fsdp_sim.feasible:
                     candidates.append(("fsdp", sharded, fsdp_sim))
+                elif settled():
+                    cut.append("sharded data parallelism")
+                    break
                 elif (fit := fitting_variant(graph, sharded, ctx, optimizer, shared, deadline, data_runs)) is not None:
                     candidates.append(("fsdp", *fit))
         if ilp_early and pending is not None and not past(deadline):
@@ -395,7 +414,6 @@ def plan_synchronous(
             ilp_pending.set_result(ilp_seed(space, ctx, optimizer, ilp_limit, seed, budget_s is None, deadline))
         if meanwhile is not None and pending is not None and not pending.done():
             meanwhile()
-        pipes: list[PipelineResult] = []
         dream = None
         interrupted = False
         if want_pipes and pending is None and past(deadline) and any(c[2].feasible for c in candidates):
@@ -423,8 +441,8 @@ def plan_synchronous(
                     dec, ilp_status = None, SKIPPED_LATE
                 else:
                     left = ilp_limit if deadline is None else min(ilp_limit, (deadline - time.perf_counter()) / 4)
-                    dec, ilp_status = ilp_seed(space, ctx, optimizer, left, seed, budget_s is None)
-                if ilp_status == SKIPPED_LATE:
+                    dec, ilp_status = ilp_seed(space, ctx, optimizer, left, seed, budget_s is None, deadline)
+                if ilp_status in (SKIPPED_LATE, CUT_LATE):
                     cut.append("ILP")
                 if dec is not None:
                     seeds.append(dec)
@@ -445,7 +463,7 @@ def plan_synchronous(
                                       0, 0, (), 0.0)
             else:
                 result = mcmc(space, sim, seeds, max_iters=0 if close else max_iters,
-                              budget_s=None if close else remaining, seed=seed, progress=progress)
+                              budget_s=None if close else remaining, seed=seed, progress=progress, timeline=False)
             interrupted = result.interrupted  # Ctrl-C: keep the best so far
             if not close and past(deadline) and result.iterations < (max_iters or math.inf):
                 cut.append(f"MCMC after {result.iterations} steps")
@@ -454,8 +472,10 @@ def plan_synchronous(
                 notes.append(f"MCMC skipped: the best plan before it is {margin:.1%} over the lower bound "
                              f"({bound * 1e3:.3f} ms; skipped within {BOUND_GAP:.0%}), so no SOAP plan could be more "
                              f"than {margin:.1%} faster; the SOAP baselines and the ILP's plan compete")
-            if not (result.decisions is not None and result.decisions == base["data"].decisions and "data" in kinds
-                    and data_ok) and not interrupted and (found_soap := soap_candidate(
+            if result.decisions is None and settled():  # the seeds checkpointed not simulated
+                cut.append("checkpointed SOAP plans")
+            elif not (result.decisions is not None and result.decisions == base["data"].decisions and "data" in kinds
+                      and data_ok) and not interrupted and (found_soap := soap_candidate(
                         graph, space, ctx, optimizer, sim, result, seeds, deadline)) is not None:
                 candidates.insert(0, found_soap)
         pipe = next((r for r in pipes if r.simulation.feasible), None)
@@ -526,10 +546,9 @@ def pipeline_candidates(graph: OpGraph, ctx: CostContext, kinds: tuple[str, ...]
     first, PipeDream's own plan (None where it does not apply), and whether ``deadline``
     cut the search short. ``helper``: simulate the layouts two at a time
     (:func:`~flexsearch.search.pipeline.search_pipelines`)."""
-    pipes = [r for r in search_pipelines(graph, ctx, optimizer=optimizer, schedules=schedules, deadline=deadline,
-                                         helper=helper)
-             if r.kind in kinds]
-    if past(deadline):
+    found = search_pipelines(graph, ctx, optimizer=optimizer, schedules=schedules, deadline=deadline, helper=helper)
+    pipes = [r for r in found.results if r.kind in kinds]
+    if found.cut or past(deadline):
         return pipes, None, True
     if not pipes and not {"data", "soap", "fsdp"} & set(kinds):  # a layout the emitter always runs
         pipes = [r for s in schedules for t in (1, 2)

@@ -53,6 +53,7 @@ first replica's busy links stand for every replica's when it looks for a gap.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -97,6 +98,12 @@ class Replica:
         if t.kind == "coll" and {(d + self.width) % self.devices for d in group} == group:
             return t
         raise NotPeriodic(f"{t.detail}: devices {sorted(group)} do not repeat every {self.width}")
+
+
+def elsewhere(replica: Replica | None, members: Sequence[int]) -> bool:
+    """Does a task among ``members`` lie in the other replicas alone (:meth:`Replica.task`
+    drops it: its task need not be built)?"""
+    return replica is not None and min(members) >= replica.width
 
 
 def kept(replica: Replica | None, t: Task, members: Sequence[int]) -> list[Task]:
@@ -151,9 +158,13 @@ def out_region(node: OpNode, c: Config, i_s: int, i_t: int) -> Region:
     return tuple(reg)
 
 
-def tasks_of(c: Config) -> list[tuple[int, int, int]]:
-    """``(i_s, i_t, device)`` for every partition of ``c``."""
-    return [(i, j, c.device(i, j)) for i in range(c.s) for j in range(c.t)]
+@functools.lru_cache(maxsize=4096)
+def tasks_of(c: Config, width: int | None = None) -> tuple[tuple[int, int, int], ...]:
+    """``(i_s, i_t, device)`` for every partition of ``c`` (on a device ``< width``: the
+    first replica's, :class:`Replica`). Memoised: on 256 devices a configuration has 256
+    partitions, and every fragment of it lists them."""
+    parts = ((i, j, c.device(i, j)) for i in range(c.s) for j in range(c.t))
+    return tuple(p for p in parts if width is None or p[2] < width)
 
 
 def tiles(node: OpNode, c: Config) -> dict[Region, list[int]]:
@@ -312,8 +323,7 @@ def edge_tasks(
     needs: dict[int, list[Key]] = {}
     if is_source(p):
         if on_parameters(p):  # its gradient, summed where it is read
-            frag.grad_local += [(d, ("G", p.name, d)) for _, _, d in tasks_of(c)
-                                if replica is None or d < replica.width]
+            frag.grad_local += [(d, ("G", p.name, d)) for _, _, d in tasks_of(c, replica.width if replica is not None else None)]
         return forward, backward, needs
     if soap_runtime(ctx) and (pc.first, pc.s, pc.t) != (c.first, c.s, c.t):
         return _mesh_move(node, c, k, p, pc, ctx, frag, replica, gradient)
@@ -326,6 +336,8 @@ def edge_tasks(
         if d < width:
             needs.setdefault(d, []).append((ready, p.name, d))
     for h, d, vol in geo.transfers:
+        if h >= width and d >= width:  # in the other replicas (elsewhere)
+            continue
         key = ("x", n, k, h, d)
         nbytes = vol * esize
         sent = kept(replica, transfer_task(ctx, h, d, nbytes, n, ((ready, p.name, h),), (key,), f"{p.name}->{n}"),
@@ -340,9 +352,13 @@ def edge_tasks(
         if d < width:
             frag.grad_local.append((d, ("G", p.name, h)))
     for d, h, vol in geo.grad_transfers:
+        if d >= width and h >= width:
+            continue
         backward += kept(replica, transfer_task(ctx, d, h, vol * esize, n, (("b", n, d),),
                                                  (("G", p.name, h),), f"grad {n}->{p.name}"), (d, h))
     for op, group, vol, rdev, holders in geo.grad_collectives:
+        if elsewhere(replica, group):
+            continue
         tasks = kept(replica, collective_task(
             ctx, op, list(group), vol * esize, n, tuple(("b", n, d) for d in rdev),
             tuple(("G", p.name, h) for h in holders), f"grad {n}->{p.name}"), group)
@@ -422,7 +438,7 @@ def build_fragment(
             node_tasks(node, Config(1, "x", n) if n > 1 else Config(), ctx, frag, replica=replica,
                        backward=node.name not in no_grad)
         return frag
-    needs: dict[int, list[Key]] = {d: [] for _, _, d in tasks_of(c) if replica is None or d < replica.width}
+    needs: dict[int, list[Key]] = {d: [] for _, _, d in tasks_of(c, replica.width if replica is not None else None)}
     grad_edges: list[Task] = []
     for k, (p, pc) in enumerate(producers):
         fwd, bwd, wait = edge_tasks(node, c, k, p, pc, ctx, frag, replica, gradient=p.name not in no_grad)
@@ -452,11 +468,8 @@ def node_tasks(
     without gradient, :func:`~flexsearch.sim.gradients.without_gradient`, whose
     backward task takes no time)."""
     n = node.name
-    parts = tasks_of(c)
-    copies = 1
-    if replica is not None:
-        parts = [p for p in parts if p[2] < replica.width]
-        copies = replica.copies
+    parts = tasks_of(c, replica.width if replica is not None else None)
+    copies = replica.copies if replica is not None else 1
     needs = needs or {}
     fwd_time, bwd_time = ctx.op_cost(node, c, first)
     if not backward:
@@ -475,6 +488,8 @@ def node_tasks(
     # Partial sums: all-reduce over each group of t partitions.
     if c.kind == "r":
         for i in range(c.s):
+            if replica is not None and c.device(i, 0) >= replica.width:  # the group's least device: elsewhere
+                continue
             group = [c.device(i, j) for j in range(c.t)]
             frag.forward += kept(replica, collective_task(
                 ctx, "all_reduce", group, node.output_bytes / c.s, n,

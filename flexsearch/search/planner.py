@@ -310,9 +310,11 @@ def plan_synchronous(
     ILP (:data:`ILP_EARLY_MAX`) and ``meanwhile`` (the caller's work that needs no
     synchronous plan), run here. Each step is deterministic, so the plan does not depend on
     ``workers``. Past the ``budget_s`` deadline every step stops at what it has, and
-    the ones after it run only while nothing found fits: a budget spent before the
-    search (``stated_budget_s``, the budget the notes quote, less tracing) gets the
-    lower bound and the fastest baseline. A graph with no op that takes time is a
+    the ones after it run only while nothing found fits, here or by the worker (a step
+    is not started when it would end past the deadline by what similar ones took: the
+    pipeline search's simulations); a budget spent before the search
+    (``stated_budget_s``, the budget the notes quote, less tracing) gets the lower
+    bound and the fastest baseline. A graph with no op that takes time is a
     :class:`~flexsearch.errors.TraceError`."""
     t0 = time.perf_counter()
     cluster = ctx.cluster

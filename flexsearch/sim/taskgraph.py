@@ -100,6 +100,11 @@ class Replica:
         raise NotPeriodic(f"{t.detail}: devices {sorted(group)} do not repeat every {self.width}")
 
 
+def first_width(replica: Replica | None) -> int | None:
+    """The devices of ``replica``'s first replica, the ones simulated (None: every device)."""
+    return replica.width if replica is not None else None
+
+
 def elsewhere(replica: Replica | None, members: Sequence[int]) -> bool:
     """Does a task among ``members`` lie in the other replicas alone (:meth:`Replica.task`
     drops it: its task need not be built)?"""
@@ -323,7 +328,7 @@ def edge_tasks(
     needs: dict[int, list[Key]] = {}
     if is_source(p):
         if on_parameters(p):  # its gradient, summed where it is read
-            frag.grad_local += [(d, ("G", p.name, d)) for _, _, d in tasks_of(c, replica.width if replica is not None else None)]
+            frag.grad_local += [(d, ("G", p.name, d)) for _, _, d in tasks_of(c, first_width(replica))]
         return forward, backward, needs
     if soap_runtime(ctx) and (pc.first, pc.s, pc.t) != (c.first, c.s, c.t):
         return _mesh_move(node, c, k, p, pc, ctx, frag, replica, gradient)
@@ -336,7 +341,7 @@ def edge_tasks(
         if d < width:
             needs.setdefault(d, []).append((ready, p.name, d))
     for h, d, vol in geo.transfers:
-        if h >= width and d >= width:  # in the other replicas (elsewhere)
+        if elsewhere(replica, (h, d)):
             continue
         key = ("x", n, k, h, d)
         nbytes = vol * esize
@@ -352,7 +357,7 @@ def edge_tasks(
         if d < width:
             frag.grad_local.append((d, ("G", p.name, h)))
     for d, h, vol in geo.grad_transfers:
-        if d >= width and h >= width:
+        if elsewhere(replica, (d, h)):
             continue
         backward += kept(replica, transfer_task(ctx, d, h, vol * esize, n, (("b", n, d),),
                                                  (("G", p.name, h),), f"grad {n}->{p.name}"), (d, h))
@@ -438,7 +443,7 @@ def build_fragment(
             node_tasks(node, Config(1, "x", n) if n > 1 else Config(), ctx, frag, replica=replica,
                        backward=node.name not in no_grad)
         return frag
-    needs: dict[int, list[Key]] = {d: [] for _, _, d in tasks_of(c, replica.width if replica is not None else None)}
+    needs: dict[int, list[Key]] = {d: [] for _, _, d in tasks_of(c, first_width(replica))}
     grad_edges: list[Task] = []
     for k, (p, pc) in enumerate(producers):
         fwd, bwd, wait = edge_tasks(node, c, k, p, pc, ctx, frag, replica, gradient=p.name not in no_grad)
@@ -468,7 +473,7 @@ def node_tasks(
     without gradient, :func:`~flexsearch.sim.gradients.without_gradient`, whose
     backward task takes no time)."""
     n = node.name
-    parts = tasks_of(c, replica.width if replica is not None else None)
+    parts = tasks_of(c, first_width(replica))
     copies = replica.copies if replica is not None else 1
     needs = needs or {}
     fwd_time, bwd_time = ctx.op_cost(node, c, first)

@@ -443,17 +443,18 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
         simulated, only its first jobs that end by the deadline by :func:`seconds` (the
         rest cut)."""
         nonlocal cut
+        paces = [pace(j) for j in batch]
         if deadline is not None and results and timed:
             left = deadline - time.perf_counter()
             k = len(batch)
-            while k and seconds(sims.span([pace(j) for j in batch[:k]])) > left:
+            while k and seconds(sims.span(paces[:k])) > left:
                 k -= 1
             cut = cut or k < len(batch)
-            batch = batch[:k]
+            batch, paces = batch[:k], paces[:k]
         t0 = time.perf_counter()
         out = sims.map(batch)
         if batch:
-            timed.append((sims.span([pace(j) for j in batch]), time.perf_counter() - t0))
+            timed.append((sims.span(paces), time.perf_counter() - t0))
         return out
 
     skipped = None  # the first candidate left out as over memory (simulated when nothing fits)

@@ -418,7 +418,7 @@ def plan_synchronous(
             meanwhile()
         dream = None
         interrupted = False
-        if want_pipes and pending is None and past(deadline) and any(c[2].feasible for c in candidates):
+        if want_pipes and pending is None and settled():
             cut.append("pipeline layouts")  # past the budget with a plan that fits: none searched
         elif want_pipes:
             try:

@@ -7,6 +7,8 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
+from flexsearch.search.planner import REFERENCE_BASELINES
+
 
 def si(x: float, unit: str = "") -> str:
     for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
@@ -109,7 +111,10 @@ def plan_table(p, search_time_s: float | None, *, default_cluster: bool = False)
                                                         f"(objective: {p.objective})"))
     close = p.within_noise
     for name, t in sorted(p.baselines.items()):
-        rows.append((f"baseline {name}", ms(t) + (f" (within noise: {p.noise:.1%})" if name in close else "")))
+        said = f" (within noise: {p.noise:.1%})" if name in close else ""
+        if name in REFERENCE_BASELINES:
+            said += f" (for reference: {REFERENCE_BASELINES[name]})"
+        rows.append((f"baseline {name}", ms(t) + said))
     for name in p.infeasible_baselines:
         rows.append((f"baseline {name}", "does not fit"))
     if search_time_s is not None:

@@ -292,6 +292,16 @@ def test_planner_chooses_dpsgd_on_the_slow_network_and_says_why(resnet20_plans, 
     assert sync.kind != "decentralized" and sync.topology is None
     assert any("D-PSGD" in note for note in sync.notes)  # rejected, with the reason
     assert "ps" in sync.baselines and "ps-sharded" in sync.baselines
+    # the table says which baselines the plan is not compared with, and why
+    from rich.console import Console
+
+    from flexsearch.tables import plan_table
+
+    console = Console(width=240, record=True)
+    console.print(plan_table(sync, None))
+    shown = {line.split("│")[1].strip(): line for line in console.export_text().splitlines() if "baseline " in line}
+    assert "not emitted, no runtime cost per step" in shown["baseline ps"]
+    assert "for reference" in shown["baseline ps-sharded"] and "for reference" not in shown["baseline data"]
     for objective in ("iteration", "time_to_accuracy"):
         p = plans[objective]
         assert p.kind == "decentralized" and p.objective == objective

@@ -40,12 +40,15 @@ import torch.multiprocessing as mp
 
 PRELOAD = ("torch", "torch.distributed", "flexsearch.emit", "flexsearch.emit.verify", "flexsearch.emit.data",
            "flexsearch.emit.sharded", "flexsearch.emit.staged", "flexsearch.emit.decentralized",
-           "torch.distributed.fsdp", "torch.distributed.pipelining", "torch.distributed.optim")
+           "flexsearch.graph.tracer", "torch.distributed.fsdp", "torch.distributed.pipelining",
+           "torch.distributed.optim", "torch.export._trace")
 """What the fork server imports before forking ranks; ``transformers`` too where the
 launching process has imported it when the server starts. Every runtime the emitter
-has (DDP, FSDP2, DTensor, pipelining, ZeRO-1's optimizer, D-PSGD) and the verifier: a
-rank imports them lazily otherwise, about 1.6 s on each rank of every job here (the
-pipelining package alone 0.9 s), where the server imports them once."""
+has (DDP, FSDP2, DTensor, pipelining, ZeRO-1's optimizer, D-PSGD), the verifier and
+the tracer (``torch.fx``'s first symbolic trace imports ``torch.export._trace``, and
+with it AOTAutograd and networkx): a rank imports them lazily otherwise, about 2 s on
+each rank of every job here (the pipelining package alone 0.9 s), where the server
+imports them once. The server skips a module that does not import."""
 
 IMPORT_TIME = ("TORCH_", "PYTORCH_", "OMP_", "KMP_", "MKL_", "OPENBLAS_", "CUDA_", "NCCL_", "HF_", "TRANSFORMERS_")
 """Prefixes of the environment variables libraries read when they are imported."""

@@ -81,7 +81,7 @@ def main() -> None:
     ap.add_argument("--from", dest="source", metavar="FILE",
                     help="read the measured curves from a convergence file (what `flexsearch calibrate "
                          "--convergence` wrote, e.g. costmodels/convergence/CifarResNet.json) instead of training")
-    ap.add_argument("--quick", action="store_true", help="the digits MLP on 4 ranks, 3 epochs, n = 8 and 32")
+    ap.add_argument("--quick", action="store_true", help="the digits MLP on 4 ranks, 3 epochs, n = 8 and 32, 20 MCMC steps")
     args = ap.parse_args()
     ns = NS
     if args.quick:
@@ -161,8 +161,8 @@ def main() -> None:
     for cname, n in (("commodity", 32), ("dgx-h100", 8)):
         if n not in ns and not args.quick:
             continue
-        p = plan_graph(graph, Cluster.preset(cname, n), optimizer="momentum", max_iters=100, seed=0,
-                       convergence=resolve_convergence(graph.family))
+        p = plan_graph(graph, Cluster.preset(cname, n), optimizer="momentum", max_iters=20 if args.quick else 100,
+                       seed=0, convergence=resolve_convergence(graph.family))
         print(f"planner, resnet20 on {cname} x {n}: {p.kind}{' ' + p.topology if p.topology else ''} "
               f"({p.notes[-1] if p.notes else ''})")
         headline[f"planner_dpsgd_{'dgx' if cname == 'dgx-h100' else cname}_n{n}"] = float(p.kind == "decentralized")

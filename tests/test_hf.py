@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "data"))
-from hf_models import NAMES, build  # noqa: E402
+from hf_models import MORE_NAMES, NAMES, build  # noqa: E402
 
 DECODERS = ("gpt2", "llama", "mistral", "qwen2", "gemma", "mixtral", "qwen2_moe")
 MOE = ("mixtral", "qwen2_moe")
@@ -280,6 +280,29 @@ def test_every_family_verifies_on_the_planners_choice(graphs):
     for name, kind, _shard, loss, ref in results[0]:
         assert loss == pytest.approx(ref, rel=1e-5), (name, kind)
     assert {kind for _, kind, *_ in results[0]} >= {"soap", "pipeline"}
+
+
+@pytest.mark.slow
+def test_more_families_trace_plan_and_verify(graphs):
+    """Eighteen more families (:data:`hf_models.MORE_NAMES`: Phi, GPT-NeoX, OPT, Gemma 2
+    and 3, Qwen3, OLMo 2, StarCoder2, GPT-J, BLOOM, DeBERTa-v2, Swin, DeepSeek-V3's
+    latent attention and experts, ...): each traces with every parameter counted, plans
+    on 2 `cpu` devices and on 8 `dgx-h100`, and the planner's choice on 2 devices and its
+    best SOAP plan, emitted on 2 gloo ranks, compute what the model does."""
+    cl, h100 = Cluster.resolve("cpu", 2), Cluster.preset("dgx-h100", 8)
+    cases = []
+    for name in MORE_NAMES:
+        model, _, g = _graph(graphs, name)
+        assert sum(n.num_params for n in g.nodes) + g.unused_params == sum(p.numel() for p in model.parameters())
+        assert g.flops > 0 and g.backward_flops > g.flops, name
+        assert plan_graph(g, h100, max_iters=20).predicted.iteration_time_s > 0
+        cases.append((name, plan_graph(g, cl, max_iters=20)))
+        cases.append((name, plan_graph(g, cl, kinds=("soap",), max_iters=20)))
+    results = run_ranks(hf_job, 2, cases, timeout_s=1800)
+    for name, kind, _shard, loss, ref in results[0]:
+        print(f"{name:<16} {kind:<22} loss {loss:.6g} reference {ref:.6g}")
+    for name, kind, _shard, loss, ref in results[0]:
+        assert loss == pytest.approx(ref, rel=1e-5), (name, kind)
 
 
 @pytest.mark.slow

@@ -40,8 +40,9 @@ from zoo import build, entries  # noqa: E402
 import flexsearch  # noqa: E402
 from flexsearch.cost.hardware import Cluster  # noqa: E402
 from flexsearch.errors import InfeasiblePlanError  # noqa: E402
+from flexsearch.plan import REFERENCE_BASELINES  # noqa: E402
 from flexsearch.search.baselines import run_baselines  # noqa: E402
-from flexsearch.search.planner import REFERENCE_BASELINES, plan_graph  # noqa: E402
+from flexsearch.search.planner import plan_graph  # noqa: E402
 from flexsearch.sim.context import CostContext  # noqa: E402
 from flexsearch.sim.simulator import Simulator  # noqa: E402
 from flexsearch.strategy.space import Space  # noqa: E402

@@ -26,6 +26,18 @@ from flexsearch.strategy.config import Config, legal, parse_config
 from flexsearch.strategy.fsdp import fsdp_units
 from flexsearch.strategy.kinds import DataParallel, Decentralized, Pipelined, Soap, Strategy
 
+REFERENCE_BASELINES = {
+    "pipedream": "asynchronous, stale weights; not emitted",
+    "ps": "a parameter server; not emitted, no runtime cost per step",
+    "ps-sharded": "parameter servers; not emitted, no runtime cost per step",
+}
+"""Baselines the emitter does not run (PipeDream's asynchronous pipeline changes the
+training semantics with stale weights; parameter servers), with what the plan's table
+(:func:`flexsearch.tables.plan_table`) says of each: reported for comparison, not a
+bound the returned plan must beat. A parameter server's prediction has no runtime cost
+per step (``step_s``), which a calibrated cluster gives every plan the emitter runs,
+so there it can look faster than the plan."""
+
 PLAN_VERSION = 7
 """7: ``shard: zero2`` on pipeline plans (FSDP2 stages over their replicas), and
 ``microbatches`` on ``zero1`` and ``zero2`` data-parallel plans (accumulation); 6: ``shard: zero1`` on pipeline and hybrid plans (optimizer state sharded over a

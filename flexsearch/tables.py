@@ -7,7 +7,7 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from flexsearch.search.planner import REFERENCE_BASELINES
+from flexsearch.plan import REFERENCE_BASELINES
 
 
 def si(x: float, unit: str = "") -> str:

@@ -8,8 +8,7 @@ import pytest
 from conftest import ROOT
 from test_cli import invoke, run
 
-from flexsearch.plan import PLAN_VERSION
-from flexsearch.search.planner import REFERENCE_BASELINES
+from flexsearch.plan import PLAN_VERSION, REFERENCE_BASELINES
 
 TINY = str(ROOT / "benchmarks/models/alexnet.py:alexnet_tiny")
 

@@ -21,6 +21,7 @@ import flexsearch  # noqa: E402
 from flexsearch import Cluster, InfeasiblePlanError, trace  # noqa: E402
 from flexsearch.api import resolve_calibration  # noqa: E402
 from flexsearch.errors import PlanKindError, TraceError  # noqa: E402
+from flexsearch.plan import REFERENCE_BASELINES  # noqa: E402
 from flexsearch.precision import precision as precision_of  # noqa: E402
 from flexsearch.search.assignment import AssignmentBuilder  # noqa: E402
 from flexsearch.search.baselines import run_baselines  # noqa: E402
@@ -32,7 +33,7 @@ from flexsearch.search.ilp import (  # noqa: E402
     solve_assignment,
 )
 from flexsearch.search.mcmc import cost_of, mcmc  # noqa: E402
-from flexsearch.search.planner import REFERENCE_BASELINES, plan_graph  # noqa: E402
+from flexsearch.search.planner import plan_graph  # noqa: E402
 from flexsearch.sim.context import CostContext  # noqa: E402
 from flexsearch.sim.predict import predict  # noqa: E402
 from flexsearch.sim.simulator import Simulator  # noqa: E402

@@ -120,17 +120,6 @@ EXPORTED_NOTE = ("traced with torch.export: SOAP configurations use every device
                  "of them); the emitter runs the exported ATen graph")
 """Said in the plans of a model only ``torch.export`` traces that may use SOAP (see
 :class:`~flexsearch.strategy.space.Space`)."""
-REFERENCE_BASELINES = {
-    "pipedream": "asynchronous, stale weights; not emitted",
-    "ps": "a parameter server; not emitted, no runtime cost per step",
-    "ps-sharded": "parameter servers; not emitted, no runtime cost per step",
-}
-"""Baselines the emitter does not run (PipeDream's asynchronous pipeline changes the
-training semantics with stale weights; parameter servers), with what the plan's table
-says of each: reported for comparison, not a bound the returned plan must beat. A
-parameter server's prediction has no runtime cost per step (``step_s``), which a
-calibrated cluster gives every plan the emitter runs, so there it can look faster
-than the plan."""
 FSDP_MAX_TASKS = 4_000_000
 """Ops x devices beyond which sharded data parallelism is not simulated (it is simulated
 op by op): GPT-3 175B on 1,024 devices (2.4 M) is; GPT 1T on 3,072 (8.6 M) ran out of

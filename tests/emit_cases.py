@@ -110,18 +110,21 @@ def groups_agree(world: int) -> None:
                                      f"ranks {ranks} on rank {r}")
 
 
-def check_job(rank: int, world: int, spec: str, plans: list) -> list:
-    """On every rank: each plan emitted and verified (loss, gradients, 3 steps), and the
-    process groups it made agree across ranks."""
+def verified(world: int, spec: str, plan) -> tuple[tuple, object]:
+    """On every rank: ``plan`` emitted and verified (loss, gradients, 3 steps), and the
+    process groups it made agree across ranks: ``(kind, schedule, loss, reference loss,
+    parameters held)`` and the verified module (for a job to inspect what it holds)."""
     from flexsearch.emit.verify import verify
 
-    out = []
-    for plan in plans:
-        model, x, y = with_target(spec)
-        r = verify(model, plan, x, y, mse)
-        groups_agree(world)
-        out.append((plan.kind, plan.schedule, r["loss"], r["reference_loss"], r["params"]))
-    return out
+    model, x, y = with_target(spec)
+    r = verify(model, plan, x, y, mse)
+    groups_agree(world)
+    return (plan.kind, plan.schedule, r["loss"], r["reference_loss"], r["params"]), r["module"]
+
+
+def check_job(rank: int, world: int, spec: str, plans: list) -> list:
+    """On every rank: each plan's :func:`verified` figures."""
+    return [verified(world, spec, plan)[0] for plan in plans]
 
 
 def attention_kernels_job(rank: int, world: int, spec: str, plan) -> list[str]:

@@ -264,33 +264,29 @@ def _tiny_gpt_plan(precision: str, strategy_of, world: int = 4) -> tuple[Plan, o
 
 
 def sharded_job(rank: int, world: int, spec: str, plans: list) -> list:
-    """On every rank: each plan verified (loss, gradients, parameters after 3 steps), then
-    the bytes of Adam's state its optimizer holds after a step (``ZeroRedundancyOptimizer``'s
-    share, or the local tensors of FSDP's sharded state), and of the weights' local
-    tensors."""
+    """On every rank: each plan verified (loss, gradients, parameters after 3 steps:
+    ``emit_cases.verified``), then the bytes of Adam's state an optimizer over the verified
+    module holds after a step on its last gradients (``ZeroRedundancyOptimizer``'s share,
+    or the local tensors of FSDP's sharded state), and of the weights' local tensors."""
     import torch
-    from emit_cases import mse, with_target
+    from emit_cases import verified
 
-    from flexsearch.emit import make_optimizer, parallelize
+    from flexsearch.emit import make_optimizer
 
     def local(v):
         return v.to_local() if hasattr(v, "to_local") else v
 
-    out = check_job(rank, world, spec, plans)
-
-    states = []
+    out = []
     for plan in plans:
-        model, x, y = with_target(spec)
-        module = parallelize(model, plan)
+        checked, module = verified(world, spec, plan)
         opt = make_optimizer(module, torch.optim.Adam, lr=1e-3)
-        module.train_step(x, y, mse)
         opt.step()
         inner = getattr(opt, "optim", opt)
         state = sum(local(v).numel() * local(v).element_size() for st in inner.state.values() for v in st.values()
                     if torch.is_tensor(v) and v.dim())
         weights = {id(q): q for q in module.parameters()}.values()
-        states.append((state, sum(local(q).numel() * 4 for q in weights)))
-    return [(*o, s) for o, s in zip(out, states, strict=True)]
+        out.append((*checked, (state, sum(local(q).numel() * 4 for q in weights))))
+    return out
 
 
 def test_zero1_pipeline_and_hybrid_plans_compute_what_the_model_does():

@@ -193,8 +193,9 @@ def verify(model: nn.Module, plan: Plan, inputs: tuple, target: Any = None,
     Raises AssertionError after every step ran (module docstring), naming the first
     mismatch, with the largest relative differences seen and, when the model is random
     in training, why (:func:`randomness_hint`); returns what was checked: ``loss``,
-    ``reference_loss``, ``params`` (names this rank holds) and ``largest`` (the five
-    largest relative differences, ``(error, what)``)."""
+    ``reference_loss``, ``params`` (names this rank holds), ``largest`` (the five
+    largest relative differences, ``(error, what)``) and ``module``, the emitted module
+    after the steps (what it holds: its shards, its gradients of the last step)."""
     seen: list[tuple[float, str]] = []
     try:
         return _compare(model, plan, inputs, target, loss_fn, steps, lr, group, rtol, atol, seen)
@@ -284,7 +285,7 @@ def _compare(model, plan, inputs, target, loss_fn, steps, lr, group, rtol, atol,
                 if len(mismatches) > 1 else ""
             raise AssertionError(mismatches[0] + more)
         return {"loss": float(loss), "reference_loss": float(ref_loss.detach()), "params": sorted(mine),
-                "largest": largest(seen)}
+                "largest": largest(seen), "module": emitted}
 
     emitted = parallelize(model, plan, group=group)
     decentralized = plan.kind == "decentralized"

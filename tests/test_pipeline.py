@@ -284,6 +284,28 @@ def test_a_pipeline_search_starts_no_batch_that_would_end_past_its_deadline(vgg1
     assert {repr(r) for r in tight.results} <= {repr(r) for r in free.results}
 
 
+def test_past_its_deadline_a_pipeline_search_goes_on_until_a_layout_fits(vgg16, monkeypatch):
+    """With its deadline past before a layout that fits is simulated, the search goes on,
+    one candidate at a time, until one fits (as the planner's other phases do), and says
+    it was cut. It used to stop at the first candidate over memory: GPT 1T on 3,072 A100s
+    at a 15 s budget ended with no plan. Here the memory check refuses the first three
+    layouts it is asked about."""
+    from flexsearch.search import pipeline as pl
+
+    real = pl.stages_peak_memory
+    asked = []
+
+    def refusing(*args, **kwargs):
+        asked.append(kwargs["bounds"])
+        return math.inf if len(asked) <= 3 else real(*args, **kwargs)
+
+    monkeypatch.setattr(pl, "stages_peak_memory", refusing)
+    found = search_pipelines(vgg16, CostContext(Cluster.preset("dgx-h100", 8)), deadline=0.0)
+    assert found.cut and len(asked) > 3
+    assert found.results[0].simulation.feasible
+    assert sum(r.simulation.feasible for r in found.results) == 1  # the first that fits, then no more
+
+
 def test_profile_plan_and_cli():
     profile = load_profile(ROOT / "benchmarks/profiles/vgg16_pipedream.txt")
     best, data = plan_profile(profile, CostContext(Cluster.preset("pipedream-a", 16)))

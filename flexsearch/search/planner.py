@@ -130,6 +130,10 @@ after the baselines, while the worker searches the pipelines; in the worker when
 are none to search); a larger one is built only when the MCMC will run (no plan
 within :data:`BOUND_GAP` of the bound): its build grows with ops x devices x candidate
 pairs (137 s for GPT 18.4B on 256 devices)."""
+OVERRUN = 0.10
+"""An overrun of the budget the plan's budget note states: more than this share of it
+([v2 4/6]: never past a budget by more than 10%, but each phase goes on past it while
+nothing found fits)."""
 BOUND_GAP = 0.05
 """The MCMC is skipped when a data, sharded or pipeline plan already found is within this
 fraction of the lower bound (the single-device time over ``N``, which no plan beats): no
@@ -497,7 +501,9 @@ def plan_synchronous(
             else:
                 infeasible.append("pipedream")
         if cut:
-            notes.append(f"budget {stated:g} s: cut short: {', '.join(cut)} (the best plan found so far)")
+            late = time.perf_counter() - deadline if deadline is not None else 0.0
+            past_note = f"; it ended {late:.1f} s past the budget" if late > OVERRUN * budget_s else ""
+            notes.append(f"budget {stated:g} s: cut short: {', '.join(cut)} (the best plan found so far{past_note})")
         search = SearchInfo(seed=seed, max_iters=max_iters, budget_s=stated, iterations=result.iterations,
                             ilp=ilp_status, curve=tuple((it, t) for it, _, t in result.improvements))
         spread = ctx.calibration.step_spread if ctx.calibration is not None else None

@@ -11,6 +11,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -109,15 +110,39 @@ app.command()(calibrate)
 
 def _refuse_overwrite(path: str | None, force: bool, flag: str) -> None:
     """FlexsearchError unless ``path`` (None: not given) can be written: not a directory,
-    not an existing file without ``--force``, in a directory that exists."""
+    not an existing file without ``--force``, in a directory that exists, and writable
+    (a new file is created and removed to find out, before any work)."""
     if path is None:
         return
-    if Path(path).is_dir():
+    target = Path(path)
+    if target.is_dir():
         raise FlexsearchError(f"{flag} {path} is a directory; give the path of a file to write (in it, or elsewhere)")
-    if Path(path).exists() and not force:
+    if target.exists() and not force:
         raise FlexsearchError(f"{path} exists; pass --force to overwrite it or choose another {flag} path")
-    if not Path(path).parent.is_dir():
-        raise FlexsearchError(f"{flag} {path}: directory {Path(path).parent} does not exist; create it first")
+    parent = next((p for p in target.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise FlexsearchError(f"{flag} {path}: {parent} is a file, not a directory; choose another {flag} path")
+    if not target.parent.is_dir():
+        raise FlexsearchError(f"{flag} {path}: directory {target.parent} does not exist; create it first")
+    try:
+        if target.exists():
+            with target.open("r+b"):  # opened for writing, nothing written
+                pass
+        else:
+            target.touch(exist_ok=False)
+            target.unlink()
+    except OSError as e:
+        raise FlexsearchError(f"cannot write {flag} {path}: {e.strerror or e}; choose a writable path") from None
+
+
+def _write(path: str, flag: str, write: Callable[[], object]) -> None:
+    """``write()`` (which writes ``path``), a failure (a full disk, a path that became
+    unwritable) as one line."""
+    try:
+        write()
+    except OSError as e:
+        raise FlexsearchError(f"cannot write {flag} {path}: {e.strerror or e}; nothing else was lost, run the "
+                              "command again with a writable path") from None
 
 
 def _refuse_same_file(*paths: tuple[str | None, str]) -> None:
@@ -247,10 +272,11 @@ def plan(
     if p.interrupted:
         err.print(f"interrupted: returning the best plan found so far ({p.search.iterations} MCMC steps; "
                   "the remaining searches were skipped)", markup=False, soft_wrap=True)
+    timeline = simulate(graph, p, calibration=calibration, measured=measured) if trace_out is not None else None
     if out is not None:
-        p.save(out)
-    if trace_out is not None:
-        simulate(graph, p, calibration=calibration, measured=measured).to_chrome_trace(trace_out)
+        _write(out, "--out", lambda: p.save(out))
+    if timeline is not None:
+        _write(trace_out, "--trace", lambda: timeline.to_chrome_trace(trace_out))
     if as_json:
         sys.stdout.write(json.dumps(plan_summary(p, p.search_time_s)) + "\n")
         return
@@ -294,8 +320,10 @@ def _plan_graph_for(p, plan_path: str):
     path, name = split_spec(spec)
     if not Path(path).exists():
         alt = Path(plan_path).parent / path
-        if alt.exists():
-            spec = f"{alt}:{name}" if name else str(alt)
+        if not alt.exists():
+            raise FlexsearchError(f"the plan's model file {path} (as given to `flexsearch plan`) is neither here nor "
+                                  f"next to {plan_path}; run this where the plan was made, or plan the model again")
+        spec = f"{alt}:{name}" if name else str(alt)
     module, inputs = load_model(spec)
     return trace_graph(module, inputs, name=p.model, precision=p.precision)
 
@@ -329,7 +357,7 @@ def simulate(
         warnings.simplefilter("ignore", CalibrationWarning)  # said above, in one line
         sim = simulate_plan(graph, p, measured=measured)
     if trace_out is not None:
-        sim.to_chrome_trace(trace_out)
+        _write(trace_out, "--trace", lambda: sim.to_chrome_trace(trace_out))
     summary = {
         "model": p.model,
         "kind": p.kind,
@@ -379,7 +407,7 @@ def verify(
     # a model file that does not load, or a plan made for another model, is bad input, before any rank starts
     from flexsearch.graph.tracer import trace as trace_model
 
-    p.check_graph(trace_model(*load_model(model), name=model, precision=p.precision))
+    p.strategy(trace_model(*load_model(model), name=model, precision=p.precision))  # checks it fits the graph
     try:
         results = run_ranks(verify_job, n, model, p.model_dump_json(), steps, timeout_s=timeout)
     except RanksFailed as e:
@@ -436,6 +464,7 @@ def report(
     search's convergence and the plan against its baselines and lower bound (the plan's
     model file is traced again)."""
     from flexsearch.api import simulate as simulate_plan
+    from flexsearch.cost.hardware import Cluster
     from flexsearch.plan import Plan
     from flexsearch.report import render
 
@@ -443,7 +472,11 @@ def report(
     _refuse_overwrite(out, force, "--out")
     p = Plan.load(plan_file)
     graph = _plan_graph_for(p, plan_file)
-    Path(out).write_text(render(p, simulate_plan(graph, p)), encoding="utf-8")
+    warn_calibration(Cluster.from_spec(p.cluster, p.devices))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CalibrationWarning)  # said above, in one line
+        page = render(p, simulate_plan(graph, p))
+    _write(out, "--out", lambda: Path(out).write_text(page, encoding="utf-8"))
     stdout.print(f"report written to {out}")
 
 

@@ -280,6 +280,11 @@ class Plan(_Frozen):
         missing += [k for k in self.decisions if k not in configs]
         if missing:
             raise PlanFileError(f"the plan has no configuration for {missing[0]}; plan this model again")
+        names = {n.name for n in graph.nodes}
+        extra = [k for k in (*configs, *self.decisions) if k not in names]
+        if extra:
+            raise PlanFileError(f"the plan configures {extra[0]}, which is not an op of the model; the file is "
+                                "damaged or edited, plan again")
         for n in graph.nodes:  # decisions and followers alike: the emitter must be able to run them
             if not legal(n, configs[n.name], self.devices):
                 raise PlanFileError(
@@ -304,6 +309,11 @@ class Plan(_Frozen):
         """Raise PlanFileError unless this plan was made for ``graph`` (the same model,
         traced in the plan's precision)."""
         if graph.fingerprint != self.graph_fingerprint:
+            if graph.model == self.model:
+                raise PlanFileError(
+                    f"model {self.model!r} now traces to graph {graph.fingerprint}, not the plan's "
+                    f"{self.graph_fingerprint}: it changed since the plan was made (or the plan was edited); plan "
+                    "it again with `flexsearch plan`")
             raise PlanFileError(
                 f"this plan was made for model {self.model!r} (graph {self.graph_fingerprint}), "
                 f"not for {graph.model!r} (graph {graph.fingerprint}); plan this model with "
@@ -341,7 +351,8 @@ class Plan(_Frozen):
             raw = json.loads(text)
         except json.JSONDecodeError as e:
             raise PlanFileError(
-                f"{where} is not valid JSON (line {e.lineno}: {e.msg}); it is damaged, plan again"
+                f"{where} is not valid JSON (line {e.lineno}: {e.msg}): not a plan file, or a damaged one; "
+                "pass a file written by `flexsearch plan --out`, or plan again"
             ) from None
         if not isinstance(raw, dict) or "version" not in raw:
             raise PlanFileError(f"{where} is not a flexsearch plan (no version field)")
@@ -360,7 +371,10 @@ class Plan(_Frozen):
         for table in (plan.decisions, plan.configs):
             for name, text_ in table.items():
                 try:
-                    parse_config(text_)
+                    c = parse_config(text_)
                 except ValueError as e:
                     raise PlanFileError(f"{where} is damaged: {name}: {e}") from None
+                if c.first + c.n > plan.devices:
+                    raise PlanFileError(f"{where} is damaged or edited: {name}'s configuration {text_} uses "
+                                        f"{c.first + c.n} devices, the plan {plan.devices}; plan again")
         return plan

@@ -208,6 +208,18 @@ def bad_files(tmp_path_factory):
     gpt = str(ROOT / "benchmarks/models/gpt.py:gpt_tiny")
     (d / "other_model.json").write_text(json.dumps({**plan, "model": gpt}))
     (d / "bad_config.json").write_text(json.dumps({**plan, "configs": {**plan["configs"], "fc1": "s9q"}}))
+    assert main(["plan", MLP, "--devices", "2", "--kind", "data", "--max-iters", "5", "--out", str(d / "data.json")]) == 0
+    data = json.loads((d / "data.json").read_text())
+    (d / "fewer_devices.json").write_text(json.dumps({**data, "devices": 1}))
+    some = next(iter(data["configs"].values()))
+    (d / "extra_op.json").write_text(json.dumps({**data, "configs": {**data["configs"], "ghost": some},
+                                                 "decisions": {**data["decisions"], "ghost": some}}))
+    (d / "moved_model.json").write_text(json.dumps({**plan, "model": "nowhere/m.py:build"}))
+    (d / "extra_input.py").write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "def build():\n"
+        "    return nn.Linear(8, 8), (torch.randn(16, 8), 3)\n"
+    )
     return d
 
 
@@ -247,14 +259,27 @@ BAD = [
     (["simulate", "{d}/list.json"], "not a flexsearch plan"),
     (["report", "{d}/foreign.json", "--out", "{d}/r.html"], "not a flexsearch plan"),
     (["simulate", "{d}/newer.json"], "upgrade flexsearch"),
-    (["simulate", "{d}/other_model.json"], "made for model"),
+    (["simulate", "{d}/other_model.json"], "not the plan's"),
     (["show", "{d}/bad_config.json"], "damaged"),
+    (["show", "{d}/fewer_devices.json"], "is damaged or edited: "),  # a configuration on more devices than the plan
+    (["verify", MLP, "--plan", "{d}/fewer_devices.json"], "is damaged or edited: "),
+    (["simulate", "{d}/extra_op.json"], "ghost, which is not an op of the model"),
+    (["verify", MLP, "--plan", "{d}/extra_op.json"], "ghost, which is not an op of the model"),
+    (["simulate", "{d}/moved_model.json"], "is neither here nor next to"),
+    (["show", "{d}/syntax.py"], "not a plan file"),
+    (["profile", MLP, "--out", "{d}/mlp.json"], "is not a profile file"),
+    (["plan", MLP.rsplit(":", 1)[0] + ":"], "no NAME after ':'"),
+    (["plan", "{d}/extra_input.py:build"], "do not fit Linear.forward"),  # an input forward does not take
     (["report", "{d}/mlp.json"], "--out"),
     # output paths refused before any work: the same file twice, a directory (even with --force)
     (["plan", MLP, "--out", "{d}/same.json", "--trace", "{d}/same.json"], "--out and --trace are the same file"),
     (["plan", MLP, "--out", "{d}/same.json", "--trace", "{d}/../{d_name}/same.json"], "are the same file"),
     (["plan", "{d}/syntax.py", "--out", "{d}/syntax.py", "--force"], "the model file and --out are the same file"),
     (["plan", MLP, "--out", "{d}", "--force"], "--out {d} is a directory"),
+    (["plan", MLP, "--out", "{d}/mlp.json/plan.json"], "mlp.json is a file, not a directory"),
+    (["plan", MLP, "--out", "/proc/flexsearch-plan.json"], "cannot write --out"),  # before the search
+    (["plan", MLP, "--max-iters", "5", "--out", "/dev/full", "--force"], "cannot write --out /dev/full"),  # a full disk
+    (["report", "{d}/mlp.json", "--out", "/proc/flexsearch-report.html"], "cannot write --out"),
     (["plan", MLP, "--trace", "{d}", "--force"], "--trace {d} is a directory"),
     (["report", "{d}/mlp.json", "--out", "{d}", "--force"], "--out {d} is a directory"),
     (["simulate", "{d}/mlp.json", "--trace", "{d}", "--force"], "--trace {d} is a directory"),

@@ -27,6 +27,7 @@ interrupted run keeps what it measured and the next run resumes where it stopped
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import platform
@@ -100,6 +101,16 @@ def profile_key(node: OpNode, partition: Partition, dtype: str, device: str, tor
     return f"{node.signature}|{partition_text(partition)}|{dtype}|{device}|torch-{version}"
 
 
+def _looks_like_profile(text: str) -> bool:
+    """Is ``text`` a JSON object with a profile's own fields (``device`` and ``entries``):
+    a profile, damaged or not, rather than some other file?"""
+    try:
+        raw = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(raw, dict) and "device" in raw and "entries" in raw
+
+
 class ProfileDB:
     """Measured times loaded from a profile file; a ``MeasuredCosts`` for the cost model."""
 
@@ -113,8 +124,15 @@ class ProfileDB:
         if not path.exists():
             return cls(ProfileFile(device=device or path.stem), path)
         try:
-            data = ProfileFile.model_validate_json(path.read_text())
+            text = path.read_text()
+        except UnicodeDecodeError:  # a binary file: not a profile
+            text = ""
+        try:
+            data = ProfileFile.model_validate_json(text)
         except (ValidationError, ValueError) as exc:
+            if not _looks_like_profile(text):
+                raise ProfileError(f"{path} exists and is not a profile file; pass a profile written by `flexsearch "
+                                   "profile`, or choose another --out (it is not overwritten)") from exc
             first = str(exc).splitlines()[0]
             raise ProfileError(f"profile {path} is damaged ({first}); delete it and run `flexsearch profile` again") from exc
         if data.version > PROFILE_VERSION:

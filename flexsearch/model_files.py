@@ -161,26 +161,4 @@ def load_model(spec: str | Path) -> tuple[nn.Module, tuple]:
             f"example inputs of {path}:{name} hold no tensor; give a tuple of input tensors "
             "whose dim 0 is the global batch"
         )
-    _check_call(result, inputs, f"{path}:{name}")
     return result, inputs
-
-
-def _check_call(model: nn.Module, inputs: tuple, where: str) -> None:
-    """ModelLoadError unless ``model``'s forward takes ``inputs`` (a trailing dict as
-    keyword arguments, or every input positional): extra or missing arguments would
-    otherwise be dropped or fail on the ranks, not here."""
-    try:
-        sig = inspect.signature(model.forward)
-    except (TypeError, ValueError):  # no signature to check (a builtin, a C extension)
-        return
-    args, kwargs = (inputs[:-1], inputs[-1]) if isinstance(inputs[-1], dict) else (inputs, {})
-    try:
-        sig.bind(*args, **kwargs)
-        return
-    except TypeError as e:
-        why = str(e)
-    try:
-        sig.bind(*inputs)
-    except TypeError:
-        raise ModelLoadError(f"the example inputs of {where} do not fit {type(model).__name__}.forward{sig}: "
-                             f"{why}; return inputs its forward takes (a trailing dict: keyword arguments)") from None

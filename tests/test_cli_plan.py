@@ -269,7 +269,7 @@ BAD = [
     (["show", "{d}/syntax.py"], "not a plan file"),
     (["profile", MLP, "--out", "{d}/mlp.json"], "is not a profile file"),
     (["plan", MLP.rsplit(":", 1)[0] + ":"], "no NAME after ':'"),
-    (["plan", "{d}/extra_input.py:build"], "do not fit Linear.forward"),  # an input forward does not take
+    (["plan", "{d}/extra_input.py:build"], "do not fit Linear.forward"),  # an input forward does not take (the tracer)
     (["report", "{d}/mlp.json"], "--out"),
     # output paths refused before any work: the same file twice, a directory (even with --force)
     (["plan", MLP, "--out", "{d}/same.json", "--trace", "{d}/same.json"], "--out and --trace are the same file"),

@@ -432,6 +432,25 @@ def test_not_a_module():
         trace(lambda x: x, (torch.zeros(1),))
 
 
+def test_inputs_forward_does_not_take_are_a_trace_error():
+    """An example input the model's forward does not take (it was dropped from the graph,
+    and the plan made without it), or one it needs that is missing: one line naming the
+    signature, from trace and from plan; a trailing dict is keyword arguments."""
+    x = torch.zeros(16, 8)
+    with pytest.raises(TraceError, match=r"do not fit Linear.forward\(input: torch.Tensor\).*too many positional"):
+        trace(nn.Linear(8, 8), (x, 3))
+    with pytest.raises(TraceError, match="unexpected keyword argument 'mask'"):
+        flexsearch.plan(nn.Linear(8, 8), (x, {"mask": x}), devices=2, max_iters=0)
+    with pytest.raises(TraceError, match="missing a required argument: 'b'"):
+        trace(Two(), (x,))
+    assert trace(Two(), (x, {"b": x})).nodes  # keyword arguments bind
+
+
+class Two(nn.Module):
+    def forward(self, a, b):
+        return a * b
+
+
 def test_exported_graphs_run_on_cpu_whatever_device_the_model_was_on():
     """An exported graph bakes the model's device into the tensors its ops create; on a
     GPU (``flexsearch profile`` of a Hugging Face GPT-2 on an H100: ``found two different

@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,6 +59,21 @@ def trace(model: nn.Module, example_inputs: tuple | Any, *, name: str | None = N
     return trace_calls(model, example_inputs, name=name, precision=precision)[0]
 
 
+def check_call(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    """TraceError unless ``model``'s forward takes ``args`` and ``kwargs`` (the example
+    inputs, a trailing dict as keyword arguments): an input it does not take would
+    otherwise be dropped from the graph, and the plan made without it."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # no signature to check (a builtin, a C extension)
+        return
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TraceError(f"the example inputs do not fit {type(model).__name__}.forward{sig}: {e}; pass inputs "
+                         "its forward takes (a trailing dict: keyword arguments)") from None
+
+
 @cycles_paused()  # a trace allocates a million objects and few cycles (flexsearch.collector)
 def trace_calls(
     model: nn.Module, example_inputs: tuple | Any, *, name: str | None = None,
@@ -71,6 +87,7 @@ def trace_calls(
     kwargs: dict[str, Any] = {}
     if args and isinstance(args[-1], dict):
         args, kwargs = args[:-1], dict(args[-1])
+    check_call(model, args, kwargs)
     seen = {id(a) for a in args if isinstance(a, torch.Tensor)}
     for k, v in kwargs.items():  # one tensor passed twice (`labels=input_ids`): two inputs, as a batch has
         if isinstance(v, torch.Tensor):

@@ -502,7 +502,7 @@ def plan_synchronous(
                 infeasible.append("pipedream")
         if cut:
             late = time.perf_counter() - deadline if deadline is not None else 0.0
-            past_note = f"; it ended {late:.1f} s past the budget" if late > OVERRUN * budget_s else ""
+            past_note = f"; it ended {late:.1f} s past the budget" if late > OVERRUN * stated else ""
             notes.append(f"budget {stated:g} s: cut short: {', '.join(cut)} (the best plan found so far{past_note})")
         search = SearchInfo(seed=seed, max_iters=max_iters, budget_s=stated, iterations=result.iterations,
                             ilp=ilp_status, curve=tuple((it, t) for it, _, t in result.improvements))

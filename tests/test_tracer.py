@@ -624,7 +624,7 @@ def test_replayed_calls_trace_the_graph_running_every_call_gives(case, monkeypat
 def test_an_op_that_cannot_run_on_fake_tensors_is_one_line_naming_the_fix(caplog):
     """Inputs of the wrong shape: the op's own check, one line (fx's node dump and the
     fake-tensor kernel's logged traceback left out) asking to check the inputs; a shape
-    that depends on the data: the advice to make the model shape-only."""
+    that depends on the data (boolean indexing): the advice to compute densely and mask."""
     import logging
 
     class Masked(nn.Module):
@@ -635,7 +635,7 @@ def test_an_op_that_cannot_run_on_fake_tensors_is_one_line_naming_the_fix(caplog
         trace(nn.Linear(4, 4), (torch.randn(8, 5),))
     assert "\n" not in str(wrong.value) and "example inputs have the shapes" in str(wrong.value)
     assert not [r for r in caplog.records if r.name.startswith("torch._subclasses")]
-    with pytest.raises(TraceError, match="make it shape-only"):
+    with pytest.raises(TraceError, match="keep every shape independent of the values: compute densely and mask"):
         trace(Masked(), (torch.randn(8, 5),))
 
 
@@ -801,6 +801,39 @@ def test_packed_sequences_get_their_own_advice():
     packed, other = (f"m.py:3 `...`: {_break_reason(skipped.format(f))}" for f in ("pack_padded_sequence", "f"))
     assert advice([packed]) == PACKED_ADVICE and advice([other]) == SKIPPED_ADVICE
     assert advice([other, "m.py:4 `if x.sum() > 0:`: a branch on a tensor's value"]) == f"{SKIPPED_ADVICE}; {ADVICE}"
+
+
+class LoopMoE(nn.Module):
+    """A mixture of experts as it is often hand-written: each expert gathers its tokens
+    with ``torch.where(idx == e)`` (a shape that depends on the routing's values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(8, 2)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        idx = self.gate(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            (tok,) = torch.where(idx == e)
+            out = out.index_add(0, tok, expert(x[tok]))
+        return out
+
+
+def test_a_value_dependent_shape_gets_dense_advice():
+    """An op whose output's shape depends on the values (an MoE's per-expert gather):
+    the error says to compute densely or with a fixed capacity, not to select branches
+    with torch.where (which is what broke it)."""
+    from flexsearch.graph.lift import ADVICE, SHAPE_ADVICE, advice
+
+    with pytest.raises(TraceError) as e:
+        trace(LoopMoE(), (torch.randn(16, 8),))
+    msg = str(e.value)
+    assert "\n" not in msg and SHAPE_ADVICE in msg and ADVICE not in msg, msg
+    shape = "m.py:5 `(tok,) = torch.where(idx == e)`: Dynamic shape operator Explanation: ..."
+    branch = "m.py:4 `if x.sum() > 0:`: a branch on a tensor's value"
+    assert advice([shape]) == SHAPE_ADVICE and advice([shape, branch]) == f"{SHAPE_ADVICE}; {ADVICE}"
 
 
 def test_a_trace_pauses_the_cycle_collector_and_restores_it(monkeypatch):

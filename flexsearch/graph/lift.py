@@ -393,6 +393,8 @@ def failure_line(fx_error: Exception, export_error: Exception) -> str:
                                     "model would: fix it there (or pass inputs it runs on) and run again")
     if "pack_padded_sequence" in where or "pack_sequence" in where:  # fake lengths cannot size the packed batch
         advice = PACKED_ADVICE
+    elif any(w in f"{reason} {export_error}" for w in SHAPE_WORDS):
+        advice = SHAPE_ADVICE
     return f"cannot trace the model at {where}: {reason}; {advice}"
 
 
@@ -424,19 +426,28 @@ def unsupported(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:
 PACKED_ADVICE = ("pad the sequences and mask the padding instead of packing them (a PackedSequence's shapes "
                  "depend on the lengths' values, which no tracer follows)")
 SKIPPED_ADVICE = "call it outside forward() or write it with tensor ops"
+SHAPE_ADVICE = ("keep every shape independent of the values: compute densely and mask instead of selecting "
+                "(nonzero, torch.where(cond) alone, boolean indexing); a mixture of experts: each expert on every "
+                "token weighted by its scattered gate, or a fixed-capacity dispatch")
+SHAPE_WORDS = ("Dynamic shape operator", "output shape depends on input Tensor data", "aten.nonzero",
+               "masked_select", "data-dependent output size")
+"""An op whose output's shape depends on its input's values (a graph break's reason)."""
 
 
 def advice(breaks: list[str]) -> str:
     """What to do about ``breaks`` (:func:`unsupported`'s lines): pad instead of packing
-    sequences, avoid a function tracing does not enter, else :data:`ADVICE` (control
-    flow on tensor values)."""
+    sequences, avoid a function tracing does not enter, keep shapes independent of values
+    (:data:`SHAPE_ADVICE`), else :data:`ADVICE` (control flow on tensor values)."""
     fixes = []
     packed = [b for b in breaks if any(w in b for w in ("pack_padded_sequence", "pack_sequence", "PackedSequence"))]
     if packed:
         fixes.append(PACKED_ADVICE)
+    shaped = [b for b in breaks if b not in packed and any(w in b for w in SHAPE_WORDS)]
+    if shaped:
+        fixes.append(SHAPE_ADVICE)
     if any("cannot enter" in b and b not in packed for b in breaks):
         fixes.append(SKIPPED_ADVICE)
-    if not fixes or any("cannot enter" not in b and b not in packed for b in breaks):
+    if not fixes or any("cannot enter" not in b and b not in packed and b not in shaped for b in breaks):
         fixes.append(ADVICE)
     return "; ".join(fixes)
 

@@ -38,6 +38,7 @@ from flexsearch.graph import registry
 from flexsearch.graph.calls import ArgTensor, OpCall
 from flexsearch.graph.lift import (
     OWN_DIR,
+    SHAPE_ADVICE,
     TORCH_DIR,
     Constant,
     StateRef,
@@ -220,7 +221,9 @@ class Measure(fx.Interpreter):
         except Exception as exc:
             src = _source(n)
             where = f" ({src})" if src else ""
-            if isinstance(exc, _NOT_SHAPE_ONLY):
+            if isinstance(exc, DynamicOutputShapeException):  # nonzero, torch.where(cond), boolean indexing
+                fix = SHAPE_ADVICE
+            elif isinstance(exc, _NOT_SHAPE_ONLY):
                 fix = "make it shape-only (no .item(), .tolist(), data-dependent shapes) or report the op"
             elif getattr(self, "autocast", None) and "dtype" in str(exc):  # autocast's dtype meets the model's
                 fix = (f"traced under autocast to {self.autocast} (the plan's mixed precision): an op mixes it with a "

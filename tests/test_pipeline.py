@@ -287,7 +287,8 @@ def test_a_pipeline_search_starts_no_batch_that_would_end_past_its_deadline(vgg1
 def test_past_its_deadline_a_pipeline_search_goes_on_until_a_layout_fits(vgg16, monkeypatch):
     """With its deadline past before a layout that fits is simulated, the search goes on,
     one candidate at a time, until one fits (as the planner's other phases do), and says
-    it was cut. It used to stop at the first candidate over memory: GPT 1T on 3,072 A100s
+    it was cut, unless the caller has a plan that fits (``elsewhere``). It used to stop at
+    the first candidate over memory in any case: GPT 1T on 3,072 A100s
     at a 15 s budget ended with no plan. Here the memory check refuses the first three
     layouts it is asked about."""
     from flexsearch.search import pipeline as pl
@@ -304,6 +305,10 @@ def test_past_its_deadline_a_pipeline_search_goes_on_until_a_layout_fits(vgg16, 
     assert found.cut and len(asked) > 3
     assert found.results[0].simulation.feasible
     assert sum(r.simulation.feasible for r in found.results) == 1  # the first that fits, then no more
+    # the planner has a plan that fits already (elsewhere): the deadline stops it at the first candidate
+    asked.clear()
+    stopped = search_pipelines(vgg16, CostContext(Cluster.preset("dgx-h100", 8)), deadline=0.0, elsewhere=lambda: True)
+    assert stopped.cut and len(asked) <= 3 and len(stopped.results) == 1
 
 
 def test_profile_plan_and_cli():

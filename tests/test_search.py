@@ -720,6 +720,26 @@ def test_a_batch_that_does_not_split_gets_no_data_parallel_plan():
     assert not any("no data-parallel plan" in n for n in even.notes)
 
 
+def test_a_flag_raised_here_is_read_by_the_worker_forked_after_it():
+    """The planner raises :func:`~flexsearch.search.workers.new_flag`'s flag once it has a
+    plan that fits; the pipeline search in the worker reads it with ``flag_raised`` (what
+    the submitted call carries: an Event cannot be pickled) and then stops at the
+    deadline with what it has."""
+    import os
+
+    from flexsearch.search import workers
+
+    flag = workers.new_flag()
+    pool = workers.pool()
+    try:
+        assert workers.submit(pool, os.getpid).result() != os.getpid()  # a forked worker
+        assert workers.submit(pool, workers.flag_raised).result() is False
+        flag.set()
+        assert workers.submit(pool, workers.flag_raised).result() is True
+    finally:
+        pool.shutdown()
+
+
 def test_a_helper_runs_every_other_call_in_a_forked_process_with_the_same_results():
     """:class:`~flexsearch.search.workers.Helper` forks at its first batch, inheriting a
     closure (nothing of it is pickled), and gives what the calls would give here, in

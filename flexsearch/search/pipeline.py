@@ -38,7 +38,7 @@ import functools
 import heapq
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -250,7 +250,7 @@ def even_pipeline(graph: OpGraph, ctx: CostContext, schedule: str, tensor: int =
 def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam",
                      simulate_top: int = SIMULATE_TOP, schedules: Sequence[str] = SYNC_SCHEDULES,
                      max_stages: int | None = None, deadline: float | None = None,
-                     helper: bool = False) -> PipelineSearch:
+                     helper: bool = False, elsewhere: Callable[[], bool] | None = None) -> PipelineSearch:
     """Every emittable pipeline and hybrid candidate on ``ctx``'s cluster (module
     docstring), the best ``simulate_top`` by the partitioner's estimate simulated
     (and, while none of those fits, the next ones until one does, up to
@@ -260,8 +260,9 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
     would end past it by the batches timed so far (:func:`pace`): on GPT 1T over 3,072
     A100s one takes 0.5-2.5 s, so a batch started just before the deadline ran up to
     28% of a 20 s budget past it. Until one fits, the candidates go on past it, one
-    simulation at a time, as the planner's other phases do: a tight budget used to end
-    with no plan at all (GPT 1T at 15 s, tracing 6.8 s of it). ``helper``: the
+    simulation at a time, as the planner's other phases do, unless ``elsewhere()`` says
+    the caller has a plan that fits: a tight budget used to end with no plan at all (GPT
+    1T at 15 s, tracing 6.8 s of it). ``helper``: the
     candidates chosen for simulation are simulated in batches, half of each in a second
     process (:class:`~flexsearch.search.workers.Helper`); the results are the same."""
     cluster = ctx.cluster
@@ -440,13 +441,19 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
         the least of these bounds."""
         return min(t * max(1.0, span / u) for u, t in timed)
 
+    def enough() -> bool:
+        """May the deadline stop the search: a layout that fits was simulated, or one was
+        tried and ``elsewhere()`` has a plan that fits?"""
+        return any(r.simulation.feasible for r in results) or (
+            elsewhere is not None and bool(results or skipped) and elsewhere())
+
     def simulate(batch: list[tuple]) -> list[PipelineResult]:
         """:func:`simulated` over ``batch``; under a deadline, once a layout that fits has
         been simulated, only its first jobs that end by the deadline by :func:`seconds` (the
         rest cut)."""
         nonlocal cut
         paces = [pace(j) for j in batch]
-        if deadline is not None and timed and any(r.simulation.feasible for r in results):
+        if deadline is not None and timed and enough():
             left = deadline - time.perf_counter()
             k = len(batch)
             while k and seconds(sims.span(paces[:k])) > left:
@@ -468,7 +475,7 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
             results += simulate(jobs)
             jobs.clear()
         found = any(r.simulation.feasible for r in results)
-        if found and (past(deadline) or cut) or count >= max(simulate_top, SIMULATE_MAX) \
+        if enough() and (past(deadline) or cut) or count >= max(simulate_top, SIMULATE_MAX) \
                 or (count >= simulate_top and found):
             break
         _, t, p, d, m, schedule, v, recompute, part, shard, q = heapq.heappop(queue)[3]

@@ -99,8 +99,8 @@ from flexsearch.search.reasons import (
 )
 from flexsearch.search.results import graph_inputs, plan_from, predicted
 from flexsearch.search.variants import fitting_variant, shardings, splits, unsplit_reason
+from flexsearch.search.workers import flag_raised, new_flag, submit, worker_count
 from flexsearch.search.workers import pool as worker_pool
-from flexsearch.search.workers import submit, worker_count
 from flexsearch.sim.context import CostContext
 from flexsearch.sim.predict import predict, runtime_graph
 from flexsearch.sim.result import Simulation
@@ -331,15 +331,17 @@ def plan_synchronous(
     # a large ILP is built only when the SOAP search is worth running (decided after the pipelines)
     ilp_early = want_ilp and len(graph.nodes) * cluster.devices <= ILP_EARLY_MAX
     ilp_limit = ilp_time_limit_s if budget_s is None else min(ilp_time_limit_s, budget_s / 4)
-    pool = pending = ilp_pending = None
+    pool = pending = ilp_pending = fits_here = None
     stated = stated_budget_s if budget_s is not None and stated_budget_s is not None else budget_s
     # the pipeline search and the ILP on another core (not when the budget is spent already)
     if (want_pipes or ilp_early) and not past(deadline) and worker_count(workers) > 1:
+        fits_here = new_flag()  # raised once a plan that fits is found here: then the worker's pipelines
+        # stop at the deadline with what they have (else they go on until one fits)
         pool = worker_pool()
         if want_pipes:
             # in a worker that forks a helper of its own for the simulations: the longest phase on large models
             pending = submit(pool, pipeline_candidates, graph, ctx, tuple(kinds), optimizer, tuple(schedules),
-                              deadline, True)
+                              deadline, True, flag_raised)
         if ilp_early and not want_pipes:  # else it runs here, after the baselines, while the worker searches
             ilp_pending = submit(pool, ilp_seed, space, ctx, optimizer, ilp_limit, seed, budget_s is None, deadline)
     try:
@@ -410,6 +412,8 @@ def plan_synchronous(
                     break
                 elif (fit := fitting_variant(graph, sharded, ctx, optimizer, shared, deadline, data_runs)) is not None:
                     candidates.append(("fsdp", *fit))
+        if fits_here is not None and any(c[2].feasible for c in candidates):
+            fits_here.set()
         if ilp_early and pending is not None and not past(deadline):
             # here, while the worker searches the pipelines (queued behind them there, it waited)
             ilp_pending = Future()
@@ -423,7 +427,8 @@ def plan_synchronous(
         elif want_pipes:
             try:
                 pipes, dream, pipes_cut = pending.result() if pending is not None else \
-                    pipeline_candidates(graph, ctx, tuple(kinds), optimizer, tuple(schedules), deadline)
+                    pipeline_candidates(graph, ctx, tuple(kinds), optimizer, tuple(schedules), deadline,
+                                        elsewhere=lambda: any(c[2].feasible for c in candidates))
                 if pipes_cut:
                     cut.append("pipeline layouts")
             except KeyboardInterrupt:
@@ -545,12 +550,15 @@ def plan_synchronous(
 
 def pipeline_candidates(graph: OpGraph, ctx: CostContext, kinds: tuple[str, ...], optimizer: str,
                         schedules: tuple[str, ...], deadline: float | None = None, helper: bool = False,
+                        elsewhere: Callable[[], bool] | None = None,
                         ) -> tuple[list[PipelineResult], PipelineResult | None, bool]:
     """Step 3 (module docstring): the pipeline and hybrid layouts of ``kinds``, best
     first, PipeDream's own plan (None where it does not apply), and whether ``deadline``
-    cut the search short. ``helper``: simulate the layouts two at a time
-    (:func:`~flexsearch.search.pipeline.search_pipelines`)."""
-    found = search_pipelines(graph, ctx, optimizer=optimizer, schedules=schedules, deadline=deadline, helper=helper)
+    cut the search short. ``helper``: simulate the layouts two at a time; ``elsewhere()``:
+    the planner has a plan that fits, so the deadline stops the search even before a
+    layout that fits is found (:func:`~flexsearch.search.pipeline.search_pipelines`)."""
+    found = search_pipelines(graph, ctx, optimizer=optimizer, schedules=schedules, deadline=deadline, helper=helper,
+                             elsewhere=elsewhere)
     pipes = [r for r in found.results if r.kind in kinds]
     if found.cut or past(deadline):
         return pipes, None, True

@@ -40,6 +40,26 @@ def worker_count(workers: int | None) -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+_FLAG = None
+"""The flag of :func:`new_flag` (a fork context's ``Event``), inherited by the workers
+forked after it was made."""
+
+
+def new_flag():
+    """A flag this process raises (``.set()``) and a worker forked after this call reads
+    with :func:`flag_raised` (an ``Event`` is shared by inheritance, not by pickling: the
+    function that reads it is what a submitted call carries)."""
+    global _FLAG
+    _FLAG = multiprocessing.get_context("fork").Event()
+    return _FLAG
+
+
+def flag_raised() -> bool:
+    """Has the process that made the last :func:`new_flag` (this one, or the one this
+    worker was forked from) raised it?"""
+    return _FLAG is not None and _FLAG.is_set()
+
+
 _INHERITED: Callable | None = None
 """The function a :class:`Helper` process runs, set before it forks."""
 

@@ -222,6 +222,29 @@ def test_report_command(tmp_path, capsys):
     assert main(["report", str(plan_file), "--out", str(page), "--force"]) == 0
 
 
+def test_report_says_a_calibration_warning_in_one_line(tmp_path, capsys, monkeypatch):
+    """On the ``cpu`` cluster with a calibration from another host (forced here), the
+    report prints the one ``warning:`` line plan and simulate print, not Python's
+    warning with its source line."""
+    import warnings
+
+    import flexsearch.api as api
+    from flexsearch.errors import CalibrationWarning
+
+    plan_file, page = tmp_path / "plan.json", tmp_path / "report.html"
+    assert main(["plan", MLP, "--devices", "2", "--cluster", "cpu", "--max-iters", "5", "--out", str(plan_file),
+                 "--json"]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(api, "calibration_warning",
+                        lambda calibration, cluster: "measured on another host" if cluster.name == "cpu" else None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["report", str(plan_file), "--out", str(page)]) == 0
+    _, err = capsys.readouterr()
+    assert err.strip() == "warning: measured on another host"
+    assert not [w for w in caught if issubclass(w.category, CalibrationWarning)]
+
+
 def test_line_figure_draws_every_non_empty_series():
     from flexsearch.report import line_figure
 

@@ -281,7 +281,7 @@ class Plan(_Frozen):
         if missing:
             raise PlanFileError(f"the plan has no configuration for {missing[0]}; plan this model again")
         names = {n.name for n in graph.nodes}
-        extra = [k for k in (*configs, *self.decisions) if k not in names]
+        extra = [k for k in configs if k not in names]  # a decision outside configs is missing, above
         if extra:
             raise PlanFileError(f"the plan configures {extra[0]}, which is not an op of the model; the file is "
                                 "damaged or edited, plan again")

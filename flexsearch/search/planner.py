@@ -331,11 +331,11 @@ def plan_synchronous(
     # a large ILP is built only when the SOAP search is worth running (decided after the pipelines)
     ilp_early = want_ilp and len(graph.nodes) * cluster.devices <= ILP_EARLY_MAX
     ilp_limit = ilp_time_limit_s if budget_s is None else min(ilp_time_limit_s, budget_s / 4)
-    pool = pending = ilp_pending = fits_here = None
+    pool = pending = ilp_pending = found_flag = None
     stated = stated_budget_s if budget_s is not None and stated_budget_s is not None else budget_s
     # the pipeline search and the ILP on another core (not when the budget is spent already)
     if (want_pipes or ilp_early) and not past(deadline) and worker_count(workers) > 1:
-        fits_here = new_flag()  # raised once a plan that fits is found here: then the worker's pipelines
+        found_flag = new_flag()  # raised once a plan that fits is found here: then the worker's pipelines
         # stop at the deadline with what they have (else they go on until one fits)
         pool = worker_pool()
         if want_pipes:
@@ -367,13 +367,17 @@ def plan_synchronous(
                          f"multiple of {cluster.devices} for one (its figure stays the baseline to compare with)")
         pipes: list[PipelineResult] = []
 
+        def fits_here_found() -> bool:
+            """Has a plan that fits been found here (not by the worker)?"""
+            return any(c[2].feasible for c in candidates)
+
         def settled() -> bool:
             """Past the deadline with a plan that fits: here, or in the worker's pipeline
             search when it is done (each phase here otherwise goes on past the deadline
             until one fits)."""
             if not past(deadline):
                 return False
-            if any(c[2].feasible for c in candidates):
+            if fits_here_found():
                 return True
             if pending is not None and pending.done() and pending.exception() is None:
                 return any(r.simulation.feasible for r in pending.result()[0])
@@ -412,8 +416,8 @@ def plan_synchronous(
                     break
                 elif (fit := fitting_variant(graph, sharded, ctx, optimizer, shared, deadline, data_runs)) is not None:
                     candidates.append(("fsdp", *fit))
-        if fits_here is not None and any(c[2].feasible for c in candidates):
-            fits_here.set()
+        if found_flag is not None and fits_here_found():
+            found_flag.set()
         if ilp_early and pending is not None and not past(deadline):
             # here, while the worker searches the pipelines (queued behind them there, it waited)
             ilp_pending = Future()
@@ -428,7 +432,7 @@ def plan_synchronous(
             try:
                 pipes, dream, pipes_cut = pending.result() if pending is not None else \
                     pipeline_candidates(graph, ctx, tuple(kinds), optimizer, tuple(schedules), deadline,
-                                        elsewhere=lambda: any(c[2].feasible for c in candidates))
+                                        elsewhere=fits_here_found)
                 if pipes_cut:
                     cut.append("pipeline layouts")
             except KeyboardInterrupt:

@@ -149,7 +149,7 @@ def plan(
     ``precision`` (:mod:`flexsearch.precision`): ``auto`` is ``bf16-mixed`` on devices
     with fast bf16 matmuls (a GPU's tensor cores, a CPU's AVX512-BF16 or AMX), else
     ``fp32``; the plan's notes say which and why.
-    ``workers``: processes the search may use (default: this machine's CPUs); the plan
+    ``workers``: processes the trace and the search may use (default: this machine's CPUs); the plan
     is the same whatever the number."""
     from flexsearch.search.planner import check_kinds, plan_graph
 
@@ -186,7 +186,7 @@ def plan(
     prec, why = resolve_precision(precision, cl)
     _warn_calibration(calibration, cl)
     t0 = time.perf_counter()
-    graph = trace(model, example_inputs, precision=prec)
+    graph = trace(model, example_inputs, precision=prec, workers=workers)
     priced = measured_note(graph, measured, cl) if measured is not None else None
     given = budget_s
     if budget_s is not None:  # the budget bounds the whole call, tracing included

@@ -184,7 +184,7 @@ def plan(
     out: Annotated[str | None, typer.Option(help="Write the plan JSON here.")] = None,
     trace_out: Annotated[str | None, typer.Option("--trace", help="Write the plan's timeline (Chrome trace JSON) here.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out / --trace files that exist.")] = False,
-    workers: Annotated[int | None, typer.Option(help="Processes the search may use \\[default: this machine's CPUs]; "
+    workers: Annotated[int | None, typer.Option(help="Processes the trace and the search may use \\[default: this machine's CPUs]; "
                                                      "the plan does not depend on it.", min=1, show_default=False)] = None,
     profile: ProfileOpt = None,
     as_json: JsonOpt = False,
@@ -248,7 +248,7 @@ def plan(
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("tracing", total=None)
         started = time.perf_counter()
-        graph = trace_graph(module, inputs, name=model, precision=prec)
+        graph = trace_graph(module, inputs, name=model, precision=prec, workers=workers)
         priced = measured_note(graph, measured, cl, f"profile {profile}") if measured is not None else None
         given = budget
         if budget is not None:  # the budget bounds the whole command: start-up, loading and tracing included

@@ -100,6 +100,44 @@ def test_fsdp2_under_mixed_precision_computes_with_low_precision_parameters(gpt)
     assert any(noted in n for n in plan_graph(old, cl, kinds=("data",), max_iters=0).notes)
 
 
+def test_the_second_pass_runs_beside_the_first_and_gives_the_same_graph(gpt, monkeypatch):
+    """Mixed precision's second pass (FSDP2's low-precision parameters) runs in a forked
+    process when the trace may use 2 or more: the graph is the serial trace's. Serial
+    with ``workers=1``, in a daemonic process (a rank, which may have no children), and
+    again here when the second process dies."""
+    import multiprocessing
+    import os
+
+    import flexsearch.graph.tracer as tracer
+    from flexsearch.workers import Helper
+
+    forked: list[bool] = []
+
+    class Spy(Helper):
+        def close(self) -> None:
+            forked.append(self._pool is not None)
+            super().close()
+
+    monkeypatch.setattr(tracer, "Helper", Spy)
+    model, x = gpt
+    serial = trace(model, x, precision="bf16-mixed", workers=1)
+    assert serial.low_param_nodes and forked == [False]
+    assert trace(model, x, precision="bf16-mixed", workers=2) == serial and forked[-1] is True
+    assert trace(model, x, precision="fp32", workers=2).low_param_nodes == () and len(forked) == 2  # one pass
+    with monkeypatch.context() as m:
+        m.setitem(multiprocessing.current_process()._config, "daemon", True)
+        assert trace(model, x, precision="bf16-mixed", workers=2) == serial and forked[-1] is False
+    here, low_pass = os.getpid(), tracer._low_pass
+
+    def dies_there(*args):
+        if os.getpid() != here:
+            os._exit(1)
+        return low_pass(*args)
+
+    monkeypatch.setattr(tracer, "_low_pass", dies_there)
+    assert trace(model, x, precision="bf16-mixed", workers=2) == serial and forked[-1] is True
+
+
 def test_auto_precision_follows_the_device():
     h100 = Cluster.preset("dgx-h100", 8).device
     p, why = resolve("auto", h100)

@@ -721,13 +721,13 @@ def test_a_batch_that_does_not_split_gets_no_data_parallel_plan():
 
 
 def test_a_flag_raised_here_is_read_by_the_worker_forked_after_it():
-    """The planner raises :func:`~flexsearch.search.workers.new_flag`'s flag once it has a
+    """The planner raises :func:`~flexsearch.workers.new_flag`'s flag once it has a
     plan that fits; the pipeline search in the worker reads it with ``flag_raised`` (what
     the submitted call carries: an Event cannot be pickled) and then stops at the
     deadline with what it has."""
     import os
 
-    from flexsearch.search import workers
+    from flexsearch import workers
 
     flag = workers.new_flag()
     pool = workers.pool()
@@ -741,12 +741,12 @@ def test_a_flag_raised_here_is_read_by_the_worker_forked_after_it():
 
 
 def test_a_helper_runs_every_other_call_in_a_forked_process_with_the_same_results():
-    """:class:`~flexsearch.search.workers.Helper` forks at its first batch, inheriting a
+    """:class:`~flexsearch.workers.Helper` forks at its first batch, inheriting a
     closure (nothing of it is pickled), and gives what the calls would give here, in
     order; one call, or ``enabled=False``, runs here."""
     import os
 
-    from flexsearch.search.workers import Helper
+    from flexsearch.workers import Helper
 
     base = {"offset": 10}  # closure state the fork inherits
 

@@ -14,7 +14,8 @@
    forward): each node is given the saved storages it created
    (:mod:`flexsearch.graph.saved`; ``OpNode.saved_bytes``). Under mixed precision the
    graph is measured a second time with the parameters in autocast's dtype, as FSDP2
-   computes it (``OpGraph.low_param_nodes``).
+   computes it (``OpGraph.low_param_nodes``), in a forked process beside the first
+   where the machine has a second core.
 3. Label: the op registry gives each node its kind and SOAP dims; the batch dim is
    followed from the inputs (dim 0 of every example input).
 4. Find repeated blocks (:mod:`flexsearch.graph.blocks`).
@@ -23,7 +24,9 @@
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Sequence
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 import torch
@@ -43,10 +46,11 @@ from flexsearch.graph.opgraph import ModuleFacts, OpGraph, OpNode
 from flexsearch.graph.saved import fused_rnn_saves
 from flexsearch.precision import FP32, Precision
 from flexsearch.precision import precision as precision_of
+from flexsearch.workers import Helper, worker_count
 
 
 def trace(model: nn.Module, example_inputs: tuple | Any, *, name: str | None = None,
-          precision: Precision | str | None = None) -> OpGraph:
+          precision: Precision | str | None = None, workers: int | None = None) -> OpGraph:
     """Lift ``model`` called on ``example_inputs`` into an :class:`OpGraph`.
 
     ``example_inputs`` is a tuple of positional arguments (a single tensor is accepted);
@@ -55,8 +59,10 @@ def trace(model: nn.Module, example_inputs: tuple | Any, *, name: str | None = N
     ``precision`` (:mod:`flexsearch.precision`, default ``fp32``: the model as
     it is): every op runs under ``torch.autocast`` for mixed precision, or on the model
     cast to ``bf16``, so the graph's dtypes, FLOPs and bytes are that precision's.
+    ``workers``: processes the trace may use (default: this machine's CPUs; with 2 or
+    more, mixed precision's second pass runs beside the first). The graph is the same.
     """
-    return trace_calls(model, example_inputs, name=name, precision=precision)[0]
+    return trace_calls(model, example_inputs, name=name, precision=precision, workers=workers)[0]
 
 
 def check_call(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
@@ -77,7 +83,7 @@ def check_call(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
 @cycles_paused()  # a trace allocates a million objects and few cycles (flexsearch.collector)
 def trace_calls(
     model: nn.Module, example_inputs: tuple | Any, *, name: str | None = None,
-    precision: Precision | str | None = None,
+    precision: Precision | str | None = None, workers: int | None = None,
 ) -> tuple[OpGraph, dict[str, OpCall]]:
     """:func:`trace`, plus for every op node an :class:`OpCall` to run it again (the
     profiler runs ops alone at full and partitioned shapes with these)."""
@@ -102,13 +108,9 @@ def trace_calls(
     try:
         with training_outputs(model, kwargs, notes):
             gm, via, inputs = lift(model, args, kwargs)
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        measure = Measure(gm, model, fake_mode, cast=prec.cast)
-        with fake_mode:
-            fake_inputs = [fake_like(x, prec.cast) for x in inputs]
-        measure.run_all(fake_inputs, autocast=prec.autocast)
+        measure, low = _passes(gm, model, inputs, prec, workers)
         nodes = _with_saved(measure, model)
-        low_params = _low_param_nodes(gm, model, inputs, prec, nodes, notes) if prec.autocast is not None else ()
+        low_params = _low_param_nodes(nodes, low, prec, notes) if low is not None else ()
     finally:
         model.train(was_training)
     used = set(measure.owner_of)
@@ -175,25 +177,77 @@ AUTOCAST_FSDP = "FSDP plans are costed with autocast's dtypes"
 precision."""
 
 
-def _low_param_nodes(gm: fx.GraphModule, model: nn.Module, inputs: list, prec: Precision,
-                     nodes: tuple[OpNode, ...], notes: list[str]) -> tuple[OpNode, ...]:
+def _model_pass(gm: fx.GraphModule, model: nn.Module, inputs: list, prec: Precision) -> Measure:
+    """The graph run on fake tensors as the model trains in ``prec``: the model cast as
+    the precision casts it, every op under its autocast."""
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    measure = Measure(gm, model, fake_mode, cast=prec.cast)
+    with fake_mode:
+        fake_inputs = [fake_like(x, prec.cast) for x in inputs]
+    measure.run_all(fake_inputs, autocast=prec.autocast)
+    return measure
+
+
+def _low_pass(gm: fx.GraphModule, model: nn.Module, inputs: list, prec: Precision) -> tuple[OpNode, ...] | str:
+    """The nodes as FSDP2 under mixed precision computes them: the graph run again under
+    autocast with the parameters in autocast's dtype (``MixedPrecisionPolicy(param_dtype=...)``
+    gathers them so; buffers and inputs as they are, ``cast_forward_inputs=False``), each
+    with what autograd saves. Why it could not run, a string, where it fails: the model
+    as traced stands, this pass only refines FSDP's costs."""
+    try:
+        with warnings.catch_warnings():  # the model's own warnings were said in the first pass
+            warnings.simplefilter("ignore")
+            return _with_saved(_measured_low(gm, model, inputs, prec), model)
+    except Exception as e:
+        return short_reason(e)
+
+
+def _measured_low(gm: fx.GraphModule, model: nn.Module, inputs: list, prec: Precision) -> Measure:
+    """:func:`_low_pass`'s run of the graph."""
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    measure = Measure(gm, model, fake_mode, cast=prec.autocast, cast_buffers=False)
+    with fake_mode:
+        fake_inputs = [fake_like(x) for x in inputs]
+    measure.run_all(fake_inputs, autocast=prec.autocast)
+    return measure
+
+
+def _passes(gm: fx.GraphModule, model: nn.Module, inputs: list, prec: Precision,
+            workers: int | None) -> tuple[Measure, tuple[OpNode, ...] | str | None]:
+    """:func:`_model_pass` and, under mixed precision, :func:`_low_pass` (else None). The
+    two are independent: with ``workers`` (default: this machine's CPUs) of 2 or more the
+    second runs in a forked process (:class:`flexsearch.workers.Helper`) beside the
+    first, with the same result (the nodes are pickled back). Not where CUDA is
+    initialised (a forked child cannot use it) or the model or its inputs live on a GPU."""
+    if prec.autocast is None:
+        return _model_pass(gm, model, inputs, prec), None
+
+    def run(low: bool):
+        return _low_pass(gm, model, inputs, prec) if low else _model_pass(gm, model, inputs, prec)
+
+    on_cpu = not torch.cuda.is_initialized() and all(
+        t.device.type in ("cpu", "meta") for t in (*model.parameters(), *model.buffers(), *inputs)
+        if isinstance(t, torch.Tensor))
+    helper = Helper(run, enabled=on_cpu and worker_count(workers) > 1)
+    try:
+        measure, low = helper.map([(False,), (True,)])
+    except BrokenProcessPool:  # the second process died (killed, out of memory): both here
+        measure, low = run(False), run(True)
+    finally:
+        helper.close()
+    return measure, low
+
+
+def _low_param_nodes(nodes: tuple[OpNode, ...], low: tuple[OpNode, ...] | str, prec: Precision,
+                     notes: list[str]) -> tuple[OpNode, ...]:
     """The nodes as FSDP2 under mixed precision computes them
-    (:attr:`OpGraph.low_param_nodes`): the graph measured again under autocast with the
-    parameters in autocast's dtype (``MixedPrecisionPolicy(param_dtype=...)`` gathers
-    them so; buffers and inputs as they are, ``cast_forward_inputs=False``). Each keeps
-    the model's node but for what the dtypes change: its outputs, the bytes it moves and
-    what autograd saves (its parameters stay the model's: FSDP2 stores them, and their
+    (:attr:`OpGraph.low_param_nodes`), from :func:`_low_pass`'s: each keeps the model's
+    node but for what the dtypes change: its outputs, the bytes it moves and what
+    autograd saves (its parameters stay the model's: FSDP2 stores them, and their
     gradients and the optimizer's state, in fp32). Empty, with a note, when the model does
     not run so."""
-    try:
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        measure = Measure(gm, model, fake_mode, cast=prec.autocast, cast_buffers=False)
-        with fake_mode:
-            fake_inputs = [fake_like(x) for x in inputs]
-        measure.run_all(fake_inputs, autocast=prec.autocast)
-        low = _with_saved(measure, model)
-    except Exception as e:  # the model as traced stands: the second pass only refines FSDP's costs
-        notes.append(f"not traced with {prec.autocast} parameters (FSDP2 under {prec.name}): {short_reason(e)}; "
+    if isinstance(low, str):
+        notes.append(f"not traced with {prec.autocast} parameters (FSDP2 under {prec.name}): {low}; "
                      + AUTOCAST_FSDP)
         return ()
     if [n.name for n in low] != [n.name for n in nodes]:

@@ -47,7 +47,6 @@ from flexsearch.graph.microbatch import batch_size, microbatch_graph
 from flexsearch.graph.opgraph import OpGraph
 from flexsearch.search.clock import past
 from flexsearch.search.partition import Chain, Level, Memory, partition
-from flexsearch.search.workers import Helper
 from flexsearch.sim.accounting import param_copies
 from flexsearch.sim.context import CostContext
 from flexsearch.sim.pipeline_layout import fsdp_grad_copies
@@ -74,6 +73,7 @@ from flexsearch.strategy.kinds import (
 from flexsearch.strategy.recipes import stage_configs
 from flexsearch.strategy.recompute import Checkpointing, recompute_units
 from flexsearch.strategy.schedules import in_flight, rank_actions
+from flexsearch.workers import Helper
 
 SYNC_SCHEDULES = ("1f1b", "gpipe", "interleaved")
 RECOMPUTE_ORDER = ("none", "selective", "full")
@@ -264,7 +264,7 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
     the caller has a plan that fits: a tight budget used to end with no plan at all (GPT
     1T at 15 s, tracing 6.8 s of it). ``helper``: the
     candidates chosen for simulation are simulated in batches, half of each in a second
-    process (:class:`~flexsearch.search.workers.Helper`); the results are the same."""
+    process (:class:`~flexsearch.workers.Helper`); the results are the same."""
     cluster = ctx.cluster
     n = cluster.devices
     try:

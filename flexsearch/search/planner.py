@@ -99,8 +99,6 @@ from flexsearch.search.reasons import (
 )
 from flexsearch.search.results import graph_inputs, plan_from, predicted
 from flexsearch.search.variants import fitting_variant, shardings, splits, unsplit_reason
-from flexsearch.search.workers import flag_raised, new_flag, submit, worker_count
-from flexsearch.search.workers import pool as worker_pool
 from flexsearch.sim.context import CostContext
 from flexsearch.sim.predict import predict, runtime_graph
 from flexsearch.sim.result import Simulation
@@ -112,6 +110,8 @@ from flexsearch.strategy.fsdp import fsdp_units
 from flexsearch.strategy.kinds import FSDP_SHARDINGS, KINDS, DataParallel, Soap
 from flexsearch.strategy.recompute import partial_unit_op
 from flexsearch.strategy.space import Space
+from flexsearch.workers import flag_raised, new_flag, submit, worker_count
+from flexsearch.workers import pool as worker_pool
 
 DEFAULT_MAX_ITERS = 2000
 DEFAULT_KINDS = ("data", "fsdp", "soap", "pipeline", "hybrid", "decentralized")

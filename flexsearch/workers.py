@@ -1,8 +1,9 @@
-"""How a search uses this machine: search phases in a forked worker process (the planner
-hands independent phases, the pipeline search and the ILP, to one worker while it runs
-the baselines; every phase is deterministic, so the plan does not depend on how many
-workers ran it), with Python's cyclic garbage collector paused
-(:func:`flexsearch.collector.cycles_paused`)."""
+"""How flexsearch uses this machine's cores: independent work in a forked process (the
+tracer's second pass beside its first, :func:`flexsearch.graph.tracer.trace_calls`; the
+planner hands independent search phases, the pipeline search and the ILP, to one worker
+while it runs the baselines). Every piece is deterministic, so a graph or a plan does
+not depend on how many processes made it. Python's cyclic garbage collector stays as
+the caller set it (:func:`flexsearch.collector.cycles_paused`)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,19 @@ from concurrent.futures import Future, ProcessPoolExecutor
 
 
 def pool() -> ProcessPoolExecutor:
-    """One forked worker (it inherits the loaded modules; nothing is imported again)."""
-    return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"))
+    """One forked worker (it inherits the loaded modules; nothing is imported again),
+    computing on one thread (:func:`_one_thread`)."""
+    return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"), initializer=_one_thread)
+
+
+def _one_thread() -> None:
+    """A forked worker's torch runs on one thread: the parent's OpenMP threads do not
+    fork with it, and a parallel region on more than one (the tracer's real run of a
+    fused RNN kernel, :func:`flexsearch.graph.saved.fused_rnn_saves`, after the parent
+    ran one) waits for them forever. PyTorch's DataLoader workers do the same."""
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def submit(pool: ProcessPoolExecutor, fn: Callable, *args) -> Future:
@@ -75,12 +87,15 @@ class Helper:
     ``fn`` and everything ``fn`` holds then (only arguments and results are pickled).
     :meth:`map` runs every other call there and the rest here, and returns the results in
     order, as ``[fn(*a) for a in jobs]`` would: ``fn`` must be deterministic and its
-    result must not depend on what earlier calls cached. ``enabled=False``: every call
-    here. :meth:`close` (or the helper's end) stops the process."""
+    result must not depend on what earlier calls cached. ``enabled=False``, or in a
+    daemonic process (a rank of :func:`flexsearch.emit.launch.run_ranks`, which may have
+    no children): every call here. :meth:`close` (or the helper's end) stops the
+    process."""
 
     def __init__(self, fn: Callable, enabled: bool = True) -> None:
         self.fn = fn
-        self.enabled = enabled and "fork" in multiprocessing.get_all_start_methods()
+        self.enabled = (enabled and "fork" in multiprocessing.get_all_start_methods()
+                        and not multiprocessing.current_process().daemon)
         self._pool: ProcessPoolExecutor | None = None
 
     def map(self, jobs: list[tuple]) -> list:

@@ -43,7 +43,7 @@ def _call_pickled(payload: bytes):
 
 
 def worker_count(workers: int | None) -> int:
-    """Processes a search may use: ``workers``, else the CPUs this process may run on;
+    """Processes a trace or a search may use: ``workers``, else the CPUs this process may run on;
     1 where processes cannot be forked."""
     if "fork" not in multiprocessing.get_all_start_methods():
         return 1

@@ -9,10 +9,14 @@ batch of one iteration.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
+import signal
 import sys
+import threading
 import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -61,9 +65,12 @@ def _import(path: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module
     try:
-        spec.loader.exec_module(module)
+        with _user_code() as pressed:
+            spec.loader.exec_module(module)
     except (SystemExit, KeyboardInterrupt) as exc:  # the file ends the process: not at import time
         sys.modules.pop(mod_name, None)
+        if isinstance(exc, KeyboardInterrupt) and pressed():  # Ctrl-C, not the file's own
+            raise
         what = f"exits (sys.exit({exc.code!r}))" if isinstance(exc, SystemExit) else "raises KeyboardInterrupt"
         raise ModelLoadError(
             f"model file {path} {what} when imported (at {_user_frame(exc, path)}); put script code under "
@@ -79,10 +86,38 @@ def _import(path: Path) -> ModuleType:
     return module
 
 
+@contextlib.contextmanager
+def _user_code() -> Iterator[Callable[[], bool]]:
+    """Runs the model file's code, telling a Ctrl-C from the code's own
+    ``KeyboardInterrupt``: yields ``pressed()``, true once SIGINT came while it ran (the
+    handler in place still runs, and raises the interrupt). A Ctrl-C ends the command as
+    an interrupt; a ``KeyboardInterrupt`` the code raises itself is the file's fault.
+    Outside the main thread, or where SIGINT is ignored or kills, nothing is installed
+    and ``pressed()`` stays false."""
+    seen: list[bool] = []
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
+        yield lambda: False
+        return
+
+    def handler(signum, frame):
+        seen.append(True)
+        previous(signum, frame)
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield lambda: bool(seen)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _call(obj, what: str, path: Path):
     try:
-        return obj()
+        with _user_code() as pressed:
+            return obj()
     except (SystemExit, KeyboardInterrupt) as exc:
+        if isinstance(exc, KeyboardInterrupt) and pressed():  # Ctrl-C, not the code's own
+            raise
         how = f"exits (sys.exit({exc.code!r}))" if isinstance(exc, SystemExit) else "raises KeyboardInterrupt"
         raise ModelLoadError(f"{what} in {path} {how} (at {_user_frame(exc, path)}); it must return the model") \
             from None

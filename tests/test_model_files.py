@@ -143,6 +143,34 @@ def test_model_path_with_colon_in_directory(tmp_path):
     assert torch.is_tensor(_[0])
 
 
+CTRL_C = "os.kill(os.getpid(), signal.SIGINT)\nfor _ in range(200):\n    time.sleep(0.01)\n"
+"""A Ctrl-C that comes while the code runs: SIGINT to this process, then work for up to 2 s."""
+
+
+@pytest.mark.parametrize("where", ["import", "builder", "inputs"])
+def test_ctrl_c_while_the_model_builds_is_an_interrupt_not_a_load_error(model_file, where):
+    """A Ctrl-C (SIGINT) while the file imports, its builder runs (a large model on real
+    memory takes a while) or its inputs are made ends the load as an interrupt (the CLI:
+    "interrupted", exit 130), not as a load error blaming the file; a KeyboardInterrupt
+    the code raises itself stays one (below). The handler in place is restored."""
+    import signal
+    import textwrap
+
+    body = {"import": CTRL_C, "builder": "", "inputs": ""}[where]
+    build = textwrap.indent(CTRL_C, "    ") if where == "builder" else ""
+    make = textwrap.indent(CTRL_C, "    ") if where == "inputs" else ""
+    path = model_file("import os, signal, time\nimport torch\nfrom torch import nn\n" + body
+                      + "def build_model():\n" + build + "    return nn.Linear(2, 2)\n"
+                      + "def example_inputs():\n" + make + "    return (torch.zeros(1, 2),)\n")
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            load_model(str(path))
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize(("source", "needle"), [
     ("import sys\nsys.exit(3)\n", "exits (sys.exit(3)) when imported"),
     ("raise SystemExit\n", "exits (sys.exit(None)) when imported"),

@@ -177,15 +177,22 @@ AUTOCAST_FSDP = "FSDP plans are costed with autocast's dtypes"
 precision."""
 
 
-def _model_pass(gm: fx.GraphModule, model: nn.Module, inputs: list, prec: Precision) -> Measure:
-    """The graph run on fake tensors as the model trains in ``prec``: the model cast as
-    the precision casts it, every op under its autocast."""
+def _run_graph(gm: fx.GraphModule, model: nn.Module, inputs: list, autocast: str | None, state_cast: str | None,
+               input_cast: str | None, cast_buffers: bool = True) -> Measure:
+    """The graph run on fake tensors under ``autocast``, the parameters (and buffers,
+    with ``cast_buffers``) cast to ``state_cast``, the inputs to ``input_cast``."""
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    measure = Measure(gm, model, fake_mode, cast=prec.cast)
+    measure = Measure(gm, model, fake_mode, cast=state_cast, cast_buffers=cast_buffers)
     with fake_mode:
-        fake_inputs = [fake_like(x, prec.cast) for x in inputs]
-    measure.run_all(fake_inputs, autocast=prec.autocast)
+        fake_inputs = [fake_like(x, input_cast) for x in inputs]
+    measure.run_all(fake_inputs, autocast=autocast)
     return measure
+
+
+def _model_pass(gm: fx.GraphModule, model: nn.Module, inputs: list, prec: Precision) -> Measure:
+    """The graph as the model trains in ``prec``: the model and its inputs cast as the
+    precision casts them, every op under its autocast."""
+    return _run_graph(gm, model, inputs, prec.autocast, prec.cast, prec.cast)
 
 
 def _low_pass(gm: fx.GraphModule, model: nn.Module, inputs: list, prec: Precision) -> tuple[OpNode, ...] | str:
@@ -197,19 +204,10 @@ def _low_pass(gm: fx.GraphModule, model: nn.Module, inputs: list, prec: Precisio
     try:
         with warnings.catch_warnings():  # the model's own warnings were said in the first pass
             warnings.simplefilter("ignore")
-            return _with_saved(_measured_low(gm, model, inputs, prec), model)
+            measure = _run_graph(gm, model, inputs, prec.autocast, prec.autocast, None, cast_buffers=False)
+            return _with_saved(measure, model)
     except Exception as e:
         return short_reason(e)
-
-
-def _measured_low(gm: fx.GraphModule, model: nn.Module, inputs: list, prec: Precision) -> Measure:
-    """:func:`_low_pass`'s run of the graph."""
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    measure = Measure(gm, model, fake_mode, cast=prec.autocast, cast_buffers=False)
-    with fake_mode:
-        fake_inputs = [fake_like(x) for x in inputs]
-    measure.run_all(fake_inputs, autocast=prec.autocast)
-    return measure
 
 
 def _passes(gm: fx.GraphModule, model: nn.Module, inputs: list, prec: Precision,

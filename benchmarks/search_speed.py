@@ -30,7 +30,13 @@
    :data:`flexsearch.sim.simulator.FRAGMENTS_KEPT` (a rejected step returns to the
    configuration before it): ``mcmc_rebuilt_one=``, ``mcmc_rebuilt_kept=`` (fragments
    built per iteration) and ``mcmc_kept_speedup=`` (iterations per second, kept over
-   one; the two chains are checked to end on the same plan).
+   one; the two chains are checked to end on the same plan). Then, on GPT-2 small at
+   batch 64 (where plans fit, so that there is a best plan to reject against), the
+   chain with every proposal simulated in full against the same chain with the
+   proposals sure to be rejected cut short (:func:`flexsearch.search.mcmc.mcmc`'s
+   ``cutoff``; ``--rounds`` times alternating, medians): ``mcmc_cutoff_speedup=``
+   (iterations per second, cut over full) and ``mcmc_cut_share=`` (the proposals cut).
+   The chains are checked to be the same.
 
 2. Time to converge of the search on GPT-2 XL over 8 and 64 x ``dgx-h100``: the
    planner's stages run directly (as ``plan_graph`` runs them: baselines, the ILP seed
@@ -59,7 +65,7 @@
 
 Last line: ``full_sims_per_s=... delta_sims_per_s=... delta_over_full=... delta_rebuilt=...
 delta_bound=... delta_retimed=... delta_incremental_bound=... mcmc_rebuilt_one=...
-mcmc_rebuilt_kept=... mcmc_kept_speedup=... converge_xl8_s=...
+mcmc_rebuilt_kept=... mcmc_kept_speedup=... mcmc_cutoff_speedup=... mcmc_cut_share=... converge_xl8_s=...
 converge_xl64_s=...`` (plus tracing, seeding and speedup-over-data figures) and the
 plan times of part 3.
 """
@@ -89,6 +95,9 @@ from flexsearch.sim.simulator import Simulator  # noqa: E402
 from flexsearch.strategy.space import Space  # noqa: E402
 
 CLUSTER = "dgx-h100"
+CUTOFF_BATCH = 64
+"""GPT-2 small's batch for :func:`cutoff_rates`: 8 samples per device, where plans fit
+(at the zoo batch none does, and with no best plan no proposal is cut)."""
 
 
 def trace(name: str, **kwargs):
@@ -218,6 +227,42 @@ def mcmc_rates(graph, cluster: Cluster, iters: int, seed: int = 0) -> dict[str, 
         raise AssertionError("keeping fragments changed the MCMC's result")
     return {"mcmc_rebuilt_one": out["one"][1], "mcmc_rebuilt_kept": out["kept"][1],
             "mcmc_kept_speedup": out["kept"][0] / out["one"][0]}
+
+
+class CuttingSimulator(Simulator):
+    """Counts the simulations a cutoff stopped (:func:`flexsearch.search.mcmc.mcmc`)."""
+
+    cut = 0
+
+    def simulate(self, configs, **kw):
+        s = super().simulate(configs, **kw)
+        self.cut += s is None
+        return s
+
+
+def cutoff_rates(graph, cluster: Cluster, iters: int, rounds: int, seed: int = 0) -> dict[str, float]:
+    """MCMC from the baselines' seeds with every proposal simulated in full, then with
+    rejected ones cut short (``cutoff``), ``rounds`` times alternating: the median
+    iterations per second of each, their ratio (``mcmc_cutoff_speedup``) and the share
+    of proposals cut (``mcmc_cut_share``). The chains are checked to be the same."""
+    space = Space(graph, cluster.devices)
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    chains, cut = set(), 0.0
+    for _ in range(rounds):
+        for on in (False, True):
+            sim = CuttingSimulator(graph, CostContext(cluster))
+            seeds = [b.decisions for b in run_baselines(space, sim, cluster.devices_per_node).values()]
+            t0 = time.perf_counter()
+            r = mcmc(space, sim, seeds, max_iters=iters, seed=seed, early_stop=False, timeline=False, cutoff=on)
+            rates[on].append(r.iterations / (time.perf_counter() - t0))
+            chains.add((tuple(sorted(r.decisions.items())) if r.decisions else None, r.accepted,
+                        tuple((i, t) for i, _, t in r.improvements)))
+            if on:
+                cut = sim.cut / r.iterations
+    if len(chains) != 1:
+        raise AssertionError("cutting rejected proposals short changed the MCMC's chain")
+    full, cutting = statistics.median(rates[False]), statistics.median(rates[True])
+    return {"mcmc_cutoff_speedup": cutting / full, "mcmc_cut_share": cut, "mcmc_full_iters_per_s": full}
 
 
 # ------------------------------------------------------------------ 2. convergence
@@ -357,6 +402,13 @@ def main() -> None:
     print(f"  MCMC fragments built per iteration: {kept['mcmc_rebuilt_one']:.1f} with one kept per node, "
           f"{kept['mcmc_rebuilt_kept']:.1f} with more; iterations/s {kept['mcmc_kept_speedup']:.2f}x")
     figures += [f"{k}={v:.2f}" for k, v in kept.items()]
+    fits = trace("gpt2_small", batch_size=CUTOFF_BATCH)
+    with cycles_paused():
+        cuts = cutoff_rates(fits, cluster, args.mcmc_iters or (60 if q else 400), 1 if q else 3, args.seed)
+    print(f"  MCMC at batch {CUTOFF_BATCH} (plans fit): {cuts['mcmc_cut_share']:.0%} of the proposals cut short once "
+          f"sure to be rejected; iterations/s {cuts['mcmc_cutoff_speedup']:.2f}x those of the same chain simulating "
+          f"every proposal in full ({cuts['mcmc_full_iters_per_s']:.1f}/s)")
+    figures += [f"{k}={v:.2f}" for k, v in cuts.items() if k != "mcmc_full_iters_per_s"]
 
     for n, target in ((8, 30),) if q else ((8, 30), (64, 120)):  # quick: a smoke run, 8 devices only
         batch = args.per_device_batch * n or get("gpt2_xl").batch

@@ -32,7 +32,7 @@ from flexsearch.search.ilp import (  # noqa: E402
     fits,
     solve_assignment,
 )
-from flexsearch.search.mcmc import cost_of, mcmc  # noqa: E402
+from flexsearch.search.mcmc import cost_of, mcmc, rejection_cutoff  # noqa: E402
 from flexsearch.search.planner import plan_graph  # noqa: E402
 from flexsearch.sim.context import CostContext  # noqa: E402
 from flexsearch.sim.predict import predict  # noqa: E402
@@ -241,6 +241,54 @@ def test_mcmc_needs_a_budget_and_is_reproducible():
              early_stop=False)
     assert a.decisions == b.decisions and a.accepted == b.accepted
     assert [i for i, _, _ in a.improvements] == [i for i, _, _ in b.improvements]
+
+
+class CountingSimulator(Simulator):
+    """Counts the simulations a cutoff stopped."""
+
+    cut = 0
+
+    def simulate(self, configs, **kw):
+        s = super().simulate(configs, **kw)
+        self.cut += s is None
+        return s
+
+
+@pytest.mark.parametrize("case", ["gpt_tiny", "alexnet_tiny", *range(4)])
+def test_mcmc_cuts_rejected_proposals_short_and_makes_the_same_chain(case):
+    """A proposal whose simulation is sure to end past the point where the acceptance
+    test rejects it (and past the best plan) is not simulated to the end, and the chain
+    is the one every proposal simulated in full makes: the same decisions, steps
+    accepted and improvements, on zoo graphs and random ones."""
+    if isinstance(case, str):
+        g, cluster = zoo_graph(case), Cluster.preset("dgx-h100", 4)
+    else:
+        g, cluster = random_case(case)
+    space = Space(g, cluster.devices)
+    seeds = [baselines.data_parallel(space)]
+    runs = {}
+    for cut in (False, True):
+        sim = CountingSimulator(g, cluster)
+        r = mcmc(space, sim, seeds, max_iters=300, seed=7, early_stop=False, cutoff=cut)
+        runs[cut] = (r.decisions, r.iterations, r.accepted, [(i, t) for i, _, t in r.improvements], sim.cut)
+    assert runs[False][-1] == 0 and runs[True][-1] > 0
+    assert runs[True][:-1] == runs[False][:-1]
+
+
+def test_the_rejection_cutoff_is_where_the_test_rejects():
+    """:func:`rejection_cutoff`: a cost just past it is rejected by the acceptance test
+    with the number drawn, one just under it accepted; never under the best time; no
+    cutoff without a number to reject with or a finite cost."""
+    rng = random.Random(0)
+    for _ in range(1000):
+        cost, u, beta = rng.uniform(1e-6, 10.0), rng.random(), rng.choice((5.0, 50.0, 500.0))
+        c = rejection_cutoff(cost, 0.0, u, beta)
+        assert not u < math.exp(-beta * (c - cost) / cost)
+        under = cost * (1 - math.log(u) / beta) * (1 - 1e-6)
+        assert under <= cost or u < math.exp(-beta * (under - cost) / cost)
+        assert rejection_cutoff(cost, 2 * c, u, beta) > 2 * c
+    assert rejection_cutoff(1.0, 0.5, 0.0, 50.0) == math.inf
+    assert rejection_cutoff(math.inf, 0.5, 0.5, 50.0) == math.inf
 
 
 # --------------------------------------------------------------------------- rediscovery

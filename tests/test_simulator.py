@@ -19,6 +19,7 @@ import zoo  # noqa: E402
 
 from flexsearch import Cluster, trace  # noqa: E402
 from flexsearch.sim.simulator import Simulator, simulate_configs  # noqa: E402
+from flexsearch.sim.tasks import busy_compute  # noqa: E402
 from flexsearch.strategy import recipes as baselines  # noqa: E402
 from flexsearch.strategy.config import Config, is_source
 from flexsearch.strategy.space import Space
@@ -166,6 +167,40 @@ def test_delta_simulation_equals_full(name, cl, devices):
                 assert delta.timeline == full.timeline
             else:  # no timeline: time and memory only (the critical path is not computed)
                 assert summary(delta) == summary(full)[:-1]
+
+    check()
+
+
+@pytest.mark.parametrize(("cl", "devices"), CLUSTERS, ids=[f"{c}x{d}" for c, d in CLUSTERS])
+@pytest.mark.parametrize("name", GRAPHS)
+def test_a_cutoff_stops_only_simulations_that_end_after_it(name, cl, devices):
+    """``simulate(..., cutoff=)`` returns None only when the iteration takes longer than
+    the cutoff, the simulation itself otherwise; and it is None once the cutoff is below
+    the compute some device must run (the bound it stops on), whatever the shardings and
+    recomputation: one simulator, cut and not cut in turn (a cut schedule leaves the
+    delta simulation's state whole)."""
+    g, c = graph(name), cluster(cl, devices)
+    space = Space(g, devices)
+
+    @settings(SETTINGS, max_examples=6)
+    @given(decisions(space), st.sampled_from(["none", "zero1", "zero3"]), st.sampled_from(["none", "full"]),
+           st.sampled_from([0.5, 0.99, 0.999999, 1.0, 1.5]))
+    def check(dec, shard, recompute, factor):
+        sim = Simulator(g, c)
+        configs = space.expand(dec)
+        kw = dict(timeline=False, recompute=recompute, shard=shard if sim.is_ddp(configs) or shard == "none"
+                  else "none")
+        full = sim.simulate(configs, **kw)
+        t = full.iteration_time_s
+        cut = sim.simulate(configs, cutoff=t * factor, **kw)
+        if factor >= 1.0:
+            assert cut is not None and summary(cut) == summary(full)
+        elif cut is not None:
+            assert summary(cut) == summary(full)  # not sure to end after it yet: simulated in full
+        shown = sim.simulate(configs, **{**kw, "timeline": True})
+        if max(busy_compute([x.task for x in shown.timeline], devices, ("fwd", "bwd"))) > t * factor:
+            assert cut is None
+        assert summary(sim.simulate(configs, **kw)) == summary(full)
 
     check()
 

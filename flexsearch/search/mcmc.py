@@ -31,6 +31,20 @@ counted, not seconds, so the stop is reproducible.
 All randomness comes from ``random.Random(seed)``: with ``max_iters`` (and no
 ``budget_s``) a run is reproducible.
 
+**Rejections cut short.** Before a proposal is simulated, the uniform number ``u`` its
+acceptance test would draw is read ahead (the generator's state is put back, so the
+test draws the same number and the chain is the one it would be without this). The
+test rejects a proposal costing ``c > cost`` iff ``u >= exp(-beta (c - cost) / cost)``,
+that is iff ``c >= cost (1 - ln(u) / beta)``; and a proposal is kept as the best only
+when its time is under the best's. The proposal's time is at most its cost, so once its
+simulation is sure to end after the larger of the two (:func:`rejection_cutoff`, with a
+relative margin of ``1e-9`` against rounding) it is rejected, and not kept, whatever the
+rest of its schedule holds: the simulator stops there
+(:class:`~flexsearch.sim.tasks.PastCutoff`, a lower bound on the iteration's end per
+device) and the step goes on as the test would have it, its draw consumed. Without a
+best plan yet (nothing feasible seen), any proposal that fits could become the best,
+and none is cut. ``cutoff=False`` simulates every proposal in full: the same chain.
+
 **Interrupts.** A ``KeyboardInterrupt`` (Ctrl-C, or raised by the ``progress``
 callback) during the chain ends it like a budget does: the best feasible state so far
 is returned with ``interrupted=True``. One that arrives before any feasible state was
@@ -82,8 +96,11 @@ def sigint_restored() -> Iterator[None]:
             signal.signal(signal.SIGINT, handler)
 
 
-def cost_of(sim: Simulation) -> float:
-    """The search's objective: iteration time, penalised when memory overflows."""
+def cost_of(sim: Simulation | None) -> float:
+    """The search's objective: iteration time, penalised when memory overflows;
+    infinite for a simulation cut short (None: sure to be rejected, module docstring)."""
+    if sim is None:
+        return math.inf
     overflow = sim.peak_memory_bytes / sim.capacity_bytes - 1
     if overflow <= 0:
         return sim.iteration_time_s
@@ -121,13 +138,16 @@ def mcmc(
     progress: Callable[[int, float], None] | None = None,
     exclude: Sequence[Mapping[str, Config]] = (),
     timeline: bool = True,
+    cutoff: bool = True,
 ) -> SearchResult:
     """Run the chain from the best of ``seeds`` (module docstring). ``beta`` (the
     acceptance's sharpness: a move 2% slower is accepted with probability e^-1),
     ``restart``, ``min_iters`` and ``span_p`` are FlexFlow-style tuning knobs. The best
     state is simulated again with its timeline; ``timeline=False`` returns its
     simulation as the chain made it (the same time, memory and compute: what a planner
-    reads; the timeline of GPT 18.4B on 256 devices took seconds, past the budget)."""
+    reads; the timeline of GPT 18.4B on 256 devices took seconds, past the budget).
+    ``cutoff``: stop the simulation of a proposal once it is sure to be rejected
+    (module docstring)."""
     if max_iters is None and budget_s is None:
         raise ValueError("give max_iters or budget_s")
     rng = random.Random(seed)
@@ -141,13 +161,15 @@ def mcmc(
         for c in options:
             by_mesh.setdefault(name, {}).setdefault((c.s, c.t, c.first), []).append(c)
 
-    def run(dec: Mapping[str, Config]) -> Simulation:  # as a SOAP plan runs: on DTensor, never DDP
-        return simulator.simulate(space.expand(dec), timeline=False, ddp=False)
+    def run(dec: Mapping[str, Config], past: float = math.inf) -> Simulation | None:
+        # as a SOAP plan runs: on DTensor, never DDP; None: sure to take longer than ``past``
+        return simulator.simulate(space.expand(dec), timeline=False, ddp=False, cutoff=past)
 
     excluded = [dict(e) for e in exclude]
 
-    def keepable(dec: Mapping[str, Config], sim: Simulation) -> bool:
-        return sim.feasible and (best_sim is None or sim.iteration_time_s < best_sim.iteration_time_s) \
+    def keepable(dec: Mapping[str, Config], sim: Simulation | None) -> bool:
+        return sim is not None and sim.feasible \
+            and (best_sim is None or sim.iteration_time_s < best_sim.iteration_time_s) \
             and not any(_same(dec, e) for e in excluded)
 
     best_dec: dict[str, Config] | None = None
@@ -193,8 +215,11 @@ def mcmc(
                     same_mesh = by_mesh[v.name].get((new.s, new.t, new.first))
                     if same_mesh:
                         prop[v.name] = same_mesh[rng.randrange(len(same_mesh))]
-            sim = run(prop)
-            c = cost_of(sim)
+            past = math.inf
+            if cutoff and best_sim is not None:
+                past = rejection_cutoff(cur_cost, best_sim.iteration_time_s, _peek(rng), beta)
+            sim = run(prop, past)
+            c = cost_of(sim)  # None: infinite, rejected as the test finds
             if c <= cur_cost or rng.random() < math.exp(-beta * (c - cur_cost) / cur_cost):
                 cur_dec, cur_cost = prop, c
                 accepted += 1
@@ -214,6 +239,25 @@ def mcmc(
         best_sim = simulator.simulate(space.expand(best_dec), ddp=False)  # with the timeline
     return SearchResult(best_dec, best_sim, it, accepted, tuple(improvements),
                         time.perf_counter() - t0, interrupted)
+
+
+def rejection_cutoff(cost: float, best_s: float, u: float, beta: float) -> float:
+    """The time past which a proposal is rejected and not kept as the best, from the
+    current state's ``cost``, the best plan's time ``best_s`` and the number ``u`` the
+    acceptance test will draw (module docstring): ``max(cost (1 - ln(u) / beta),
+    best_s)``, raised by a relative ``1e-9``; infinite when ``u`` is 0 or ``cost``
+    infinite."""
+    if u <= 0.0 or not math.isfinite(cost):
+        return math.inf
+    return max(cost * (1 - math.log(u) / beta), best_s) * (1 + 1e-9)
+
+
+def _peek(rng: random.Random) -> float:
+    """The number ``rng.random()`` will return next, the generator left as it was."""
+    state = rng.getstate()
+    u = rng.random()
+    rng.setstate(state)
+    return u
 
 
 def _same(a: Mapping[str, Config], b: Mapping[str, Config]) -> bool:

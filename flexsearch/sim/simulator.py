@@ -74,7 +74,7 @@ from flexsearch.sim.taskgraph import (
     build_fragment,
     kept,
 )
-from flexsearch.sim.tasks import Scheduled, Task, run_tasks
+from flexsearch.sim.tasks import PastCutoff, Scheduled, Task, run_tasks
 from flexsearch.strategy.config import Config, is_source
 from flexsearch.strategy.fsdp import ROOT, param_units
 from flexsearch.strategy.kinds import FSDP_SHARDINGS
@@ -202,9 +202,12 @@ class Simulator:
 
     def simulate(self, configs: Mapping[str, Config], *, timeline: bool = True,
                  ddp: bool | None = None, shard: str = "none", shard_group: int = 0,
-                 fsdp_units: tuple[str, ...] | None = None, recompute: str = "none") -> Simulation:
+                 fsdp_units: tuple[str, ...] | None = None, recompute: str = "none",
+                 cutoff: float = math.inf) -> Simulation | None:
         """Simulate one iteration; ``timeline=False`` skips the per-task record and the
-        critical path (what a search needs: time and memory). ``ddp``: the plan runs
+        critical path (what a search needs: time and memory). ``cutoff``: None when
+        the iteration is sure to take longer than this many seconds, found before its
+        schedule is done (:class:`~flexsearch.sim.tasks.PastCutoff`). ``ddp``: the plan runs
         with DDP (default: :meth:`is_ddp`; a plan's kind says it: ``data``).
         ``shard``: how a data-parallel plan shards its state
         (:data:`~flexsearch.strategy.kinds.SHARDINGS`): ``zero1`` shards the optimizer
@@ -216,18 +219,22 @@ class Simulator:
             raise ValueError(f"unknown sharding {shard!r}")
         group = shard_group if shard == "hsdp" else 0
         replica = None if timeline else self.replica(configs, group)
-        if replica is not None:
-            try:
-                return self._simulate(configs, False, ddp, shard, group, fsdp_units, recompute, replica)
-            except NotPeriodic:
-                pass
-        return self._simulate(configs, timeline, ddp, shard, group, fsdp_units, recompute, None)
+        try:
+            if replica is not None:
+                try:
+                    return self._simulate(configs, False, ddp, shard, group, fsdp_units, recompute, replica, cutoff)
+                except NotPeriodic:
+                    pass
+            return self._simulate(configs, timeline, ddp, shard, group, fsdp_units, recompute, None, cutoff)
+        except PastCutoff:
+            return None
 
     def _simulate(self, configs: Mapping[str, Config], timeline: bool, ddp: bool | None, shard: str, group: int,
-                  fsdp_units: tuple[str, ...] | None, recompute: str, replica: Replica | None) -> Simulation:
+                  fsdp_units: tuple[str, ...] | None, recompute: str, replica: Replica | None,
+                  cutoff: float) -> Simulation:
         if shard in FSDP_SHARDINGS:
             return self._fsdp(configs, timeline, fsdp_units, recompute, reshard=shard != "zero2", group=group,
-                              replica=replica)
+                              replica=replica, cutoff=cutoff)
         ddp = self.is_ddp(configs) if ddp is None else ddp and self.ctx.calibration is not None
         frags, rebuilt = self._checkpoint(self.fragments(configs, ddp=ddp, replica=replica), configs, recompute)
         ordered: list[Task] = []
@@ -241,7 +248,7 @@ class Simulator:
             if i in buckets:
                 ordered.append(buckets[i])
         return self._schedule(frags, ordered, timeline, ddp, list(buckets.values()), configs=configs,
-                              rebuilt=rebuilt, zero1=shard == "zero1", replica=replica)
+                              rebuilt=rebuilt, zero1=shard == "zero1", replica=replica, cutoff=cutoff)
 
     def _checkpoint(self, frags: list[Fragment], configs: Mapping[str, Config],
                     mode: str, cast: bool = True) -> tuple[list[Fragment], Rebuilt | None]:
@@ -301,7 +308,7 @@ class Simulator:
 
     def _fsdp(self, configs: Mapping[str, Config], keep_timeline: bool,
               given: tuple[str, ...] | None = None, recompute: str = "none", *, reshard: bool = True,
-              group: int = 0, replica: Replica | None = None) -> Simulation:
+              group: int = 0, replica: Replica | None = None, cutoff: float = math.inf) -> Simulation:
         """A data-parallel plan run by FSDP2, parameters, gradients and optimizer state
         sharded over groups of ``g`` devices (``group``, default all ``n``; HSDP when
         ``g < n``: the groups are replicas). Per unit of :func:`~flexsearch.strategy.fsdp.param_units` (``P_u``
@@ -388,7 +395,7 @@ class Simulator:
         held = sum(peak[:2]) if reshard else sum(peak)
         unsharded = gather * held + max(grads.values(), default=0.0)  # and one unit's unreduced gradients
         return self._schedule(frags, ordered, keep_timeline, True, reduced, shards=g,
-                              unsharded=unsharded, configs=configs, rebuilt=rebuilt, replica=replica)
+                              unsharded=unsharded, configs=configs, rebuilt=rebuilt, replica=replica, cutoff=cutoff)
 
     def _buckets(self, frags: list[Fragment]) -> dict[int, Task]:
         """DDP's gradient buckets (calibration ``ddp_bucket_bytes``): parameters in the
@@ -470,7 +477,7 @@ class Simulator:
     def _schedule(self, frags: list[Fragment], ordered: list[Task], keep_timeline: bool, ddp: bool = False,
                   buckets: list[Task] = (), shards: int = 1, unsharded: float = 0.0,
                   configs: Mapping[str, Config] | None = None, rebuilt: Rebuilt | None = None,
-                  zero1: bool = False, replica: Replica | None = None) -> Simulation:
+                  zero1: bool = False, replica: Replica | None = None, cutoff: float = math.inf) -> Simulation:
         """List-schedule ``ordered``, then one optimizer update per device; memory.
         ``buckets``: gradient collectives every update waits for (DDP, FSDP); ``shards``:
         parameters, gradients and optimizer state divided over this many devices (FSDP),
@@ -482,9 +489,9 @@ class Simulator:
         the iteration ends; calibrated, with ``ZeroRedundancyOptimizer``'s cost per
         parameter tensor and per step (``zero1_per_tensor_s``, ``step_s["zero1"]``).
         ``replica``: ``ordered`` holds the first replica's tasks; its devices' figures
-        are every replica's (module docstring)."""
+        are every replica's (module docstring). ``cutoff``: as :func:`~flexsearch.sim.tasks.run_tasks` takes it."""
         devices = self.cluster.devices
-        run = run_tasks(ordered, devices, len(self._links), keep_timeline)
+        run = run_tasks(ordered, devices, len(self._links), keep_timeline, cutoff)
         free, end, timeline, compute, chain = run.free, run.end, run.timeline, run.compute, run.chain
         serial = run.serial
         cal = self.ctx.calibration

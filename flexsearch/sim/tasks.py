@@ -17,11 +17,19 @@ the devices. Without the gaps, a simulator that lists one pipeline rank's later
 gradient transfer before another rank's earlier activation transfer on a shared link
 would delay the activation (a 1F1B pipeline of balanced stages ran 10-30% slower than
 ``(m + p - 1)(F + B)``).
+
+**Cutoff.** Given a ``cutoff`` time, :func:`run_tasks` stops with :class:`PastCutoff` as
+soon as the schedule is sure to end after it: once some device ``d``, free at ``free[d]``
+after a compute task, still has compute tasks of total duration ``left[d]`` to run
+(forward and backward tasks, each holding ``d`` alone in its turn), the schedule cannot
+end before ``free[d] + left[d]``. A search that rejects every plan slower than some time
+(:func:`flexsearch.search.mcmc.mcmc`) is then spared the rest of such a plan's schedule.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -70,6 +78,10 @@ class TaskRun:
     compute: list[float]
     chain: dict
     serial: float
+
+
+class PastCutoff(Exception):
+    """:func:`run_tasks`' schedule is sure to end after its ``cutoff`` (module docstring)."""
 
 
 def _accumulates(k: Key) -> bool:
@@ -131,22 +143,27 @@ def _occupy(busy: dict[int, tuple[list[float], list[float]]], free: list[float],
     return start
 
 
-def busy_compute(ordered: Sequence[Task], devices: int) -> list[float]:
-    """Per device, the summed duration of the compute tasks it runs (forward, backward,
-    update): a stage-level simulation's ``compute_s``."""
+def busy_compute(ordered: Sequence[Task], devices: int,
+                 kinds: tuple[str, ...] = ("fwd", "bwd", "update")) -> list[float]:
+    """Per device, the summed duration of the compute tasks of ``kinds`` it runs
+    (forward, backward, update): a stage-level simulation's ``compute_s``."""
     compute = [0.0] * devices
     for t in ordered:
-        if t.kind in ("fwd", "bwd", "update"):
+        if t.kind in kinds:
             for d in t.resources:
                 compute[d] += t.duration
     return compute
 
 
-def run_tasks(ordered: Sequence[Task], devices: int, links: int, keep_timeline: bool = True) -> TaskRun:
+def run_tasks(ordered: Sequence[Task], devices: int, links: int, keep_timeline: bool = True,
+              cutoff: float = math.inf) -> TaskRun:
     """List-schedule ``ordered`` (module docstring). Every plan kind's simulator
     schedules its tasks through this function (the delta simulation's inner loop: the
     attribute and method lookups are hoisted, the key test of :func:`_accumulates`
-    inlined)."""
+    inlined). Raises :class:`PastCutoff` once the schedule is sure to end after
+    ``cutoff`` (module docstring)."""
+    bounded = cutoff < math.inf
+    left = busy_compute(ordered, devices, ("fwd", "bwd")) if bounded else []  # compute still to run per device
     free = [0.0] * (devices + links)
     busy: dict[int, tuple[list[float], list[float]]] = {}  # link -> (starts, ends) of its busy intervals
     end: dict = {}
@@ -182,6 +199,11 @@ def run_tasks(ordered: Sequence[Task], devices: int, links: int, keep_timeline: 
                     end[k] = stop
         if kind == "fwd" or kind == "bwd":
             compute[res[0]] += dur
+            if bounded:
+                for r in res:
+                    left[r] -= dur
+                    if free[r] + left[r] > cutoff:
+                        raise PastCutoff
         serial += dur * copies
         if keep_timeline:
             timeline.append(Scheduled(t, start, stop))

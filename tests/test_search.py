@@ -5,6 +5,7 @@ infeasible models."""
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import random
 import sys
@@ -20,6 +21,7 @@ import zoo  # noqa: E402
 import flexsearch  # noqa: E402
 from flexsearch import Cluster, InfeasiblePlanError, trace  # noqa: E402
 from flexsearch.api import resolve_calibration  # noqa: E402
+from flexsearch.cost.hardware import Positive  # noqa: E402
 from flexsearch.errors import PlanKindError, TraceError  # noqa: E402
 from flexsearch.plan import REFERENCE_BASELINES  # noqa: E402
 from flexsearch.precision import precision as precision_of  # noqa: E402
@@ -200,6 +202,46 @@ def test_ilp_is_exact_for_its_objective(seed):
     assert set(dec) == {u.name for u in space.units}
     space.check(dec)
     assert all(c.n == cluster.devices for c in dec.values())
+
+
+@pytest.mark.parametrize("case", [*range(9), "gpt_tiny", "alexnet_tiny", "rnnlm_tiny", "dlrm_tiny", "bert_tiny"])
+def test_the_ilp_memory_floor_is_under_every_assignment(case, monkeypatch):
+    """Every unit's memory summed over the devices is at least its nodes' ``k P + A``
+    whatever candidate it takes (so no assignment puts less than
+    :meth:`AssignmentBuilder.memory_floor` on its fullest device: checked against brute
+    force on the random cases); a capacity under the floor is infeasible without the
+    problem built, one at the floor is solved."""
+    from flexsearch.sim.footprint import kept_bytes
+
+    if isinstance(case, str):
+        g, cluster = zoo_graph(case), Cluster.preset("dgx-h100", 4)
+    else:
+        g, cluster = random_ilp_case(case)
+    builder = AssignmentBuilder(Space(g, cluster.devices), CostContext(cluster))
+    problem = builder.problem()
+    floor = builder.memory_floor()
+    assert floor > 0
+    for u, per_unit in enumerate(problem.memory):
+        names = builder.owned[u]
+        least = sum(builder.state * g.node(nm).param_bytes + kept_bytes(g.node(nm)) for nm in names)
+        for row in per_unit:
+            assert math.fsum(row) >= least * (1 - 1e-12), (u, names)
+    if not isinstance(case, str):
+        fullest = min(max(math.fsum(problem.memory[u][a][d] for u, a in enumerate(choice))
+                          for d in range(cluster.devices))
+                      for choice in itertools.product(*(range(len(m)) for m in problem.memory)))
+        assert floor <= fullest * (1 + 1e-12)
+    for cap, built in ((floor * 0.999, False), (floor * 1.001, True)):
+        dev = cluster.spec.device.model_copy(update={"memory_capacity": Positive(value=cap, source="test")})
+        short = Cluster.from_spec(cluster.spec.model_copy(update={"device": dev}), cluster.devices)
+        sized = AssignmentBuilder(Space(g, cluster.devices), CostContext(short))
+        calls = []
+        monkeypatch.setattr(sized, "problem", lambda deadline=None, real=sized.problem, seen=calls:
+                            seen.append(1) or real(deadline))
+        dec, res = sized.solve(time_limit_s=20.0)
+        assert bool(calls) == built
+        if not built:
+            assert dec is None and res.status == "infeasible"
 
 
 @pytest.mark.parametrize(("cluster", "devices"), [("dgx-h100", 4), ("flexflow-k80", 8)])

@@ -21,6 +21,7 @@ all-reduces).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from flexsearch.cost import comm
@@ -71,6 +72,7 @@ class CostContext:
         self._ops: dict[tuple, tuple[float, float]] = {}
         self._colls: dict[tuple, comm.CommCost] = {}
         self._xfers: dict[tuple[int, int, float], tuple[float, tuple[int, ...]]] = {}
+        self._held: dict[tuple, tuple[int, ...]] = {}  # resources tuples, one object per value
         self.node_of = [cluster.node_of(d) for d in range(cluster.devices)]
         self.geometry_cache: dict[tuple, object] = {}
         """Edge geometries of the op-level task graph (:mod:`flexsearch.sim.taskgraph`)."""
@@ -146,6 +148,16 @@ class CostContext:
         priced = self.precision.priced_dtype(node.kind, dtype)
         return None if priced == dtype else priced
 
+    def held(self, key: tuple, make: Callable[[], tuple[int, ...]]) -> tuple[int, ...]:
+        """The resources a communication keyed ``key`` holds (``make()`` builds them), one
+        tuple object per value: :func:`flexsearch.sim.tasks.link_classes` tells the
+        tuples of a schedule apart by identity."""
+        hit = self._held.get(key)
+        if hit is None:
+            res = make()
+            hit = self._held[key] = self._held.setdefault(res, res)
+        return hit
+
     def device_resources(self, devices) -> tuple[int, ...]:
         """The devices a communication among ``devices`` occupies: all of them when the
         calibration says communication blocks compute, else none (links only)."""
@@ -180,7 +192,8 @@ def collective_task(ctx: CostContext, op: str, group: list[int] | tuple[int, ...
     seconds = cost.time_s
     if calls > 1 and seconds > 0:
         seconds += (calls - 1) * ctx.collective(op, g, 1.0).time_s
-    res = ctx.device_resources(g) + link_resources(ctx, [link for link, _ in cost.loads])
+    res = ctx.held(("coll", g, id(cost)),  # the cost is kept by the context: its id stays its own
+                   lambda: ctx.device_resources(g) + link_resources(ctx, [link for link, _ in cost.loads]))
     return Task("coll", name, seconds, res, deps, defines, nbytes, f"{detail} {op}/{cost.algorithm}")
 
 
@@ -205,5 +218,5 @@ def transfer_task(ctx: CostContext, src: int, dst: int, nbytes: float, name: str
                   deps: tuple[Key, ...], defines: tuple[Key, ...], detail: str) -> Task:
     """One point-to-point transfer over the links of the path."""
     seconds, links = ctx.transfer(src, dst, nbytes)
-    res = ctx.device_resources((src, dst)) + links
+    res = ctx.held(("xfer", src, dst, links), lambda: ctx.device_resources((src, dst)) + links)
     return Task("xfer", name, seconds, res, deps, defines, nbytes, f"{detail} d{src}->d{dst}")

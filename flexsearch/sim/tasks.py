@@ -18,6 +18,14 @@ gradient transfer before another rank's earlier activation transfer on a shared 
 would delay the activation (a 1F1B pipeline of balanced stages ran 10-30% slower than
 ``(m + p - 1)(F + B)``).
 
+**Links loaded together.** On a cluster of many links (:data:`MERGE_LINKS_FROM` or more)
+a collective over every device loads hundreds of them (GPT 18.4B on 256 A100s: 1,024
+links per gradient all-reduce), each held and searched for a gap one by one. Links that
+the same tasks load (every task loads all of them or none) have the same busy intervals
+throughout the schedule, so :func:`run_tasks` schedules one of each such class
+(:func:`link_classes`) and gives the others its free time at the end: the same
+schedule, with the work of a few links per collective.
+
 **Cutoff.** Given a ``cutoff`` time, :func:`run_tasks` stops with :class:`PastCutoff` as
 soon as the schedule is sure to end after it: once some device ``d``, free at ``free[d]``
 after a compute task, still has compute tasks of total duration ``left[d]`` to run
@@ -78,6 +86,37 @@ class TaskRun:
     compute: list[float]
     chain: dict
     serial: float
+
+
+MERGE_LINKS_FROM = 64
+"""Links from which :func:`run_tasks` merges the links loaded together (module
+docstring): below it (8 H100s have 16) the pass that finds them costs more than it
+saves."""
+
+
+def link_classes(ordered: Sequence[Task], devices: int) -> tuple[dict[int, tuple[int, ...]], dict[int, int]]:
+    """The links ``ordered`` loads, in classes of links that every task loads all of or
+    none of (module docstring): per resources tuple of a task that loads links (by
+    ``id``), the tuple with one link of each class it holds (the class's least), and per
+    link merged into another, that one. Both empty when no two links are loaded together."""
+    tuples: dict[int, tuple[int, ...]] = {}
+    for t in ordered:
+        res = t[3]
+        if id(res) not in tuples and res and max(res) >= devices:
+            tuples[id(res)] = res
+    loaded: dict[int, list[int]] = {}  # link -> the tuples that hold it
+    for k, res in enumerate(tuples.values()):
+        for r in res:
+            if r >= devices:
+                loaded.setdefault(r, []).append(k)
+    classes: dict[tuple[int, ...], list[int]] = {}
+    for r, ks in loaded.items():
+        classes.setdefault(tuple(ks), []).append(r)
+    merged = {r: min(members) for members in classes.values() if len(members) > 1 for r in members}
+    merged = {r: first for r, first in merged.items() if r != first}
+    if not merged:
+        return {}, {}
+    return {i: tuple(r for r in res if r not in merged) for i, res in tuples.items()}, merged
 
 
 class PastCutoff(Exception):
@@ -164,6 +203,7 @@ def run_tasks(ordered: Sequence[Task], devices: int, links: int, keep_timeline: 
     ``cutoff`` (module docstring)."""
     bounded = cutoff < math.inf
     left = busy_compute(ordered, devices, ("fwd", "bwd")) if bounded else []  # compute still to run per device
+    held, merged = link_classes(ordered, devices) if links >= MERGE_LINKS_FROM else ({}, {})
     free = [0.0] * (devices + links)
     busy: dict[int, tuple[list[float], list[float]]] = {}  # link -> (starts, ends) of its busy intervals
     end: dict = {}
@@ -174,6 +214,8 @@ def run_tasks(ordered: Sequence[Task], devices: int, links: int, keep_timeline: 
     serial = 0.0
     for t in ordered:
         kind, _, dur, res, deps, defines, _, _, copies = t
+        if held:
+            res = held.get(id(res), res)
         start = 0.0
         for k in deps:
             v = get(k)
@@ -211,4 +253,6 @@ def run_tasks(ordered: Sequence[Task], devices: int, links: int, keep_timeline: 
             for k in defines:
                 if not _accumulates(k) or cstop > chain.get(k, 0.0):
                     chain[k] = cstop
+    for r, first in merged.items():  # a link merged into another: its free time
+        free[r] = free[first]
     return TaskRun(free, end, timeline, compute, chain, serial)

@@ -1,0 +1,113 @@
+"""The list scheduler: links loaded together are scheduled as one, with the same result."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import pytest
+from conftest import ROOT
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import zoo  # noqa: E402
+
+import flexsearch.sim.tasks as tasks  # noqa: E402
+from flexsearch import Cluster, trace  # noqa: E402
+from flexsearch.sim.simulator import Simulator  # noqa: E402
+from flexsearch.sim.tasks import Task, link_classes, run_tasks  # noqa: E402
+from flexsearch.strategy import recipes  # noqa: E402
+from flexsearch.strategy.space import Space  # noqa: E402
+
+DEVICES, LINKS = 3, 70
+
+
+@st.composite
+def task_lists(draw):
+    """Tasks in an order their dependencies allow: compute on one device, and transfers
+    and collectives over one of a few link sets (so that links fall into classes, and
+    sets that overlap split them), some holding devices too; keys defined once or,
+    tagged ``"G"``, accumulated."""
+    patterns = [tuple(sorted(draw(st.sets(st.integers(DEVICES, DEVICES + LINKS - 1), min_size=1, max_size=LINKS))))
+                for _ in range(draw(st.integers(1, 4)))]
+    out, keys = [], []
+    for i in range(draw(st.integers(1, 40))):
+        deps = tuple(draw(st.lists(st.sampled_from(keys), max_size=3, unique=True))) if keys else ()
+        key = ("G", i % 3) if draw(st.booleans()) and i % 4 == 0 else ("k", i)
+        dur = draw(st.sampled_from([0.0, 1.0, 0.5, 2.0, 3.25]))
+        if draw(st.booleans()):
+            out.append(Task("fwd" if i % 2 else "bwd", f"t{i}", dur, (draw(st.integers(0, DEVICES - 1)),), deps,
+                            (key,)))
+        else:
+            devs = tuple(sorted(draw(st.sets(st.integers(0, DEVICES - 1), max_size=2))))
+            out.append(Task(draw(st.sampled_from(["xfer", "coll"])), f"t{i}", dur,
+                            devs + draw(st.sampled_from(patterns)), deps, (key,)))
+        keys.append(key)
+    return out
+
+
+def _run(ordered, devices, links, merge: bool, **kw):
+    before = tasks.MERGE_LINKS_FROM
+    tasks.MERGE_LINKS_FROM = before if merge else 10**9
+    try:
+        return run_tasks(ordered, devices, links, **kw)
+    finally:
+        tasks.MERGE_LINKS_FROM = before
+
+
+@settings(max_examples=200, derandomize=True, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(task_lists())
+def test_links_loaded_together_schedule_as_one(ordered):
+    """Scheduling one link of each class (:func:`link_classes`) gives every task the
+    times, and every resource the free time, of scheduling each link."""
+    assert LINKS >= tasks.MERGE_LINKS_FROM
+    merged = _run(ordered, DEVICES, LINKS, True)
+    each = _run(ordered, DEVICES, LINKS, False)
+    assert [(s.task, s.start, s.end) for s in merged.timeline] == [(s.task, s.start, s.end) for s in each.timeline]
+    assert (merged.free, merged.end, merged.compute, merged.chain, merged.serial) == \
+        (each.free, each.end, each.compute, each.chain, each.serial)
+
+
+def test_link_classes_merge_the_links_every_task_loads_together():
+    a = (0, 10, 11, 12, 13)  # device 0 and links 10-13
+    b = (11, 12)
+    ordered = [Task("coll", "a", 1.0, a, ()), Task("xfer", "b", 1.0, b, ()), Task("fwd", "c", 1.0, (1,), ())]
+    held, merged = link_classes(ordered, 4)
+    assert merged == {12: 11, 13: 10}  # {10, 13} and {11, 12} are loaded together
+    assert held == {id(a): (0, 10, 11), id(b): (11,)}
+    assert link_classes([Task("xfer", "b", 1.0, b, ()), Task("xfer", "d", 1.0, (12,), ())], 4) == ({}, {})
+
+
+@functools.cache
+def _gpt_tiny():
+    model, inputs = zoo.build("gpt_tiny")
+    return trace(model, inputs)
+
+
+@pytest.mark.parametrize(("cluster", "devices"), [("dgx-h100", 16), ("commodity", 16)])
+def test_simulations_are_the_same_with_links_merged(cluster, devices):
+    """Data parallelism (collectives over every device) and Megatron's layout (over
+    each node) on a cluster of 64 links: the timeline and figures of the simulation
+    with links merged are those of one with each link scheduled."""
+    g = _gpt_tiny()
+    cl = Cluster.preset(cluster, devices)
+    assert len(cl.links) >= tasks.MERGE_LINKS_FROM
+    space = Space(g, devices)
+    for dec in (recipes.data_parallel(space), recipes.megatron(space, 4)):
+        before = tasks.MERGE_LINKS_FROM
+        sims = []
+        for merge in (True, False):
+            tasks.MERGE_LINKS_FROM = before if merge else 10**9
+            try:
+                sims.append(Simulator(g, cl).simulate(space.expand(dec)))
+            finally:
+                tasks.MERGE_LINKS_FROM = before
+        a, b = sims
+        assert a.timeline == b.timeline and a.iteration_time_s == b.iteration_time_s
+        assert a.memory_bytes == b.memory_bytes and a.critical_path_s == b.critical_path_s
+        if dec == recipes.data_parallel(space):  # each all-reduce loads every link: all of them merged into one
+            ordered = [s.task for s in a.timeline if s.task.kind != "update"]
+            loaded = {r for t in ordered for r in t.resources if r >= devices}
+            assert len(loaded) > 1 and len(link_classes(ordered, devices)[1]) == len(loaded) - 1

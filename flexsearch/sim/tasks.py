@@ -112,8 +112,10 @@ def link_classes(ordered: Sequence[Task], devices: int) -> tuple[dict[int, tuple
     classes: dict[tuple[int, ...], list[int]] = {}
     for r, ks in loaded.items():
         classes.setdefault(tuple(ks), []).append(r)
-    merged = {r: min(members) for members in classes.values() if len(members) > 1 for r in members}
-    merged = {r: first for r, first in merged.items() if r != first}
+    merged: dict[int, int] = {}
+    for members in classes.values():
+        first = min(members)
+        merged.update((r, first) for r in members if r != first)
     if not merged:
         return {}, {}
     return {i: tuple(r for r in res if r not in merged) for i, res in tuples.items()}, merged

@@ -659,6 +659,42 @@ def test_mcmc_under_a_budget_leaves_later_seeds_and_can_skip_the_timeline(monkey
         (full.simulation.iteration_time_s, full.simulation.memory_bytes, full.simulation.compute_s)
 
 
+def test_mcmc_starts_no_seed_that_would_end_past_its_budget(monkeypatch):
+    """Under a budget, a seed is not simulated when the last one's time says it would end
+    past the budget, once a plan that fits was seen, by the chain or (``elsewhere``) by
+    the caller; while none was, the seeds go on. A clock that moves one second per
+    simulation."""
+    import types
+
+    import flexsearch.search.mcmc as chain
+    from flexsearch.strategy import recipes
+
+    g = zoo_graph("gpt_tiny")
+    space = Space(g, 4)
+    seeds = list(recipes.baselines(space, 4).values())
+    assert len(seeds) >= 3
+    now = [0.0]
+    monkeypatch.setattr(chain, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+
+    class Ticking(Simulator):
+        def simulate(self, configs, **kw):
+            now[0] += 1.0
+            return super().simulate(configs, **kw)
+
+    def seeds_run(cluster, **kw) -> int:
+        sim = Ticking(g, cluster)
+        start = now[0]
+        mcmc(space, sim, seeds, budget_s=1.5, max_iters=0, seed=0, timeline=False, **kw)  # the seeds alone
+        return round(now[0] - start)
+
+    roomy = Cluster.preset("dgx-h100", 4)
+    assert seeds_run(roomy) == 1  # the second would end at 2 s, past 1.5
+    dev = roomy.spec.device.model_copy(update={"memory_capacity": Positive(value=1e3, source="test")})
+    tiny = Cluster.from_spec(roomy.spec.model_copy(update={"device": dev}), 4)
+    assert seeds_run(tiny) == len(seeds)  # nothing fits: every seed
+    assert seeds_run(tiny, elsewhere=lambda: True) == 1  # a plan fits elsewhere
+
+
 def test_budget_notes_quote_the_stated_budget():
     """The caller that spent part of the budget (tracing) passes what is left and the
     budget it was given: the notes and the search record quote the one given."""

@@ -474,7 +474,8 @@ def plan_synchronous(
                                       0, 0, (), 0.0)
             else:
                 result = mcmc(space, sim, seeds, max_iters=0 if close else max_iters,
-                              budget_s=None if close else remaining, seed=seed, progress=progress, timeline=False)
+                              budget_s=None if close else remaining, seed=seed, progress=progress, timeline=False,
+                              elsewhere=lambda: bool(found))
             interrupted = result.interrupted  # Ctrl-C: keep the best so far
             if not close and past(deadline) and result.iterations < (max_iters or math.inf):
                 cut.append(f"MCMC after {result.iterations} steps")

@@ -32,6 +32,8 @@ Rules by node kind (``k`` is the input's position in ``node.inputs``):
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections.abc import Sequence
 from functools import lru_cache
@@ -61,6 +63,44 @@ def intersect(a: Region, b: Region) -> Region | None:
             return None
         out.append((lo, hi))
     return tuple(out)
+
+
+class TileIndex:
+    """The regions of ``tiles`` that overlap a region, in ``tiles``' order, as a scan
+    with :func:`intersect` finds them. Per dim the tiles' distinct non-empty intervals
+    are sorted; when they are disjoint (a block partition's) the overlapping ones are
+    found by bisection and the candidates are their product, kept when they are tiles:
+    ``O(overlaps)`` per lookup where the scan is ``O(tiles)`` (an edge between two
+    256-way sample splits: 256 lookups of 256 tiles each). Tiles with overlapping
+    intervals in some dim are scanned."""
+
+    def __init__(self, tiles: Sequence[Region]):
+        self.tiles = list(tiles)
+        self.position = {r: i for i, r in enumerate(self.tiles)}
+        self.dims: list[tuple[list[Interval], list[int]]] | None = []
+        for k in range(len(self.tiles[0]) if self.tiles else 0):
+            iv = sorted({r[k] for r in self.tiles if r[k][0] < r[k][1]})
+            if any(a[1] > b[0] for a, b in zip(iv, iv[1:], strict=False)):
+                self.dims = None
+                break
+            self.dims.append((iv, [hi for _, hi in iv]))
+
+    def overlapping(self, need: Region) -> list[Region]:
+        if self.dims is None:
+            return [r for r in self.tiles if intersect(need, r) is not None]
+        per_dim: list[list[Interval]] = []
+        for (iv, his), (lo, hi) in zip(self.dims, need, strict=True):
+            i = bisect.bisect_right(his, lo)  # the first interval ending after lo
+            got = []
+            while i < len(iv) and iv[i][0] < hi:
+                got.append(iv[i])
+                i += 1
+            if not got or lo >= hi:
+                return []
+            per_dim.append(got)
+        found = [r for r in itertools.product(*per_dim) if r in self.position]
+        found.sort(key=self.position.__getitem__)
+        return found
 
 
 def split_interval(size: int, parts: int, index: int) -> Interval:

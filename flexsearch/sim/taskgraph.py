@@ -59,7 +59,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from flexsearch.graph.opgraph import OpNode, dtype_size
-from flexsearch.graph.regions import Region, input_region, intersect, split_interval, volume
+from flexsearch.graph.regions import (
+    Region,
+    TileIndex,
+    input_region,
+    intersect,
+    split_interval,
+    volume,
+)
 from flexsearch.sim.accounting import largest_tensor
 from flexsearch.sim.context import CostContext, collective_task, link_resources, transfer_task
 from flexsearch.sim.footprint import aliases, cast_copy_bytes, grad_bytes, kept_bytes
@@ -214,15 +221,14 @@ def edge_geometry(node: OpNode, c: Config, k: int, p: OpNode, pc: Config, node_o
     local: list[int] = []
     transfers: list[tuple[int, int, int]] = []
     readers: dict[Region, list[tuple[int, int, Region]]] = {}  # tile -> (reader device, volume, its output)
+    index = TileIndex(ptiles)
     for idx, (i, j, d) in enumerate(parts):
         mine = out_region(node, c, i, j)
         need = input_region(node, k, p.outputs[0].shape, mine, (c.t, j) if c.kind == "r" else (1, 0))
         incoming: dict[int, int] = {}
-        for region, holders in ptiles.items():
-            ov = intersect(need, region)
-            if ov is None:
-                continue
-            vol = volume(ov)
+        for region in index.overlapping(need):
+            holders = ptiles[region]
+            vol = volume(intersect(need, region))
             readers.setdefault(region, []).append((d, vol, (mine, j) if c.kind == "r" else mine))
             if d in holders:
                 local.append(d)

@@ -36,7 +36,11 @@
    proposals sure to be rejected cut short (:func:`flexsearch.search.mcmc.mcmc`'s
    ``cutoff``; ``--rounds`` times alternating, medians): ``mcmc_cutoff_speedup=``
    (iterations per second, cut over full) and ``mcmc_cut_share=`` (the proposals cut).
-   The chains are checked to be the same.
+   The chains are checked to be the same. Then the list schedule of a large cluster's
+   simulations: GPT 18.4B (Megatron's row; ``--quick``: 1.7B) on its A100s, the task
+   lists of its baseline recipes scheduled with the links every task loads together
+   merged and with each link apart (:func:`link_rates`, three rounds alternating;
+   ``--quick`` one): ``links_merged_speedup=``, the schedules checked to be the same.
 
 2. Time to converge of the search on GPT-2 XL over 8 and 64 x ``dgx-h100``: the
    planner's stages run directly (as ``plan_graph`` runs them: baselines, the ILP seed
@@ -65,8 +69,8 @@
 
 Last line: ``full_sims_per_s=... delta_sims_per_s=... delta_over_full=... delta_rebuilt=...
 delta_bound=... delta_retimed=... delta_incremental_bound=... mcmc_rebuilt_one=...
-mcmc_rebuilt_kept=... mcmc_kept_speedup=... mcmc_cutoff_speedup=... mcmc_cut_share=... converge_xl8_s=...
-converge_xl64_s=...`` (plus tracing, seeding and speedup-over-data figures) and the
+mcmc_rebuilt_kept=... mcmc_kept_speedup=... mcmc_cutoff_speedup=... mcmc_cut_share=...
+links_merged_speedup=... converge_xl8_s=... converge_xl64_s=...`` (plus tracing, seeding and speedup-over-data figures) and the
 plan times of part 3.
 """
 
@@ -265,6 +269,57 @@ def cutoff_rates(graph, cluster: Cluster, iters: int, rounds: int, seed: int = 0
     return {"mcmc_cutoff_speedup": cutting / full, "mcmc_cut_share": cut, "mcmc_full_iters_per_s": full}
 
 
+def link_rates(row: str, rounds: int) -> dict[str, float]:
+    """A Megatron row's model (``megatron_table``) on the row's A100s: its baseline
+    recipes simulated (their task lists captured), then ``run_tasks`` on each list with
+    the links loaded together merged and with each link scheduled
+    (:data:`flexsearch.sim.tasks.MERGE_LINKS_FROM`), ``rounds`` times alternating:
+    the summed medians' ratio (``links_merged_speedup``) and the merged time
+    (``links_merged_ms``). The results are checked to be the same."""
+    import megatron_table
+
+    import flexsearch.sim.simulator as simulator
+    import flexsearch.sim.tasks as tasks
+    from flexsearch.api import resolve_precision
+    from flexsearch.sim.predict import predict
+    from flexsearch.strategy import recipes
+    from flexsearch.strategy.kinds import DataParallel, Soap
+
+    spec = next(r for r in megatron_table.ROWS if r.name == row)
+    model, inputs = megatron_table.build(spec)
+    cluster = Cluster.preset("dgx-a100", spec.gpus)
+    prec, _ = resolve_precision("auto", cluster)
+    graph = flexsearch.trace(model, inputs, precision=prec)
+    space = Space(graph, cluster.devices)
+    ctx = CostContext(cluster, precision=prec)
+    lists, real = [], simulator.run_tasks
+    simulator.run_tasks = lambda ordered, *a, **k: lists.append((list(ordered), a)) or real(ordered, *a, **k)
+    try:
+        for name, dec in recipes.baselines(space, cluster.devices_per_node).items():
+            configs = space.expand(dec)
+            kind = DataParallel(configs, dec) if name == "data" else Soap(configs, dec)
+            predict(graph, kind, ctx, timeline=False, simulator=Simulator(graph, ctx))
+    finally:
+        simulator.run_tasks = real
+    merge_from, took = tasks.MERGE_LINKS_FROM, {True: [], False: []}
+    try:
+        for r in range(rounds):
+            for merged in (True, False) if r % 2 == 0 else (False, True):
+                tasks.MERGE_LINKS_FROM = merge_from if merged else 10**12
+                t0, runs = time.perf_counter(), []
+                for ordered, (devices, links, *_) in lists:
+                    runs.append(real(ordered, devices, links, False))
+                took[merged].append(time.perf_counter() - t0)
+                if r == 0:
+                    took.setdefault(("free", merged), [run.free for run in runs])
+    finally:
+        tasks.MERGE_LINKS_FROM = merge_from
+    if took[("free", True)] != took[("free", False)]:
+        raise AssertionError("merging the links changed the schedule")
+    on, off = statistics.median(took[True]), statistics.median(took[False])
+    return {"links_merged_speedup": off / on, "links_merged_ms": on * 1e3, "links_lists": len(lists)}
+
+
 # ------------------------------------------------------------------ 2. convergence
 
 
@@ -409,6 +464,13 @@ def main() -> None:
           f"sure to be rejected; iterations/s {cuts['mcmc_cutoff_speedup']:.2f}x those of the same chain simulating "
           f"every proposal in full ({cuts['mcmc_full_iters_per_s']:.1f}/s)")
     figures += [f"{k}={v:.2f}" for k, v in cuts.items() if k != "mcmc_full_iters_per_s"]
+    row = "1.7B" if q else "18.4B"
+    with cycles_paused():
+        links = link_rates(row, 1 if q else 3)
+    print(f"GPT {row} (Megatron's row) on A100s, its {links['links_lists']:.0f} baseline recipes' task lists: run_tasks "
+          f"{links['links_merged_ms']:.0f} ms with the links loaded together merged, "
+          f"{links['links_merged_speedup']:.2f}x faster than scheduling each link (the same schedules)")
+    figures += [f"links_merged_speedup={links['links_merged_speedup']:.2f}"]
 
     for n, target in ((8, 30),) if q else ((8, 30), (64, 120)):  # quick: a smoke run, 8 devices only
         batch = args.per_device_batch * n or get("gpt2_xl").batch

@@ -274,7 +274,7 @@ def link_rates(row: str, rounds: int) -> dict[str, float]:
     recipes simulated (their task lists captured), then ``run_tasks`` on each list with
     the links loaded together merged and with each link scheduled
     (:data:`flexsearch.sim.tasks.MERGE_LINKS_FROM`), ``rounds`` times alternating:
-    the summed medians' ratio (``links_merged_speedup``) and the merged time
+    the ratio of the medians of the lists' summed times (``links_merged_speedup``) and the merged one
     (``links_merged_ms``). The results are checked to be the same."""
     import megatron_table
 
@@ -301,20 +301,20 @@ def link_rates(row: str, rounds: int) -> dict[str, float]:
             predict(graph, kind, ctx, timeline=False, simulator=Simulator(graph, ctx))
     finally:
         simulator.run_tasks = real
-    merge_from, took = tasks.MERGE_LINKS_FROM, {True: [], False: []}
+    merge_from = tasks.MERGE_LINKS_FROM
+    took: dict[bool, list[float]] = {True: [], False: []}
+    free: dict[bool, list[list[float]]] = {}  # the first round's free times, merged and not
     try:
         for r in range(rounds):
             for merged in (True, False) if r % 2 == 0 else (False, True):
                 tasks.MERGE_LINKS_FROM = merge_from if merged else 10**12
-                t0, runs = time.perf_counter(), []
-                for ordered, (devices, links, *_) in lists:
-                    runs.append(real(ordered, devices, links, False))
+                t0 = time.perf_counter()
+                runs = [real(ordered, devices, links, False) for ordered, (devices, links, *_) in lists]
                 took[merged].append(time.perf_counter() - t0)
-                if r == 0:
-                    took.setdefault(("free", merged), [run.free for run in runs])
+                free.setdefault(merged, [run.free for run in runs])
     finally:
         tasks.MERGE_LINKS_FROM = merge_from
-    if took[("free", True)] != took[("free", False)]:
+    if free[True] != free[False]:
         raise AssertionError("merging the links changed the schedule")
     on, off = statistics.median(took[True]), statistics.median(took[False])
     return {"links_merged_speedup": off / on, "links_merged_ms": on * 1e3, "links_lists": len(lists)}

@@ -17,6 +17,7 @@ from torch import nn
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import zoo  # noqa: E402
+from search_speed import CuttingSimulator  # noqa: E402
 
 import flexsearch  # noqa: E402
 from flexsearch import Cluster, InfeasiblePlanError, trace  # noqa: E402
@@ -285,17 +286,6 @@ def test_mcmc_needs_a_budget_and_is_reproducible():
     assert [i for i, _, _ in a.improvements] == [i for i, _, _ in b.improvements]
 
 
-class CountingSimulator(Simulator):
-    """Counts the simulations a cutoff stopped."""
-
-    cut = 0
-
-    def simulate(self, configs, **kw):
-        s = super().simulate(configs, **kw)
-        self.cut += s is None
-        return s
-
-
 @pytest.mark.parametrize("case", ["gpt_tiny", "alexnet_tiny", *range(4)])
 def test_mcmc_cuts_rejected_proposals_short_and_makes_the_same_chain(case):
     """A proposal whose simulation is sure to end past the point where the acceptance
@@ -310,7 +300,7 @@ def test_mcmc_cuts_rejected_proposals_short_and_makes_the_same_chain(case):
     seeds = [baselines.data_parallel(space)]
     runs = {}
     for cut in (False, True):
-        sim = CountingSimulator(g, cluster)
+        sim = CuttingSimulator(g, cluster)
         r = mcmc(space, sim, seeds, max_iters=300, seed=7, early_stop=False, cutoff=cut)
         runs[cut] = (r.decisions, r.iterations, r.accepted, [(i, t) for i, _, t in r.improvements], sim.cut)
     assert runs[False][-1] == 0 and runs[True][-1] > 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 
@@ -47,13 +48,20 @@ def task_lists(draw):
     return out
 
 
-def _run(ordered, devices, links, merge: bool, **kw):
+@contextlib.contextmanager
+def merging(on: bool):
+    """Links loaded together merged as :func:`run_tasks` does (``on``), or each scheduled."""
     before = tasks.MERGE_LINKS_FROM
-    tasks.MERGE_LINKS_FROM = before if merge else 10**9
+    tasks.MERGE_LINKS_FROM = before if on else 10**9
     try:
-        return run_tasks(ordered, devices, links, **kw)
+        yield
     finally:
         tasks.MERGE_LINKS_FROM = before
+
+
+def _run(ordered, devices, links, merge: bool):
+    with merging(merge):
+        return run_tasks(ordered, devices, links)
 
 
 @settings(max_examples=200, derandomize=True, deadline=None, database=None,
@@ -96,14 +104,10 @@ def test_simulations_are_the_same_with_links_merged(cluster, devices):
     assert len(cl.links) >= tasks.MERGE_LINKS_FROM
     space = Space(g, devices)
     for dec in (recipes.data_parallel(space), recipes.megatron(space, 4)):
-        before = tasks.MERGE_LINKS_FROM
         sims = []
         for merge in (True, False):
-            tasks.MERGE_LINKS_FROM = before if merge else 10**9
-            try:
+            with merging(merge):
                 sims.append(Simulator(g, cl).simulate(space.expand(dec)))
-            finally:
-                tasks.MERGE_LINKS_FROM = before
         a, b = sims
         assert a.timeline == b.timeline and a.iteration_time_s == b.iteration_time_s
         assert a.memory_bytes == b.memory_bytes and a.critical_path_s == b.critical_path_s

@@ -406,7 +406,7 @@ def main() -> None:
         "--per-device-batch", type=int, default=4, help="GPT-2 XL samples per device; 0: zoo batch"
     )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--mcmc-iters", type=int, help="MCMC iterations per chain of part 1 (default 400, quick 60)")
+    ap.add_argument("--mcmc-iters", type=int, help="MCMC iterations per chain of part 1 (default 400, quick 30)")
     args = ap.parse_args()
     q = args.quick
     rounds = args.rounds or (1 if q else 5)
@@ -430,8 +430,8 @@ def main() -> None:
     print(f"  with the cyclic collector running: full {fg:.1f}, delta {dg:.1f} sims/s ({dg / fg:.1f}x); the pause "
           f"gains {f / fg:.2f}x and {d / dg:.2f}x")
     with cycles_paused():
-        build_s, rebuilt, schedule_s = delta_build(graph, cluster, 60 if q else 300, args.seed)
-        shares = retimed(graph, cluster, 30 if q else 200, args.seed)
+        build_s, rebuilt, schedule_s = delta_build(graph, cluster, 30 if q else 300, args.seed)
+        shares = retimed(graph, cluster, 15 if q else 200, args.seed)
     share = statistics.median(shares)
     print(f"  a delta simulation builds {rebuilt:.1f} of {len(graph.nodes)} fragments in {build_s * 1e3:.2f} ms: "
           f"a full simulation ({1e3 / f:.2f} ms) over that, {1 / (f * build_s):.1f}x, is the most delta / full "
@@ -453,13 +453,13 @@ def main() -> None:
         f"delta_incremental_bound={1 / (f * (build_s + share * schedule_s)):.2f}",
     ]
     with cycles_paused():
-        kept = mcmc_rates(graph, cluster, args.mcmc_iters or (60 if q else 400), args.seed)
+        kept = mcmc_rates(graph, cluster, args.mcmc_iters or (30 if q else 400), args.seed)
     print(f"  MCMC fragments built per iteration: {kept['mcmc_rebuilt_one']:.1f} with one kept per node, "
           f"{kept['mcmc_rebuilt_kept']:.1f} with more; iterations/s {kept['mcmc_kept_speedup']:.2f}x")
     figures += [f"{k}={v:.2f}" for k, v in kept.items()]
     fits = trace("gpt2_small", batch_size=CUTOFF_BATCH)
     with cycles_paused():
-        cuts = cutoff_rates(fits, cluster, args.mcmc_iters or (60 if q else 400), 1 if q else 3, args.seed)
+        cuts = cutoff_rates(fits, cluster, args.mcmc_iters or (30 if q else 400), 1 if q else 3, args.seed)
     print(f"  MCMC at batch {CUTOFF_BATCH} (plans fit): {cuts['mcmc_cut_share']:.0%} of the proposals cut short once "
           f"sure to be rejected; iterations/s {cuts['mcmc_cutoff_speedup']:.2f}x those of the same chain simulating "
           f"every proposal in full ({cuts['mcmc_full_iters_per_s']:.1f}/s)")

@@ -30,16 +30,16 @@ def invoke(capsys, *args: str) -> SimpleNamespace:
     return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
 
 
-def test_trace_prints_summary_and_table():
-    r = run("trace", TINY)
+def test_trace_prints_summary_and_table(capsys):
+    r = invoke(capsys, "trace", TINY)
     assert r.returncode == 0, r.stderr
     assert "traced via fx" in r.stdout and "parameters" in r.stdout
     assert "repeated block: 2 x Block" in r.stdout
     assert "heaviest" in r.stdout and "linear" in r.stdout
 
 
-def test_trace_json_is_one_object():
-    r = run("trace", TINY, "--json")
+def test_trace_json_is_one_object(capsys):
+    r = invoke(capsys, "trace", TINY, "--json")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     assert data["nodes"] == len(data["graph"]["nodes"])
@@ -67,9 +67,9 @@ def test_bad_input_is_one_line_exit_2(args, needle, capsys, monkeypatch):
     assert needle in lines[0] and "Traceback" not in r.stderr
 
 
-def test_model_file_errors_through_cli(model_file):
+def test_model_file_errors_through_cli(model_file, capsys):
     broken = model_file("import torch\nraise ImportError('needs foo')\n", name="broken.py")
-    r = run("trace", str(broken))
+    r = invoke(capsys, "trace", str(broken))
     assert r.returncode == 2
     assert "ImportError: needs foo" in r.stderr and f"{broken}:2" in r.stderr
     control = model_file(
@@ -92,7 +92,7 @@ def test_model_file_errors_through_cli(model_file):
         """,
         name="control.py",
     )
-    r = run("trace", str(control))
+    r = invoke(capsys, "trace", str(control))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     assert "control.py:11" in r.stderr and "if x.mean() > 0:" in r.stderr
 
@@ -131,10 +131,10 @@ def test_profile_writes_cache(tmp_path, capsys):
     assert f"op costs: 7 of 7 ops measured (profile {out})" in json.loads(r.stdout)["notes"], r.stderr
 
 
-def test_cluster_lists_and_shows_presets():
-    r = run("cluster")
+def test_cluster_lists_and_shows_presets(capsys):
+    r = invoke(capsys, "cluster")
     assert r.returncode == 0 and "dgx-h100" in r.stdout and "flexflow-k80" in r.stdout
-    r = run("cluster", "pipedream-a", "--devices", "8")
+    r = invoke(capsys, "cluster", "pipedream-a", "--devices", "8")
     assert r.returncode == 0 and "8 devices on 2 node(s)" in r.stdout
 
 
@@ -342,7 +342,7 @@ def build_model():
 '''
 
 
-def test_an_unseeded_model_called_without_its_optional_argument_plans_and_verifies(tmp_path):
+def test_an_unseeded_model_called_without_its_optional_argument_plans_and_verifies(tmp_path, capsys):
     """``forward(x, mask=None)`` called without ``mask``: symbolic tracing would take the
     ``mask is not None`` branch, so the model is traced with ``torch.export`` as called;
     and a model file that seeds nothing builds the same weights on every rank of
@@ -351,8 +351,8 @@ def test_an_unseeded_model_called_without_its_optional_argument_plans_and_verifi
     model = tmp_path / "unseeded.py"
     model.write_text(UNSEEDED)
     plan = tmp_path / "plan.json"
-    r = run("plan", str(model), "--devices", "2", "--cluster", "cpu", "--kind", "data", "--max-iters", "0",
-            "--precision", "fp32", "--out", str(plan))
+    r = invoke(capsys, "plan", str(model), "--devices", "2", "--cluster", "cpu", "--kind", "data", "--max-iters", "0",
+               "--precision", "fp32", "--out", str(plan))
     assert r.returncode == 0, r.stderr
     assert flexsearch.trace(*flexsearch.load_model(str(model))).via == "export"
     v = run("verify", str(model), "--plan", str(plan))

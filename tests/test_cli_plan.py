@@ -49,21 +49,21 @@ def test_plan_is_reproducible(planned, tmp_path):
     assert again.read_bytes() == out.read_bytes()
 
 
-def test_simulate_and_show(planned):
+def test_simulate_and_show(planned, capsys):
     _, out, _, summary = planned
-    r = run("simulate", str(out), "--json")
+    r = invoke(capsys, "simulate", str(out), "--json")
     assert r.returncode == 0, r.stderr
     sim = json.loads(r.stdout)
     assert sim["iteration_time_s"] == pytest.approx(summary["iteration_time_s"], rel=1e-12)
-    r = run("show", str(out))
+    r = invoke(capsys, "show", str(out))
     assert r.returncode == 0, r.stderr
     assert "features_0" in r.stdout
 
 
-def test_plan_refuses_to_overwrite(planned):
+def test_plan_refuses_to_overwrite(planned, capsys):
     _, out, _, _ = planned
     before = out.read_bytes()
-    r = run("plan", TINY, "--devices", "4", "--max-iters", "5", "--out", str(out))
+    r = invoke(capsys, "plan", TINY, "--devices", "4", "--max-iters", "5", "--out", str(out))
     assert r.returncode == 2 and "--force" in r.stderr
     assert out.read_bytes() == before
 

@@ -67,7 +67,7 @@ def verify_job(rank: int, world: int, spec: str, plans: list) -> list:
     return out
 
 
-@pytest.mark.parametrize("name", ["two_towers", "routed"])
+@pytest.mark.parametrize("name", [pytest.param("two_towers", marks=pytest.mark.slow), "routed"])
 def test_a_data_plan_changes_a_coupled_loss_and_a_soap_plan_does_not(name):
     model, inputs = load_model(SPECS[name])
     plans = [flexsearch.plan(model, inputs, devices=2, cluster="cpu", kinds=[k], max_iters=0)

@@ -3,7 +3,9 @@
 For each model family (MLP, GPT, CNN, RNN) and plan kind (DDP, FSDP2, SOAP on DTensor,
 pipelines with GPipe, 1F1B and interleaved 1F1B, hybrid pipeline x tensor), one step's
 loss and every gradient match the single-process model, and the parameters still match
-after 3 SGD steps (:func:`flexsearch.emit.verify.verify`). Every plan that ``plan()``
+after 3 SGD steps (:func:`flexsearch.emit.verify.verify`): GPT's every kind and the
+RNN's SOAP and 1F1B in the default suite, the rest behind the ``slow`` marker
+(:func:`_cases`). Every plan that ``plan()``
 returns for the tiny zoo models is emitted and checked the same way. One spawn runs many
 plans (process start-up dominates); process groups time out after 60 s.
 """
@@ -72,19 +74,22 @@ def _selected(session, family: str, world: int) -> tuple[str, ...]:
 
 
 def _cases() -> list:
-    """Every family and kind on 2 ranks; on 4 ranks (which oversubscribe CI's 2 cores)
-    every kind for GPT, and SOAP, 1F1B and hybrid for the other families behind the
-    ``slow`` marker, with GPT's data-parallel variants (the slowest, 25 s; 2 ranks run
-    them in the default suite)."""
+    """In the default suite, every kind for GPT on 2 ranks, and the RNN's SOAP and 1F1B
+    plans (an LSTM split by tensors and into stages); the other families' kinds on 2
+    ranks, and on 4 ranks (which oversubscribe CI's 2 cores) every kind for GPT and SOAP,
+    1F1B and hybrid for the other families, behind the ``slow`` marker. The default suite
+    emits the other families elsewhere: whatever the planner picks for each
+    (:func:`test_every_plan_the_planner_returns_runs`), the CNN's data, SOAP and 1F1B
+    plans (:func:`test_a_weight_norm_parametrization_traces_and_its_plans_run`), the MLP in bf16 and
+    fp16 (``test_precision.py``), and 4-rank plans in ``test_sharding.py`` and
+    ``test_pipeline.py``."""
     out = []
     for world in (2, 4):
         for family, kind in _matrix(world):
-            if world == 4 and (family != "gpt" or kind == "data"):
-                if family != "gpt" and kind not in ("soap", "hybrid", "1f1b"):
-                    continue
-                out.append(pytest.param(family, kind, world, marks=pytest.mark.slow))
-            else:
-                out.append((family, kind, world))
+            if world == 4 and family != "gpt" and kind not in ("soap", "hybrid", "1f1b"):
+                continue
+            default = world == 2 and (family == "gpt" or (family == "rnn" and kind in ("soap", "1f1b")))
+            out.append((family, kind, world) if default else pytest.param(family, kind, world, marks=pytest.mark.slow))
     return out
 
 

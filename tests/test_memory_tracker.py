@@ -52,6 +52,13 @@ model, every GPU preset's, is checked against an H100's allocator on every
 bf16-mixed row measured there, and by phase, the loss's and the backward's peaks
 (:func:`test_uncalibrated_peak_memory_against_an_h100s_allocator`, from the recorded
 measurements: no GPU here).
+
+The default suite checks each plan kind in one precision: the data-parallel shardings in
+bf16-mixed, D-PSGD, pipelines (plain, sharded 1F1B, selective, accumulated, checkpointed)
+and tensor-parallel stages in fp32, Megatron's SOAP layout in both. The rest of the
+matrix (the other precision, the sharded interleaved pipeline, Megatron's layout
+checkpointed, two of the H100 rows) runs under the ``slow`` marker, for the default
+suite's time.
 """
 
 from __future__ import annotations
@@ -177,7 +184,7 @@ def _measured(precision: str) -> list[tuple[str, object, dict[str, float]]]:
     return list(_MEASURED[precision])
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+@pytest.mark.parametrize("precision", [pytest.param("fp32", marks=pytest.mark.slow), "bf16-mixed"])
 def test_memory_terms_match_torchs_trackers(precision):
     rows = _measured(precision)
     for case, m, got in rows:
@@ -239,7 +246,7 @@ def test_frozen_parameters_hold_no_gradient_or_optimizer_state():
         assert m.grads < 0.9 * m.params, plan.shard  # a tenth of the parameters is frozen
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16-mixed", marks=pytest.mark.slow)])
 def test_decentralized_memory_matches_torchs_trackers(precision):
     """D-PSGD (the planner's best gossip topology on 2 ranks) against the same trackers,
     per device: the state terms to 1%; the activations with the gossip buffers (the
@@ -507,7 +514,7 @@ def allocated_job(rank: int, world: int, spec: str, plans: list) -> list[tuple]:
     return out
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16-mixed", marks=pytest.mark.slow)])
 def test_pipeline_peak_memory_matches_torchs_allocator(precision):
     """Pipelines (which ``MemTracker`` refuses: a stage runs once per microbatch) on 2 gloo
     ranks: the calibrated peak per device, less the runtime's own term, against torch's
@@ -621,7 +628,8 @@ def test_checkpointed_tensor_parallel_stages_keep_what_torch_keeps():
 SAVING_NOISE = 0.15e6
 """Bytes a sharded pipeline's measured saving may miss by (the allocator's two peaks,
 :func:`test_sharded_pipeline_peak_memory_matches_torchs_allocator`)."""
-@pytest.mark.parametrize(("precision", "schedule"), [("fp32", "1f1b"), ("fp32", "interleaved"),
+@pytest.mark.parametrize(("precision", "schedule"), [("fp32", "1f1b"),
+                                                    pytest.param("fp32", "interleaved", marks=pytest.mark.slow),
                                                     pytest.param("bf16-mixed", "1f1b", marks=pytest.mark.slow),
                                                     pytest.param("bf16-mixed", "interleaved", marks=pytest.mark.slow)])
 def test_sharded_pipeline_peak_memory_matches_torchs_allocator(precision, schedule):
@@ -921,6 +929,7 @@ backward's rise, where a unit's rebuilt activations and its gradients meet, was 
 made larger; in bf16-mixed the loss's working bytes are the larger, to the byte."""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recompute", ["full", "selective"])
 def test_checkpointed_tensor_parallel_memory_against_torchs_allocator(recompute):
     """Megatron's layout (t = 2) fully and selectively checkpointed on 2 gloo ranks, fp32
@@ -950,8 +959,10 @@ GPU_PHASE_RTOL = 0.05
 against the model's branches: measured within 2.2% on every bf16-mixed zoo row."""
 
 
-@pytest.mark.parametrize("key", ["gpt2_small:b8:bf16-mixed", "gpt2_medium:b8:bf16-mixed", "gpt2_xl:b4:bf16-mixed",
-                                 "gpt2_xl:b1:bf16-mixed", "hf_gpt2:b8:bf16-mixed", "hf_llama:b4:bf16-mixed"])
+@pytest.mark.parametrize("key", ["gpt2_small:b8:bf16-mixed", "gpt2_medium:b8:bf16-mixed",
+                                 pytest.param("gpt2_xl:b4:bf16-mixed", marks=pytest.mark.slow),
+                                 "gpt2_xl:b1:bf16-mixed", "hf_gpt2:b8:bf16-mixed",
+                                 pytest.param("hf_llama:b4:bf16-mixed", marks=pytest.mark.slow)])
 def test_uncalibrated_peak_memory_against_an_h100s_allocator(key):
     """The uncalibrated model (the GPU presets') against ``torch.cuda.max_memory_allocated``
     over 20 training steps measured on one H100 (``benchmarks/gpu_step.py measure``, kept

@@ -440,7 +440,8 @@ def test_replicas_sharing_links_are_all_simulated(cl, own):
     assert (mirror(ctx, layout) is not None) == own
 
 
-@pytest.mark.parametrize(("cl", "precision"), [("dgx-h100", "fp32"), ("cpu", "fp32"), ("dgx-h100", "bf16-mixed")])
+@pytest.mark.parametrize(("cl", "precision"), [pytest.param("dgx-h100", "fp32", marks=pytest.mark.slow), ("cpu", "fp32"),
+                                               ("dgx-h100", "bf16-mixed")])
 def test_peak_memory_without_scheduling_is_the_simulations(cl, precision):
     """:func:`flexsearch.sim.stages.stages_peak_memory` (the search's memory check before
     it simulates a layout: closed forms for GPipe and 1F1B, the lanes' actions

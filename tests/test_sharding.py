@@ -289,15 +289,16 @@ def sharded_job(rank: int, world: int, spec: str, plans: list) -> list:
     return out
 
 
-def test_zero1_pipeline_and_hybrid_plans_compute_what_the_model_does():
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16-mixed", marks=pytest.mark.slow)])
+def test_zero1_pipeline_and_hybrid_plans_compute_what_the_model_does(precision):
     """4 gloo ranks (oversubscribing CI's 2 cores: slower, not different): a 2-stage
     pipeline of 2 replicas (fp32) and a one-stage hybrid of 2 replicas x 2-way tensor
-    parallelism (bf16-mixed, DTensor weights), both with ZeRO-1: each matches the
-    single-process model, and the replicas of a stage split Adam's state between them
-    (each holds its share of whole tensors, within 15% of the model's ``k P / d``;
-    together exactly the state of one copy)."""
-    out = {precision: _tiny_gpt_plan(precision, lambda g, shape=shape: _pipelined(g, "zero1", **shape))
-           for precision, shape in (("fp32", dict(p=2, replicas=2)), ("bf16-mixed", dict(p=1, replicas=2, tensor=2)))}
+    parallelism (bf16-mixed, DTensor weights; behind the ``slow`` marker), both with
+    ZeRO-1: each matches the single-process model, and the replicas of a stage split
+    Adam's state between them (each holds its share of whole tensors, within 15% of the
+    model's ``k P / d``; together exactly the state of one copy)."""
+    shape = {"fp32": dict(p=2, replicas=2), "bf16-mixed": dict(p=1, replicas=2, tensor=2)}[precision]
+    out = {precision: _tiny_gpt_plan(precision, lambda g: _pipelined(g, "zero1", **shape))}
     results = run_ranks(sharded_job, 4, FAMILIES["gpt"], [p for p, _ in out.values()], timeout_s=600)
     for i, (precision, (plan, sim)) in enumerate(out.items()):
         for rank in range(4):
@@ -477,7 +478,8 @@ def refusal_job(rank: int, world: int, spec: str, plan) -> str:
     return "ran"
 
 
-def test_fsdp_pipeline_plans_compute_what_the_model_does():
+@pytest.mark.parametrize("part", ["core", pytest.param("more", marks=pytest.mark.slow)])
+def test_fsdp_pipeline_plans_compute_what_the_model_does(part):
     """4 gloo ranks (oversubscribing CI's 2 cores: slower, not different): 2 plain stages
     of 2 replicas each as FSDP2 modules, fp32 under 1F1B and bf16-mixed under GPipe with
     full checkpointing; 4 such stages, 2 per rank under the interleaved schedule, fp32
@@ -487,10 +489,13 @@ def test_fsdp_pipeline_plans_compute_what_the_model_does():
     checkpointing (each block's ops in the interpreter): each matches the
     single-process model, and each replica holds half of its stage's weights (of its
     tensor-parallel shards) and of their Adam state (FSDP2 shards every tensor on its
-    first dimension, padded: within 2% of the model's ``P / d``)."""
-    cases = (("fp32", "1f1b", "none", 1), ("bf16-mixed", "gpipe", "full", 1), ("bf16-mixed", "1f1b", "full", 2),
-             ("fp32", "1f1b", "none", 2), ("fp32", "interleaved", "none", 1), ("bf16-mixed", "interleaved", "full", 1),
-             ("fp32", "1f1b", "selective", 2))
+    first dimension, padded: within 2% of the model's ``P / d``). The default suite runs
+    one case of each schedule (``core``: GPipe in bf16-mixed, interleaved, FSDP x TP
+    selectively checkpointed), the others are behind the ``slow`` marker (``more``)."""
+    cases = {"core": (("bf16-mixed", "gpipe", "full", 1), ("fp32", "interleaved", "none", 1),
+                      ("fp32", "1f1b", "selective", 2)),
+             "more": (("fp32", "1f1b", "none", 1), ("bf16-mixed", "1f1b", "full", 2), ("fp32", "1f1b", "none", 2),
+                      ("bf16-mixed", "interleaved", "full", 1))}[part]
 
     def strategy(g, sched, rc, t):
         if sched != "interleaved":
@@ -514,6 +519,7 @@ def test_fsdp_pipeline_plans_compute_what_the_model_does():
             assert local == pytest.approx(sim.memory_terms[rank].params, rel=0.02), (precision, rank)
 
 
+@pytest.mark.slow
 def test_fsdp_tensor_parallel_interleaved_stages_compute_what_the_model_does():
     """8 gloo ranks (4 per core on CI: slower, not different): 4 stages cut at block
     boundaries, 2 per pipeline rank under the interleaved schedule, each rank 2 replicas

@@ -167,7 +167,7 @@ def test_gap_special_values_and_speed():
 
 # --- one-peer exponential ----------------------------------------------------------------
 
-@pytest.mark.parametrize("n", POWERS)
+@pytest.mark.parametrize("n", [*POWERS[:-1], pytest.param(POWERS[-1], marks=pytest.mark.slow)])
 def test_one_peer_product_is_exact_average(n):
     topology = build("one_peer_exponential", n)
     tau = int(math.log2(n))

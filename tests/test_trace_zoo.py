@@ -14,8 +14,13 @@ from zoo import ZOO  # noqa: E402
 
 from flexsearch import load_model, trace  # noqa: E402
 
+SLOW = ("gnmt16", "gpt3_175b")
+"""The largest of a builder's entries (gnmt8 and GPT-2 XL trace the same code), behind
+the ``slow`` marker for the default suite's time."""
 
-@pytest.mark.parametrize("entry", ZOO, ids=[e.name for e in ZOO])
+
+@pytest.mark.parametrize("entry", [pytest.param(e, marks=pytest.mark.slow) if e.name in SLOW else e for e in ZOO],
+                         ids=[e.name for e in ZOO])
 def test_zoo_model_traces(entry):
     model, inputs = load_model(entry.abs_spec)
     graph = trace(model, inputs, name=entry.spec)

@@ -566,8 +566,10 @@ def _replay_cases():
     from conftest import ROOT
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from zoo import ZOO
-    return [e.name for e in ZOO if e.size == "tiny"] + ["hf:gpt2", "hf:llama", "hf:mixtral", "hf:t5", "hf:vit",
-                                                         "repeats", "look-alikes"]
+    cases = [e.name for e in ZOO if e.size == "tiny"] + ["hf:gpt2", "hf:llama", "hf:mixtral", "hf:t5", "hf:vit",
+                                                          "repeats", "look-alikes"]
+    slow = ("hf:t5", "hf:mixtral", "nmt_tiny", "inception_tiny")  # 9-14 s each; the others cover their calls' kinds
+    return [pytest.param(c, marks=pytest.mark.slow) if c in slow else c for c in cases]
 
 
 @pytest.mark.parametrize("case", _replay_cases())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import random
 
@@ -142,3 +143,26 @@ def test_straight_walk_equals_reach_arrays(seed):
     for x in [rng.uniform(0, 40) for _ in range(30)] + [float("inf")]:
         solver._info.clear()
         assert solver._straight(x) == bool(solver.reach(0, x, 1)[0] >= n), x
+
+
+@pytest.mark.parametrize(("field", "bad"), [("compute", -1.0), ("compute", math.nan), ("params", math.inf),
+                                            ("stash", -0.5), ("frozen", math.nan)])
+def test_a_chain_refuses_negative_or_infinite_layers(field, bad):
+    good = {"compute": (1.0, 2.0), "params": (3.0, 4.0), "stash": (0.0, 1.0), "frozen": (0.0, 0.0)}
+    with pytest.raises(ValueError, match=f"chain {field} must be finite and >= 0"):
+        Chain(**{**good, field: (1.0, bad)}, cut_bytes=(0.0, 1.0, 0.0))
+    for cuts in ((0.0, -1.0, 0.0), (0.0, math.nan, 0.0)):
+        with pytest.raises(ValueError, match="cut_bytes must be >= 0"):
+            Chain(**good, cut_bytes=cuts)
+    assert Chain(**good, cut_bytes=(0.0, math.inf, 0.0)).layers == 2  # infinite: no cut there
+
+
+def test_a_chain_s_prefix_sums_are_computed_once_and_read_only():
+    rng = random.Random(3)
+    chain = Chain(tuple(rng.random() for _ in range(50)), tuple(rng.random() for _ in range(50)),
+                  tuple(rng.random() for _ in range(51)), stash=tuple(rng.random() for _ in range(50)))
+    c, w, s, f = chain.prefix_sums
+    for pre, values in ((c, chain.compute), (w, chain.params), (s, chain.stash), (f, (0.0,) * 50)):
+        assert pre[0] == 0.0 and list(pre[1:]) == list(itertools.accumulate(values))
+        assert not pre.flags.writeable
+    assert chain.prefix_sums is chain.prefix_sums and not chain.cut_array.flags.writeable

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -110,14 +111,36 @@ class Chain:
         if self.frozen and len(self.frozen) != n:
             raise ValueError("chain frozen needs one entry per layer")
         for name in ("compute", "params", "stash", "frozen"):
-            if any(not (v >= 0 and np.isfinite(v)) for v in getattr(self, name)):
+            values = np.asarray(getattr(self, name), dtype=float)
+            if not (np.isfinite(values).all() and (values >= 0).all()):
                 raise ValueError(f"chain {name} must be finite and >= 0")
-        if any(not v >= 0 for v in self.cut_bytes):  # infinite: no boundary there
+        if not (np.asarray(self.cut_bytes, dtype=float) >= 0).all():  # infinite: no boundary there
             raise ValueError("chain cut_bytes must be >= 0")
 
     @property
     def layers(self) -> int:
         return len(self.compute)
+
+    @cached_property
+    def prefix_sums(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Prefix sums (``L + 1`` entries from 0, read-only) of ``compute``, ``params``,
+        ``stash`` and ``frozen`` (zeros where empty): computed once per chain, for every
+        partition of it (the pipeline search partitions one chain thousands of times)."""
+        out = []
+        for values in (self.compute, self.params, self.stash, self.frozen):
+            pre = np.zeros(self.layers + 1)
+            if values:
+                np.cumsum(np.asarray(values, dtype=float), out=pre[1:])
+            pre.flags.writeable = False
+            out.append(pre)
+        return tuple(out)
+
+    @cached_property
+    def cut_array(self) -> np.ndarray:
+        """``cut_bytes`` as a read-only array, computed once per chain."""
+        cuts = np.asarray(self.cut_bytes, dtype=float)
+        cuts.flags.writeable = False
+        return cuts
 
 
 @dataclass(frozen=True)
@@ -230,12 +253,8 @@ class _Solver:
         self.chain, self.levels, self.memory, self.replicate = chain, tuple(levels), memory, replicate
         n = chain.layers
         self.idx = np.arange(n + 1)
-        self.cpre = np.concatenate([[0.0], np.cumsum(chain.compute)])
-        self.wpre = np.concatenate([[0.0], np.cumsum(chain.params)])
-        stash = chain.stash or (0.0,) * n
-        self.spre = np.concatenate([[0.0], np.cumsum(stash)])
-        self.fpre = np.concatenate([[0.0], np.cumsum(chain.frozen or (0.0,) * n)])
-        self.cuts = np.asarray(chain.cut_bytes, dtype=float)
+        self.cpre, self.wpre, self.spre, self.fpre = chain.prefix_sums
+        self.cuts = chain.cut_array
         self._info: dict[tuple, dict] = {}
 
     def _furthest(self, pre: np.ndarray, limit: float) -> np.ndarray:

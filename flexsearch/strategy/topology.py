@@ -50,8 +50,11 @@ gap 1. :func:`exact_gap` gives REFERENCE's closed forms.
 All built-in topologies are circulant over the group ``Z_n`` (``Z_r x Z_c`` for the torus):
 ``W[i, j] = w[j - i]`` for a generator ``w``. Their spectra are the (2-D) FFT of ``w`` (a
 circulant matrix is normal, so its spectral norm is its largest ``|eigenvalue|``): gaps for
-``n = 1024`` take microseconds. Custom graphs use a dense ``eigvalsh``. Matrices, generators
-and gaps are cached per ``(topology, step)``; the arrays handed out are read-only.
+``n = 1024`` take microseconds. Custom graphs use a dense ``eigvalsh``. The built-in ones' checks,
+neighbours and degrees are read off the generator too (a row or column of a circulant
+matrix holds the generator's entries once), so a 3,072-rank topology never builds its
+``n x n`` matrix unless :meth:`Topology.matrix` is asked for it. Matrices, generators and
+gaps are cached per ``(topology, step)``; the arrays handed out are read-only.
 
 **Time to accuracy**: :func:`iterations_factor` (see there) turns ``(p, tau)`` into how many
 more iterations D-PSGD needs than centralized SGD, from Koloskova et al. 2020.
@@ -152,18 +155,29 @@ class Topology:
 
     def in_neighbours(self, rank: int, step: int = 0) -> tuple[tuple[int, float], ...]:
         """``(j, W[rank, j])`` for every ``j != rank`` with ``W[rank, j] > 0``, ascending ``j``:
-        the models ``rank`` receives at ``step``."""
-        row = self.matrix(step)[self._rank(rank)]
-        return tuple((int(j), float(row[j])) for j in np.flatnonzero(row > 0) if j != rank)
+        the models ``rank`` receives at ``step``. A circulant topology's row is read off its
+        generator (:func:`_support`), without the ``n x n`` matrix."""
+        rank, step = self._rank(rank), self._step(step)
+        w = _generator(self, step)
+        if w is None:
+            row = _matrix(self, step)[rank]
+            return tuple((int(j), float(row[j])) for j in np.flatnonzero(row > 0) if j != rank)
+        return tuple((j, x) for j, x in _support(self, step, rank, +1) if j != rank)
 
     def out_neighbours(self, rank: int, step: int = 0) -> tuple[int, ...]:
         """Ranks ``k != rank`` with ``W[k, rank] > 0``, ascending: where ``rank`` sends its model."""
-        col = self.matrix(step)[:, self._rank(rank)]
-        return tuple(int(k) for k in np.flatnonzero(col > 0) if k != rank)
+        rank, step = self._rank(rank), self._step(step)
+        w = _generator(self, step)
+        if w is None:
+            col = _matrix(self, step)[:, rank]
+            return tuple(int(k) for k in np.flatnonzero(col > 0) if k != rank)
+        return tuple(k for k, _ in _support(self, step, rank, -1) if k != rank)
 
     def self_weight(self, rank: int, step: int = 0) -> float:
         """``W[rank, rank]`` at ``step``."""
-        return float(self.matrix(step)[self._rank(rank), rank])
+        rank, step = self._rank(rank), self._step(step)
+        w = _generator(self, step)
+        return float(_matrix(self, step)[rank, rank] if w is None else w[0, 0])
 
     def degree(self, step: int = 0) -> int:
         """The largest out-degree at ``step``: how many models a rank sends per iteration."""
@@ -217,8 +231,12 @@ def build(name: str, n: int, *, edges: Iterable[Iterable[int]] | None = None,
         if weights is not None:
             edge_list, edge_weights = _from_weights(n, weights, edge_list)
         topology = Topology("custom", n, False, 1, tuple(edge_list or ()), edge_weights)
-    for step in range(topology.period):  # build (and check) every matrix now
-        topology.matrix(step)
+    for step in range(topology.period):  # check every matrix now (a circulant one by its generator)
+        w = _generator(topology, step)
+        if w is None:
+            topology.matrix(step)
+        else:
+            _check_doubly_stochastic(topology, step, w, generator=True)
     return topology
 
 
@@ -486,10 +504,36 @@ def _matrix(topology: Topology, step: int) -> np.ndarray:
     return m
 
 
-def _check_doubly_stochastic(topology: Topology, step: int, m: np.ndarray) -> None:
+def _support(topology: Topology, step: int, rank: int, sign: int) -> list[tuple[int, float]]:
+    """The nonzero entries of row ``rank`` (``sign`` +1) or column ``rank`` (-1) of a
+    circulant topology's matrix at ``step``, ascending, from its generator ``w`` (``r x
+    c``): ``W[i, j] = w[(r_j - r_i) mod r, (c_j - c_i) mod c]`` with ``i = r_i c + c_i``, so
+    row ``i`` holds ``w[a, b]`` at ``j = ((r_i + a) mod r) c + (c_i + b) mod c``, and column
+    ``j`` holds it at row ``((r_j - a) mod r) c + (c_j - b) mod c``."""
+    r, c, a, b, x = _generator_entries(topology, step)
+    ri, ci = divmod(rank, c)
+    at = ((ri + sign * a) % r) * c + (ci + sign * b) % c
+    return sorted(zip(at.tolist(), x, strict=True))
+
+
+@functools.lru_cache(maxsize=256)
+def _generator_entries(topology: Topology, step: int) -> tuple[int, int, np.ndarray, np.ndarray, list[float]]:
+    """A circulant topology's generator's shape ``(r, c)`` and nonzero entries ``w[a, b]``:
+    ``(r, c, a, b, [w[a, b], ...])``."""
+    w = _generator(topology, step)
+    a, b = np.nonzero(w > 0)
+    return *w.shape, a, b, w[a, b].tolist()
+
+
+def _check_doubly_stochastic(topology: Topology, step: int, m: np.ndarray, generator: bool = False) -> None:
+    """``m`` is non-negative and its rows and columns sum to 1; with ``generator``, ``m``
+    is a circulant matrix's generator, each of whose rows and columns holds the
+    generator's entries once (so sums to the generator's sum)."""
     what = f"the {topology.name} mixing matrix on {topology.n} ranks (step {step})"
     if m.min() < 0.0:
         raise TopologyError(f"{what} has a negative entry; this topology cannot be built")
+    if generator:
+        m = np.array([[m.sum()]])
     for axis, kind in ((1, "row"), (0, "column")):
         sums = m.sum(axis=axis)
         k = int(np.argmax(np.abs(sums - 1.0)))
@@ -516,6 +560,9 @@ def _contraction(topology: Topology) -> float:
 
 @functools.lru_cache(maxsize=256)
 def _degree(topology: Topology, step: int) -> int:
+    w = _generator(topology, step)
+    if w is not None:  # every column holds the generator's entries: the same out-degree for all
+        return int((w > 0).sum()) - int(w[0, 0] > 0)
     support = _matrix(topology, step) > 0
     np.fill_diagonal(support, False)
     return int(support.sum(axis=0).max())  # column k: the ranks that receive k's model

@@ -1,3 +1,3 @@
-from flexsearch.cli import entry
+from flexsearch.console import entry
 
 entry()

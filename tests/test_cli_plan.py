@@ -366,6 +366,37 @@ def test_ctrl_c_outside_a_search_exits_130(capsys, monkeypatch):
     assert rc == 130 and out == "" and err.strip() == "interrupted"
 
 
+@pytest.mark.parametrize("after_s", [0.3, 0.8, 1.5])
+def test_ctrl_c_while_the_command_imports_exits_130_without_a_traceback(after_s):
+    """A real SIGINT in the command's first second, while it imports torch and its own
+    modules (``import flexsearch`` imports none of them: :mod:`flexsearch.console`)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "flexsearch", "plan", MLP, "--devices", "2"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    time.sleep(after_s)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "interrupted" and out == ""
+
+
+def test_importing_the_package_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, flexsearch, flexsearch.console; assert 'torch' not in sys.modules; "
+            "from flexsearch import precision, Plan; assert 'torch' in sys.modules; "
+            "print(flexsearch.trace.__module__, sorted(set(flexsearch.__all__) - set(dir(flexsearch))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["flexsearch.graph.tracer", "[]"]
+
+
 # -- the Python API: bad arguments are FlexsearchErrors, before the model is traced --------
 @pytest.fixture
 def no_tracing(monkeypatch):

@@ -41,6 +41,10 @@
    lists of its baseline recipes scheduled with the links every task loads together
    merged and with each link apart (:func:`link_rates`, three rounds alternating;
    ``--quick`` one): ``links_merged_speedup=``, the schedules checked to be the same.
+   Then the gossip topologies D-PSGD's candidates read on Megatron's largest row: ring,
+   torus and exponential on 3,072 ranks (``--quick``: 1,024), built cold with every
+   rank's neighbours read off their generators against their dense matrices
+   (:func:`gossip_rates`): ``gossip_generator_speedup=``, the neighbours checked equal.
 
 2. Time to converge of the search on GPT-2 XL over 8 and 64 x ``dgx-h100``: the
    planner's stages run directly (as ``plan_graph`` runs them: baselines, the ILP seed
@@ -70,7 +74,7 @@
 Last line: ``full_sims_per_s=... delta_sims_per_s=... delta_over_full=... delta_rebuilt=...
 delta_bound=... delta_retimed=... delta_incremental_bound=... mcmc_rebuilt_one=...
 mcmc_rebuilt_kept=... mcmc_kept_speedup=... mcmc_cutoff_speedup=... mcmc_cut_share=...
-links_merged_speedup=... converge_xl8_s=... converge_xl64_s=...`` (plus tracing, seeding and speedup-over-data figures) and the
+links_merged_speedup=... gossip_generator_speedup=... converge_xl8_s=... converge_xl64_s=...`` (plus tracing, seeding and speedup-over-data figures) and the
 plan times of part 3.
 """
 
@@ -320,6 +324,50 @@ def link_rates(row: str, rounds: int) -> dict[str, float]:
     return {"links_merged_speedup": off / on, "links_merged_ms": on * 1e3, "links_lists": len(lists)}
 
 
+def gossip_rates(n: int, rounds: int) -> dict[str, float]:
+    """The built-in circulant topologies (ring, torus, exponential) on ``n`` ranks, cold
+    (caches cleared), as D-PSGD's simulation reads them: built and checked, then every
+    rank's in- and out-neighbours and the degree; as shipped (read off the generator)
+    against the dense ``n x n`` matrix built, checked and read row by row and column by
+    column (as before), ``rounds`` times alternating: ``gossip_generator_speedup`` (the
+    medians' ratio) and ``gossip_generator_ms``. The neighbours are checked to be the
+    same."""
+    import numpy as np
+
+    from flexsearch.strategy import topology as topo
+
+    def cold() -> None:
+        for cache in (topo._matrix, topo._generator, topo._generator_entries, topo._degree):
+            cache.cache_clear()
+
+    def shipped(name: str) -> list:
+        t = topo.build(name, n)
+        return [(t.in_neighbours(i), t.out_neighbours(i)) for i in range(n)] + [t.degree()]
+
+    def dense(name: str) -> list:
+        t = topo.build(name, n)
+        m = t.matrix(0)
+        out = [(tuple((int(j), float(m[i, j])) for j in np.flatnonzero(m[i] > 0) if j != i),
+                tuple(int(k) for k in np.flatnonzero(m[:, i] > 0) if k != i)) for i in range(n)]
+        support = m > 0
+        np.fill_diagonal(support, False)
+        return out + [int(support.sum(axis=0).max())]
+
+    took: dict[str, list[float]] = {"shipped": [], "dense": []}
+    got: dict[str, list] = {}
+    for r in range(rounds):
+        for way in ("shipped", "dense") if r % 2 == 0 else ("dense", "shipped"):
+            fn = shipped if way == "shipped" else dense
+            cold()
+            t0 = time.perf_counter()
+            got[way] = [fn(name) for name in ("ring", "torus", "exponential")]
+            took[way].append(time.perf_counter() - t0)
+    if got["shipped"] != got["dense"]:
+        raise AssertionError("the generator's neighbours differ from the matrix's")
+    on, off = statistics.median(took["shipped"]), statistics.median(took["dense"])
+    return {"gossip_generator_speedup": off / on, "gossip_generator_ms": on * 1e3}
+
+
 # ------------------------------------------------------------------ 2. convergence
 
 
@@ -471,6 +519,12 @@ def main() -> None:
           f"{links['links_merged_ms']:.0f} ms with the links loaded together merged, "
           f"{links['links_merged_speedup']:.2f}x faster than scheduling each link (the same schedules)")
     figures += [f"links_merged_speedup={links['links_merged_speedup']:.2f}"]
+    ranks = 1024 if q else 3072
+    gossip = gossip_rates(ranks, 1 if q else 3)
+    print(f"ring, torus and exponential topologies on {ranks} ranks, cold, every rank's neighbours: "
+          f"{gossip['gossip_generator_ms']:.0f} ms read off their generators, "
+          f"{gossip['gossip_generator_speedup']:.2f}x faster than from their dense matrices (the same neighbours)")
+    figures += [f"gossip_generator_speedup={gossip['gossip_generator_speedup']:.2f}"]
 
     for n, target in ((8, 30),) if q else ((8, 30), (64, 120)):  # quick: a smoke run, 8 devices only
         batch = args.per_device_batch * n or get("gpt2_xl").batch

@@ -278,6 +278,7 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
     cap = cluster.device.memory_capacity.value
     cost_memo: dict[tuple[int, int, bool], tuple[list[NodeCost], dict[str, Config]] | None] = {}
     cut_memo: dict[tuple[int, bool], tuple[tuple[float, ...], BoundaryCopies]] = {}  # cut bytes, stage edges
+    graph_memo: dict[tuple[int, bool], OpGraph] = {}  # microbatch graphs: the same for every tensor degree
     low = fsdp_graph(graph, ctx)  # what FSDP2 stages compute
 
     def graph_of(shard: str) -> OpGraph:
@@ -288,7 +289,9 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
         ``shard``'s stages compute them (:func:`flexsearch.sim.predict.runtime_graph`)."""
         key = (k, t, shard in FSDP_SHARDINGS)
         if key not in cost_memo:
-            mg = microbatch_graph(graph_of(shard), k)
+            mg = graph_memo.get((k, key[2]))
+            if mg is None:
+                mg = graph_memo[k, key[2]] = microbatch_graph(graph_of(shard), k)
             configs = stage_configs(mg, t)
             costs = stage_node_costs(mg, ctx, t) if configs is not None else None
             if costs is not None and key[2]:  # as FSDP2 stages (zero2) compute them

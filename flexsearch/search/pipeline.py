@@ -50,7 +50,7 @@ from flexsearch.search.partition import Chain, Level, Memory, partition
 from flexsearch.sim.accounting import param_copies
 from flexsearch.sim.context import CostContext
 from flexsearch.sim.pipeline_layout import fsdp_grad_copies
-from flexsearch.sim.predict import fsdp_graph, predict
+from flexsearch.sim.predict import fsdp_graph
 from flexsearch.sim.result import Simulation
 from flexsearch.sim.stages import (
     BoundaryCopies,
@@ -213,40 +213,6 @@ def microbatch_options(per_replica: int, p: int, most: int = MICROBATCH_OPTIONS,
     return kept
 
 
-def even_pipeline(graph: OpGraph, ctx: CostContext, schedule: str, tensor: int = 1, microbatches: int = 2, *,
-                  optimizer: str = "adam") -> PipelineResult | None:
-    """Two pipeline ranks over the nodes split evenly (two chunks each for the
-    interleaved schedule), every other dimension data parallel: a pipeline the emitter
-    can always run, for tests and benchmarks that need one where the search finds none
-    worth running. None when the devices or the batch do not split that way."""
-    cluster = ctx.cluster
-    p, chunks = 2, 2 if schedule == "interleaved" else 1
-    if cluster.devices % (p * tensor):
-        return None
-    d = cluster.devices // (p * tensor)
-    m = microbatches
-    if batch_size(graph) % (d * m) or (graph.via == "export" and batch_size(graph) // (d * m) < SMALLEST_EXPORTED):
-        return None
-    configs = stage_configs(microbatch_graph(graph, d * m), tensor)
-    if configs is None:
-        return None
-    n, stages = len(graph.nodes), p * chunks
-    cuts = cut_bytes(graph)  # infinite where no boundary may be: the nearest finite position instead
-    edges = [0]
-    for k in range(1, stages):
-        x = min((x for x in range(edges[-1] + 1, n) if math.isfinite(cuts[x])), key=lambda x: abs(x - n * k // stages),
-                default=None)
-        if x is None:
-            return None
-        edges.append(x)
-    edges.append(n)
-    bounds = tuple(zip(edges[:-1], edges[1:], strict=True))
-    strategy = Pipelined(bounds, tensor, d, schedule, m, chunks)
-    sim = predict(graph, strategy, ctx, optimizer=optimizer)
-    placed = tuple((a, b, strategy.devices(k)) for k, (a, b) in enumerate(bounds))
-    return PipelineResult(strategy.kind, schedule, m, chunks, "none", tensor, d, placed, configs, sim)
-
-
 def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam",
                      simulate_top: int = SIMULATE_TOP, schedules: Sequence[str] = SYNC_SCHEDULES,
                      max_stages: int | None = None, deadline: float | None = None,
@@ -277,28 +243,30 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
     grads = fsdp_grad_copies(gather)  # FSDP2 stages: gradient bytes per parameter byte
     cap = cluster.device.memory_capacity.value
     cost_memo: dict[tuple[int, int, bool], tuple[list[NodeCost], dict[str, Config]] | None] = {}
-    cut_memo: dict[tuple[int, bool], tuple[tuple[float, ...], BoundaryCopies]] = {}  # cut bytes, stage edges
-    graph_memo: dict[tuple[int, bool], OpGraph] = {}  # microbatch graphs: the same for every tensor degree
+    # per (microbatches, FSDP): the microbatch graph, its cut bytes and stage edges (the same for every tensor degree)
+    batch_memo: dict[tuple[int, bool], tuple[OpGraph, tuple[float, ...], BoundaryCopies]] = {}
     low = fsdp_graph(graph, ctx)  # what FSDP2 stages compute
 
     def graph_of(shard: str) -> OpGraph:
         return low if shard in FSDP_SHARDINGS else graph
+
+    def microbatched(k: int, fsdp: bool) -> tuple[OpGraph, tuple[float, ...], BoundaryCopies]:
+        if (k, fsdp) not in batch_memo:
+            mg = microbatch_graph(low if fsdp else graph, k)
+            batch_memo[k, fsdp] = mg, cut_bytes(mg), BoundaryCopies.of(mg)
+        return batch_memo[k, fsdp]
 
     def costs_for(k: int, t: int, shard: str = "none"):
         """(node costs, stage configurations) of microbatches of B / k on t devices, as
         ``shard``'s stages compute them (:func:`flexsearch.sim.predict.runtime_graph`)."""
         key = (k, t, shard in FSDP_SHARDINGS)
         if key not in cost_memo:
-            mg = graph_memo.get((k, key[2]))
-            if mg is None:
-                mg = graph_memo[k, key[2]] = microbatch_graph(graph_of(shard), k)
+            mg = microbatched(k, key[2])[0]
             configs = stage_configs(mg, t)
             costs = stage_node_costs(mg, ctx, t) if configs is not None else None
             if costs is not None and key[2]:  # as FSDP2 stages (zero2) compute them
                 costs = fsdp_stage_costs(costs)
             cost_memo[key] = None if costs is None else (costs, configs)
-            if (k, key[2]) not in cut_memo:  # the same for every tensor degree
-                cut_memo[k, key[2]] = cut_bytes(mg), BoundaryCopies.of(mg)
         return cost_memo[key]
 
     cps = {mode: Checkpointing.of(graph, mode) for mode in RECOMPUTE_ORDER}
@@ -309,7 +277,7 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
         copies not (:func:`flexsearch.sim.stages.stage_layout`)."""
         if (k, t, mode, fsdp) not in chain_memo:
             costs = costs_for(k, t, "zero2" if fsdp else "none")[0]
-            chain_memo[k, t, mode, fsdp] = stage_chain(costs, cut_memo[k, fsdp][0], cps[mode])
+            chain_memo[k, t, mode, fsdp] = stage_chain(costs, microbatched(k, fsdp)[1], cps[mode])
         return chain_memo[k, t, mode, fsdp]
 
     def estimate(t: int, p: int, d: int, m: int, schedule: str, v: int, q: int, shard: str,
@@ -399,7 +367,7 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
     def simulated(bounds, t: int, p: int, d: int, m: int, schedule: str, v: int, recompute: str,
                   shard: str) -> PipelineResult:
         costs, local = costs_for(d * m, t, shard)
-        cuts, edges = cut_memo[d * m, shard in FSDP_SHARDINGS]
+        _, cuts, edges = microbatched(d * m, shard in FSDP_SHARDINGS)
         sim = simulate_stages(graph_of(shard), ctx, bounds=bounds, tensor=t, replicas=d, schedule=schedule,
                               microbatches=m, chunks=v, recompute=recompute, optimizer=optimizer,
                               timeline=False, costs=costs, shard=shard, cuts=cuts, edges=edges)
@@ -423,7 +391,7 @@ def search_pipelines(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam
         if not runs(bounds, p, shard):
             return False
         costs, _ = costs_for(d * m, t, shard)
-        cuts, edges = cut_memo[d * m, shard in FSDP_SHARDINGS]
+        _, cuts, edges = microbatched(d * m, shard in FSDP_SHARDINGS)
         return stages_peak_memory(graph_of(shard), ctx, optimizer=optimizer, bounds=bounds, tensor=t, replicas=d,
                                   schedule=schedule, microbatches=m, chunks=v, recompute=recompute, costs=costs,
                                   shard=shard, cuts=cuts, edges=edges) <= cap

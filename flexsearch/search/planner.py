@@ -79,13 +79,13 @@ from flexsearch.search.decentralized import (
     simulate_decentralized,
     with_decentralized,
 )
+from flexsearch.search.even_pipeline import even_pipeline
 from flexsearch.search.mcmc import SearchResult, mcmc
 from flexsearch.search.pipedream import pipedream_plan
 from flexsearch.search.pipeline import (
     RECOMPUTE_ORDER,
     SYNC_SCHEDULES,
     PipelineResult,
-    even_pipeline,
     search_pipelines,
 )
 from flexsearch.search.reasons import (

@@ -40,7 +40,9 @@
    simulations: GPT 18.4B (Megatron's row; ``--quick``: 1.7B) on its A100s, the task
    lists of its baseline recipes scheduled with the links every task loads together
    merged and with each link apart (:func:`link_rates`, three rounds alternating;
-   ``--quick`` one): ``links_merged_speedup=``, the schedules checked to be the same.
+   ``--quick`` one): ``links_merged_speedup=``, the schedules checked to be the same;
+   and the same for a pipeline's: GPT 1T (``--quick``: 39.1B) in Megatron's layout at
+   one sample per microbatch, ``pipeline_links_merged_speedup=``.
    Then the gossip topologies D-PSGD's candidates read on Megatron's largest row: ring,
    torus and exponential on 3,072 ranks (``--quick``: 1,024), built cold with every
    rank's neighbours read off their generators against their dense matrices
@@ -74,7 +76,7 @@
 Last line: ``full_sims_per_s=... delta_sims_per_s=... delta_over_full=... delta_rebuilt=...
 delta_bound=... delta_retimed=... delta_incremental_bound=... mcmc_rebuilt_one=...
 mcmc_rebuilt_kept=... mcmc_kept_speedup=... mcmc_cutoff_speedup=... mcmc_cut_share=...
-links_merged_speedup=... gossip_generator_speedup=... converge_xl8_s=... converge_xl64_s=...`` (plus tracing, seeding and speedup-over-data figures) and the
+links_merged_speedup=... pipeline_links_merged_speedup=... gossip_generator_speedup=... converge_xl8_s=... converge_xl64_s=...`` (plus tracing, seeding and speedup-over-data figures) and the
 plan times of part 3.
 """
 
@@ -273,38 +275,48 @@ def cutoff_rates(graph, cluster: Cluster, iters: int, rounds: int, seed: int = 0
     return {"mcmc_cutoff_speedup": cutting / full, "mcmc_cut_share": cut, "mcmc_full_iters_per_s": full}
 
 
-def link_rates(row: str, rounds: int) -> dict[str, float]:
+def link_rates(row: str, rounds: int, pipeline: bool = False) -> dict[str, float]:
     """A Megatron row's model (``megatron_table``) on the row's A100s: its baseline
-    recipes simulated (their task lists captured), then ``run_tasks`` on each list with
-    the links loaded together merged and with each link scheduled
-    (:data:`flexsearch.sim.tasks.MERGE_LINKS_FROM`), ``rounds`` times alternating:
-    the ratio of the medians of the lists' summed times (``links_merged_speedup``) and the merged one
-    (``links_merged_ms``). The results are checked to be the same."""
+    recipes simulated (their task lists captured; ``pipeline``: Megatron's own layout
+    instead, ``megatron_table``'s row at one sample per microbatch, the stages' task
+    list), then ``run_tasks`` on each list with the links loaded together merged and
+    with each link scheduled (:data:`flexsearch.sim.tasks.MERGE_LINKS_FROM`),
+    ``rounds`` times alternating: the ratio of the medians of the lists' summed times
+    (``links_merged_speedup``) and the merged one (``links_merged_ms``). The results
+    are checked to be the same."""
     import megatron_table
 
+    import flexsearch.sim.pipeline as staged
     import flexsearch.sim.simulator as simulator
     import flexsearch.sim.tasks as tasks
     from flexsearch.api import resolve_precision
+    from flexsearch.search.pipeline import block_bounds
     from flexsearch.sim.predict import predict
     from flexsearch.strategy import recipes
-    from flexsearch.strategy.kinds import DataParallel, Soap
+    from flexsearch.strategy.kinds import DataParallel, Pipelined, Soap
 
     spec = next(r for r in megatron_table.ROWS if r.name == row)
     model, inputs = megatron_table.build(spec)
     cluster = Cluster.preset("dgx-a100", spec.gpus)
     prec, _ = resolve_precision("auto", cluster)
     graph = flexsearch.trace(model, inputs, precision=prec)
-    space = Space(graph, cluster.devices)
     ctx = CostContext(cluster, precision=prec)
-    lists, real = [], simulator.run_tasks
-    simulator.run_tasks = lambda ordered, *a, **k: lists.append((list(ordered), a)) or real(ordered, *a, **k)
+    where = staged if pipeline else simulator
+    lists, real = [], where.run_tasks
+    where.run_tasks = lambda ordered, *a, **k: lists.append((list(ordered), a)) or real(ordered, *a, **k)
     try:
-        for name, dec in recipes.baselines(space, cluster.devices_per_node).items():
-            configs = space.expand(dec)
-            kind = DataParallel(configs, dec) if name == "data" else Soap(configs, dec)
-            predict(graph, kind, ctx, timeline=False, simulator=Simulator(graph, ctx))
+        if pipeline:
+            layout = Pipelined(block_bounds(graph, spec.p), tensor=spec.t, replicas=spec.d, schedule="1f1b",
+                               microbatches=spec.batch // spec.d, recompute="full")
+            predict(graph, layout, ctx, timeline=False)
+        else:
+            space = Space(graph, cluster.devices)
+            for name, dec in recipes.baselines(space, cluster.devices_per_node).items():
+                configs = space.expand(dec)
+                kind = DataParallel(configs, dec) if name == "data" else Soap(configs, dec)
+                predict(graph, kind, ctx, timeline=False, simulator=Simulator(graph, ctx))
     finally:
-        simulator.run_tasks = real
+        where.run_tasks = real
     merge_from = tasks.MERGE_LINKS_FROM
     took: dict[bool, list[float]] = {True: [], False: []}
     free: dict[bool, list[list[float]]] = {}  # the first round's free times, merged and not
@@ -321,7 +333,8 @@ def link_rates(row: str, rounds: int) -> dict[str, float]:
     if free[True] != free[False]:
         raise AssertionError("merging the links changed the schedule")
     on, off = statistics.median(took[True]), statistics.median(took[False])
-    return {"links_merged_speedup": off / on, "links_merged_ms": on * 1e3, "links_lists": len(lists)}
+    return {"links_merged_speedup": off / on, "links_merged_ms": on * 1e3, "links_lists": len(lists),
+            "links_tasks": sum(len(o) for o, _ in lists)}
 
 
 def gossip_rates(n: int, rounds: int) -> dict[str, float]:
@@ -519,6 +532,13 @@ def main() -> None:
           f"{links['links_merged_ms']:.0f} ms with the links loaded together merged, "
           f"{links['links_merged_speedup']:.2f}x faster than scheduling each link (the same schedules)")
     figures += [f"links_merged_speedup={links['links_merged_speedup']:.2f}"]
+    row = "39.1B" if q else "1T"
+    with cycles_paused():
+        links = link_rates(row, 1 if q else 3, pipeline=True)
+    print(f"GPT {row} in Megatron's layout on A100s, one sample per microbatch: run_tasks on its {links['links_tasks']:.0f} "
+          f"pipeline tasks {links['links_merged_ms']:.0f} ms with the links loaded together merged, "
+          f"{links['links_merged_speedup']:.2f}x faster than scheduling each link (the same schedule)")
+    figures += [f"pipeline_links_merged_speedup={links['links_merged_speedup']:.2f}"]
     ranks = 1024 if q else 3072
     gossip = gossip_rates(ranks, 1 if q else 3)
     print(f"ring, torus and exponential topologies on {ranks} ranks, cold, every rank's neighbours: "

@@ -17,7 +17,7 @@ import zoo  # noqa: E402
 import flexsearch.sim.tasks as tasks  # noqa: E402
 from flexsearch import Cluster, trace  # noqa: E402
 from flexsearch.sim.simulator import Simulator  # noqa: E402
-from flexsearch.sim.tasks import Task, link_classes, run_tasks  # noqa: E402
+from flexsearch.sim.tasks import LinkClasses, Task, run_tasks  # noqa: E402
 from flexsearch.strategy import recipes  # noqa: E402
 from flexsearch.strategy.space import Space  # noqa: E402
 
@@ -68,7 +68,7 @@ def _run(ordered, devices, links, merge: bool):
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(task_lists())
 def test_links_loaded_together_schedule_as_one(ordered):
-    """Scheduling one link of each class (:func:`link_classes`) gives every task the
+    """Scheduling one link of each class (:class:`LinkClasses`) gives every task the
     times, and every resource the free time, of scheduling each link."""
     assert LINKS >= tasks.MERGE_LINKS_FROM
     merged = _run(ordered, DEVICES, LINKS, True)
@@ -78,14 +78,42 @@ def test_links_loaded_together_schedule_as_one(ordered):
         (each.free, each.end, each.compute, each.chain, each.serial)
 
 
-def test_link_classes_merge_the_links_every_task_loads_together():
-    a = (0, 10, 11, 12, 13)  # device 0 and links 10-13
+def classes_of(ordered, devices: int, links: int) -> list[tuple[int, ...]]:
+    """The link classes :func:`run_tasks` ends with on ``ordered``: each link task's
+    resources through :meth:`LinkClasses.held`, in order."""
+    cl, busy, free = LinkClasses(devices, links), {}, [0.0] * (devices + links)
+    cl.start(free)
+    for t in ordered:
+        if t.resources and max(t.resources) >= devices:
+            cl.held(t.resources, busy, free)
+    return cl.classes()
+
+
+def test_link_classes_split_where_a_task_loads_part_of_a_class():
+    """Links 4-13 of a 4-device schedule: one class (index 14) to start with; a
+    collective loading 10-13 (and device 0) splits them off to class 15 (the smaller
+    part moves), a transfer over 11 and 12 splits those off to 16. A task's links become
+    one index per class, its devices kept; the part split off starts from a copy of the
+    class's busy intervals and free time; at the end every link takes its class's free
+    time."""
+    a = (0, 10, 11, 12, 13)
     b = (11, 12)
+    cl, busy = LinkClasses(4, 10), {}
+    free = [0.0] * 14
+    cl.start(free)
+    assert cl.held(a, busy, free) == (0, 15)
+    busy[15] = ([1.0], [2.0])
+    free[15] = 2.0
+    assert cl.held(b, busy, free) == (16,)
+    assert busy[16] == ([1.0], [2.0]) and busy[16][0] is not busy[15][0] and free[16] == 2.0
+    assert cl.held(a, busy, free) == (0, 15, 16)  # its class split since: held again
+    assert cl.held(a, busy, free) == (0, 15, 16)  # the memo
+    assert cl.classes() == [(4, 5, 6, 7, 8, 9), (10, 13), (11, 12)]
+    free[16] = 3.0
+    cl.spread(free)
+    assert free == [0.0] * 4 + [0.0] * 6 + [2.0, 3.0, 3.0, 2.0]
     ordered = [Task("coll", "a", 1.0, a, ()), Task("xfer", "b", 1.0, b, ()), Task("fwd", "c", 1.0, (1,), ())]
-    held, merged = link_classes(ordered, 4)
-    assert merged == {12: 11, 13: 10}  # {10, 13} and {11, 12} are loaded together
-    assert held == {id(a): (0, 10, 11), id(b): (11,)}
-    assert link_classes([Task("xfer", "b", 1.0, b, ()), Task("xfer", "d", 1.0, (12,), ())], 4) == ({}, {})
+    assert classes_of(ordered, 4, 10) == [(4, 5, 6, 7, 8, 9), (10, 13), (11, 12)]
 
 
 @functools.cache
@@ -114,4 +142,4 @@ def test_simulations_are_the_same_with_links_merged(cluster, devices):
         if dec == recipes.data_parallel(space):  # each all-reduce loads every link: all of them merged into one
             ordered = [s.task for s in a.timeline if s.task.kind != "update"]
             loaded = {r for t in ordered for r in t.resources if r >= devices}
-            assert len(loaded) > 1 and len(link_classes(ordered, devices)[1]) == len(loaded) - 1
+            assert len(loaded) > 1 and loaded in map(set, classes_of(ordered, devices, len(cl.links)))

@@ -150,7 +150,7 @@ class CostContext:
 
     def held(self, key: tuple, make: Callable[[], tuple[int, ...]]) -> tuple[int, ...]:
         """The resources a communication keyed ``key`` holds (``make()`` builds them), one
-        tuple object per value: :func:`flexsearch.sim.tasks.link_classes` tells the
+        tuple object per value: :class:`flexsearch.sim.tasks.LinkClasses` tells the
         tuples of a schedule apart by identity."""
         hit = self._held.get(key)
         if hit is None:

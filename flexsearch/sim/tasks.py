@@ -20,11 +20,17 @@ would delay the activation (a 1F1B pipeline of balanced stages ran 10-30% slower
 
 **Links loaded together.** On a cluster of many links (:data:`MERGE_LINKS_FROM` or more)
 a collective over every device loads hundreds of them (GPT 18.4B on 256 A100s: 1,024
-links per gradient all-reduce), each held and searched for a gap one by one. Links that
-the same tasks load (every task loads all of them or none) have the same busy intervals
-throughout the schedule, so :func:`run_tasks` schedules one of each such class
-(:func:`link_classes`) and gives the others its free time at the end: the same
-schedule, with the work of a few links per collective.
+links per gradient all-reduce), and a pipeline's stage-to-stage transfer on GPT 1T over
+3,072 A100s loads 16 (eight transfers in parallel, one per tensor-parallel rank), each
+held and searched for a gap one by one. Links that every task so far loaded all of or
+none of have the same busy intervals, so :func:`run_tasks` keeps the links in such
+classes (:class:`LinkClasses`: one class of every link to start with, split by the
+first task that loads part of one, the parts starting from copies of its intervals)
+and schedules one link of each class a task loads: the same schedule, with the work of
+a few links per task. The links of a class get its free time at the end. Classes
+fixed over the whole schedule (links loaded by the same tasks) would keep a pipeline's
+16 links apart from the start: the gradient all-reduces at the iteration's end load
+each tensor-parallel rank's links apart.
 
 **Cutoff.** Given a ``cutoff`` time, :func:`run_tasks` stops with :class:`PastCutoff` as
 soon as the schedule is sure to end after it: once some device ``d``, free at ``free[d]``
@@ -95,31 +101,88 @@ to merge: delta simulations of GPT-2 small with random SOAP decisions on 8 and o
 H100s took the same time with and without merging, within this host's noise."""
 
 
-def link_classes(ordered: Sequence[Task], devices: int) -> tuple[dict[int, tuple[int, ...]], dict[int, int]]:
-    """The links ``ordered`` loads, in classes of links that every task loads all of or
-    none of (module docstring): per resources tuple of a task that loads links (by
-    ``id``), the tuple with one link of each class it holds (the class's least), and per
-    link merged into another, that one. Both empty when no two links are loaded together."""
-    tuples: dict[int, tuple[int, ...]] = {}
-    for t in ordered:
-        res = t[3]
-        if id(res) not in tuples and res and max(res) >= devices:
-            tuples[id(res)] = res
-    loaded: dict[int, list[int]] = {}  # link -> the tuples that hold it
-    for k, res in enumerate(tuples.values()):
+class LinkClasses:
+    """The links of a schedule in classes that every task so far loaded all of or none
+    of (module docstring), refined as :func:`run_tasks` meets the tasks. Each class has
+    a resource index of its own past the links' (``devices + links + k``), whose busy
+    intervals and free time stand for its links'; :meth:`held` gives a task's resources
+    with one such index per class it loads, memoised per resources tuple (by ``id``:
+    every simulator builds one tuple object per transfer or collective,
+    :meth:`flexsearch.sim.context.CostContext.held`) while none of its classes has been
+    split since. A split moves the smaller part to a new class, so each split costs the
+    links it moves, not the class's (GPT 1T over 3,072 A100s has 24,576 links)."""
+
+    def __init__(self, devices: int, links: int):
+        self.devices = devices
+        self.end = devices + links  # the first class's index
+        self.of = list(range(devices)) + [self.end] * links  # per resource: its class
+        self.members: dict[int, set[int]] = {self.end: set(range(devices, self.end))}
+        self.version = [0] * (self.end + 1)  # per class index: bumped when the class splits
+        self.memo: dict[int, list] = {}  # id(res) -> [held, ((class, version), ...), clock when checked]
+        self.clock = 0  # splits so far
+
+    def start(self, free: list[float]) -> None:
+        """``free`` (per resource) with a free time for the first class."""
+        free.append(0.0)
+
+    def held(self, res: tuple[int, ...], busy: dict[int, tuple[list[float], list[float]]],
+             free: list[float]) -> tuple[int, ...]:
+        """``res`` with its links replaced by one class index per class, after splitting
+        every class it loads part of (the smaller part to a new class, with a copy of the
+        class's busy intervals in ``busy`` and its free time appended to ``free``)."""
+        got = self.memo.get(id(res))
+        if got is not None:
+            if got[2] == self.clock:  # no class split since it was checked
+                return got[0]
+            version = self.version
+            for c, v in got[1]:
+                if version[c] != v:
+                    break
+            else:
+                got[2] = self.clock
+                return got[0]
+        devices, of, members, version = self.devices, self.of, self.members, self.version
+        devs: list[int] = []
+        parts: dict[int, list[int]] = {}
         for r in res:
-            if r >= devices:
-                loaded.setdefault(r, []).append(k)
-    classes: dict[tuple[int, ...], list[int]] = {}
-    for r, ks in loaded.items():
-        classes.setdefault(tuple(ks), []).append(r)
-    merged: dict[int, int] = {}
-    for members in classes.values():
-        first = min(members)
-        merged.update((r, first) for r in members if r != first)
-    if not merged:
-        return {}, {}
-    return {i: tuple(r for r in res if r not in merged) for i, res in tuples.items()}, merged
+            if r < devices:
+                devs.append(r)
+            else:
+                parts.setdefault(of[r], []).append(r)
+        classes = []
+        for c, inside in parts.items():
+            everyone = members[c]
+            if len(inside) == len(everyone):
+                classes.append(c)
+                continue
+            n = len(free)  # the new class's index
+            small = set(inside) if 2 * len(inside) <= len(everyone) else everyone.difference(inside)
+            everyone -= small
+            members[n] = small
+            for r in small:
+                of[r] = n
+            self.clock += 1
+            version[c] = self.clock
+            version.append(self.clock)  # the new class's, at index n
+            if c in busy:
+                starts, ends = busy[c]
+                busy[n] = (starts.copy(), ends.copy())
+            free.append(free[c])
+            classes.append(of[inside[0]])
+        out = (*devs, *classes)
+        self.memo[id(res)] = [out, tuple((c, version[c]) for c in classes), self.clock]
+        return out
+
+    def spread(self, free: list[float]) -> None:
+        """Every link's free time, its class's; the classes' own entries removed."""
+        of = self.of
+        for r in range(self.devices, self.end):
+            free[r] = free[of[r]]
+        del free[self.end:]
+
+    def classes(self) -> list[tuple[int, ...]]:
+        """The classes' links, each class's ascending, the classes by their least."""
+        return sorted(tuple(sorted(m)) for m in self.members.values())
 
 
 class PastCutoff(Exception):
@@ -206,8 +269,11 @@ def run_tasks(ordered: Sequence[Task], devices: int, links: int, keep_timeline: 
     ``cutoff`` (module docstring)."""
     bounded = cutoff < math.inf
     left = busy_compute(ordered, devices, ("fwd", "bwd")) if bounded else []  # compute still to run per device
-    held, merged = link_classes(ordered, devices) if links >= MERGE_LINKS_FROM else ({}, {})
+    classes = LinkClasses(devices, links) if links >= MERGE_LINKS_FROM else None
     free = [0.0] * (devices + links)
+    if classes is not None:
+        classes.start(free)
+        memo_get = classes.memo.get
     busy: dict[int, tuple[list[float], list[float]]] = {}  # link -> (starts, ends) of its busy intervals
     end: dict = {}
     get = end.get
@@ -217,8 +283,11 @@ def run_tasks(ordered: Sequence[Task], devices: int, links: int, keep_timeline: 
     serial = 0.0
     for t in ordered:
         kind, _, dur, res, deps, defines, _, _, copies = t
-        if held:
-            res = held.get(id(res), res)
+        got = None
+        if classes is not None:  # LinkClasses.held, its memo's hit with no split since inlined
+            got = memo_get(id(res))
+            if got is not None:
+                res = got[0] if got[2] == classes.clock else classes.held(res, busy, free)
         start = 0.0
         for k in deps:
             v = get(k)
@@ -233,6 +302,8 @@ def run_tasks(ordered: Sequence[Task], devices: int, links: int, keep_timeline: 
             for r in res:
                 free[r] = stop
         else:
+            if classes is not None and got is None:  # its first time
+                res = classes.held(res, busy, free)
             start = _occupy(busy, free, res, devices, start, dur)
             stop = start + dur
         for k in defines:
@@ -256,6 +327,6 @@ def run_tasks(ordered: Sequence[Task], devices: int, links: int, keep_timeline: 
             for k in defines:
                 if not _accumulates(k) or cstop > chain.get(k, 0.0):
                     chain[k] = cstop
-    for r, first in merged.items():  # a link merged into another: its free time
-        free[r] = free[first]
+    if classes is not None:
+        classes.spread(free)
     return TaskRun(free, end, timeline, compute, chain, serial)

@@ -593,3 +593,56 @@ def test_a_weight_two_stages_of_one_rank_share_is_held_once():
             dev = r * (4 // p)
             assert sim.memory_terms[dev].params == pytest.approx(sum(nbytes[n] for n in mine))
         assert sum(x.task.name == "tied weights" for x in sim.timeline) == ties * (4 // p)
+
+
+def test_a_pipeline_simulation_stops_past_its_cutoff(vgg16):
+    """``simulate_stages(..., cutoff=)`` raises PastCutoff once the iteration is sure to
+    end after the cutoff (some device's compute still to run ends past it), and with a
+    cutoff at or past the iteration's end gives the simulation without one."""
+    from flexsearch.sim.stages import simulate_stages
+    from flexsearch.sim.tasks import PastCutoff
+
+    ctx = CostContext(Cluster.preset("dgx-h100", 8))
+    k = len(vgg16.nodes)
+    layout = dict(bounds=((0, k // 2), (k // 2, k)), tensor=1, replicas=4, schedule="1f1b", microbatches=8,
+                  timeline=False)
+    whole = simulate_stages(vgg16, ctx, **layout)
+    assert repr(simulate_stages(vgg16, ctx, cutoff=whole.iteration_time_s, **layout)) == repr(whole)
+    with pytest.raises(PastCutoff):
+        simulate_stages(vgg16, ctx, cutoff=max(whole.compute_s) / 2, **layout)
+
+
+def test_sharded_layouts_past_the_cutoff_are_left_out_and_nothing_else_changes(monkeypatch):
+    """A sharded layout sure to end after the ``ALIGN_TOP``-th fastest layout shape
+    simulated before it is stopped and left out of the search's results; it counts as
+    simulated, so the search simulates the same layouts, and every other result is the
+    same as with no cutoff. Here each simulation is stopped exactly where its time passes
+    the cutoff (run in full, then raised): the search's side of the rule, whatever the
+    scheduler's bound. The tiny GPT on 8 H100s: one sharded layout of the ten stopped."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import zoo
+
+    from flexsearch.search import pipeline as pl
+    from flexsearch.sim.tasks import PastCutoff
+
+    graph = trace(*zoo.build("gpt_tiny"))
+    ctx = CostContext(Cluster.preset("dgx-h100", 8))
+    real = pl.simulate_stages
+    seen: list[tuple] = []
+
+    def exact(graph, ctx, *, cutoff=math.inf, **kw):
+        sim = real(graph, ctx, **kw)
+        seen.append((kw["shard"], cutoff, sim.iteration_time_s))
+        if sim.iteration_time_s > cutoff:
+            raise PastCutoff
+        return sim
+
+    monkeypatch.setattr(pl, "simulate_stages", exact)
+    cut = search_pipelines(graph, ctx).results
+    stopped = [(shard, limit, t) for shard, limit, t in seen if t > limit]
+    assert stopped and all(shard != "none" for shard, _, _ in stopped)
+    monkeypatch.setattr(pl, "simulate_stages", lambda graph, ctx, *, cutoff=math.inf, **kw: real(graph, ctx, **kw))
+    whole = search_pipelines(graph, ctx).results
+    assert len(whole) == len(cut) + len(stopped)
+    assert repr([r for r in whole if (r.shard, r.simulation.iteration_time_s) not in
+                 {(shard, t) for shard, _, t in stopped}]) == repr(cut)

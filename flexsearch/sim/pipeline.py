@@ -66,6 +66,7 @@ Dependencies are typed keys (:class:`Step`, :class:`Synced`, :class:`TiedSynced`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
@@ -431,8 +432,11 @@ def _zero1_gathers(ctx: CostContext, layout: PipelineLayout, held: Sequence[floa
 
 
 def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: PipelineLayout, *,
-                      optimizer: str = "adam", timeline: bool = True) -> Simulation:
-    """Simulate one iteration of a pipeline plan (module docstring)."""
+                      optimizer: str = "adam", timeline: bool = True, cutoff: float = math.inf) -> Simulation:
+    """Simulate one iteration of a pipeline plan (module docstring). Raises
+    :class:`~flexsearch.sim.tasks.PastCutoff` once a synchronous schedule is sure to end
+    after ``cutoff`` (:func:`~flexsearch.sim.tasks.run_tasks`; its iteration time is its
+    last resource's free time)."""
     check_optimizer(optimizer)
     if layout.shard != "none" and layout.asynchronous:
         raise ValueError(f"only a synchronous pipeline shards its state (got {layout.shard!r} under "
@@ -448,7 +452,8 @@ def simulate_pipeline(ctx: CostContext, costs: Sequence[StageCost], layout: Pipe
     ordered = action_tasks(ctx, costs, layout, optimizer, acting, len(layout.ranks[0]) if mirrored else 1)
     if not layout.asynchronous:
         ordered += sync_tasks(ctx, costs, layout, optimizer, by_lane, mirrored)
-    run = run_tasks(ordered, devices, len(ctx.cluster.links), timeline)
+    run = run_tasks(ordered, devices, len(ctx.cluster.links), timeline,
+                    cutoff if not layout.asynchronous else math.inf)
     if layout.asynchronous:
         m = layout.microbatches
         ends = [run.end[Step("backward", 0, j, 0)] for j in range(m)]

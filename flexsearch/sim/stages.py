@@ -422,7 +422,7 @@ def simulate_stages(graph: OpGraph, ctx: CostContext, *, bounds: Sequence[tuple[
                     costs: Sequence[NodeCost] | None = None, shard: str = "none",
                     cuts: Sequence[float] | None = None, runtime: str = "pipeline",
                     fsdp_calls: int = 1, fsdp_unit_share: float = 1.0,
-                    edges: BoundaryCopies | None = None) -> Simulation:
+                    edges: BoundaryCopies | None = None, cutoff: float = math.inf) -> Simulation:
     """Simulate a uniform pipeline on ``ctx``'s cluster: stage ``k`` = nodes
     ``bounds[k]`` (positions), on ``replicas`` x ``tensor`` devices of pipeline rank
     ``k mod (len(bounds) / chunks)``; ``shard``: ``zero1`` shards the optimizer state
@@ -433,12 +433,14 @@ def simulate_stages(graph: OpGraph, ctx: CostContext, *, bounds: Sequence[tuple[
     ``edges``: the node costs of the microbatch graph (default: :func:`stage_node_costs`),
     its cut bytes (:func:`cut_bytes`) and what its stages keep at their edges
     (:class:`BoundaryCopies`). Raises ValueError for a layout
-    that does not fit the cluster or a model without that tensor-parallel degree."""
+    that does not fit the cluster or a model without that tensor-parallel degree, and
+    :class:`~flexsearch.sim.tasks.PastCutoff` once the iteration is sure to end after
+    ``cutoff`` (:func:`flexsearch.sim.pipeline.simulate_pipeline`)."""
     stage_costs, layout = stage_layout(graph, ctx, bounds=bounds, tensor=tensor, replicas=replicas,
                                        schedule=schedule, microbatches=microbatches, chunks=chunks,
                                        recompute=recompute, costs=costs, shard=shard, cuts=cuts, runtime=runtime,
                                        fsdp_calls=fsdp_calls, fsdp_unit_share=fsdp_unit_share, edges=edges)
-    return simulate_pipeline(ctx, stage_costs, layout, optimizer=optimizer, timeline=timeline)
+    return simulate_pipeline(ctx, stage_costs, layout, optimizer=optimizer, timeline=timeline, cutoff=cutoff)
 
 
 def stages_peak_memory(graph: OpGraph, ctx: CostContext, *, optimizer: str = "adam", **layout_kw) -> float:

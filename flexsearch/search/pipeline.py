@@ -32,7 +32,7 @@ stops once it is sure to end after the :data:`ALIGN_TOP`-th fastest layout shape
 fits of those simulated before its batch (:func:`flexsearch.sim.tasks.run_tasks`'s
 cutoff): it can be neither the plan nor one of the layouts cut at block boundaries, and
 it is left out of the results. A plain layout always runs to its end: its time is what
-the plan's note says sharding gains (on GPT 1T over 3,072 A100s, FSDP2 stages of 128
+the plan's note says sharding gains (on GPT 1T over 3,072 A100s, 128 FSDP2 stages of 24
 ranks, 2.7x slower than the plan, took 5.1 of the search's 9.3 s of simulation).
 
 PipeDream's own plan, a baseline, is :mod:`.pipedream`'s.

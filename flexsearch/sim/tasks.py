@@ -143,12 +143,12 @@ class LinkClasses:
                 return got[0]
         devices, of, members, version = self.devices, self.of, self.members, self.version
         devs: list[int] = []
-        parts: dict[int, list[int]] = {}
+        parts: dict[int, set[int]] = {}  # per class, the links of it res loads
         for r in res:
             if r < devices:
                 devs.append(r)
             else:
-                parts.setdefault(of[r], []).append(r)
+                parts.setdefault(of[r], set()).add(r)
         classes = []
         for c, inside in parts.items():
             everyone = members[c]
@@ -156,7 +156,7 @@ class LinkClasses:
                 classes.append(c)
                 continue
             n = len(free)  # the new class's index
-            small = set(inside) if 2 * len(inside) <= len(everyone) else everyone.difference(inside)
+            small = inside if 2 * len(inside) <= len(everyone) else everyone.difference(inside)
             everyone -= small
             members[n] = small
             for r in small:
@@ -168,7 +168,7 @@ class LinkClasses:
                 starts, ends = busy[c]
                 busy[n] = (starts.copy(), ends.copy())
             free.append(free[c])
-            classes.append(of[inside[0]])
+            classes.append(of[next(iter(inside))])
         out = (*devs, *classes)
         self.memo[id(res)] = [out, tuple((c, version[c]) for c in classes), self.clock]
         return out

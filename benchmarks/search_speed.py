@@ -540,7 +540,7 @@ def main() -> None:
           f"{links['links_merged_speedup']:.2f}x faster than scheduling each link (the same schedule)")
     figures += [f"pipeline_links_merged_speedup={links['links_merged_speedup']:.2f}"]
     ranks = 1024 if q else 3072
-    gossip = gossip_rates(ranks, 1 if q else 3)
+    gossip = gossip_rates(ranks, 3)  # tens of ms a round: three rounds in --quick too (one gave 0.36 once)
     print(f"ring, torus and exponential topologies on {ranks} ranks, cold, every rank's neighbours: "
           f"{gossip['gossip_generator_ms']:.0f} ms read off their generators, "
           f"{gossip['gossip_generator_speedup']:.2f}x faster than from their dense matrices (the same neighbours)")

@@ -386,7 +386,7 @@ def counted_peak(prof) -> float:
             if t > r.end_time_ns:
                 break
             level -= live.pop(ptr, 0)
-            if size > 0 and (t >= r.start_time_ns or any(n.startswith("Optimizer.step") for n in path)):
+            if size > 0 and (t >= r.start_time_ns or _made_by(path) == "optimizer"):
                 live[ptr] = size
                 level += size
                 if t >= r.start_time_ns:
@@ -413,6 +413,19 @@ def _allocations(prof) -> list[tuple[int, int, int, tuple[str, ...]]]:
     return allocs
 
 
+def _made_by(path: tuple[str, ...]) -> str:
+    """What made an allocation, by the events around it (:func:`_allocations`): the
+    optimizer's step (``Optimizer.step``), the backward (``autograd::engine``), the loss
+    (:data:`LOSS`), else the forward (``activations``)."""
+    for name in path:
+        if name.startswith("Optimizer.step"):
+            return "optimizer"
+    for name in path:
+        if name.startswith("autograd::engine"):
+            return "backward"
+    return "loss" if LOSS in path else "activations"
+
+
 def _step_ranges(prof) -> list:
     """The profile's :data:`STEPS` ranges in time order."""
     return sorted((n for n in prof.profiler.kineto_results.experimental_event_tree() if n.name == STEPS),
@@ -434,16 +447,6 @@ def allocator_categories(prof) -> dict[str, float]:
     threads). Parameters, made before the profile, are not in it. The least of each
     over the ranges."""
     allocs = _allocations(prof)
-
-    def made_by(path: tuple[str, ...]) -> str:
-        for name in path:
-            if name.startswith("Optimizer.step"):
-                return "optimizer"
-        for name in path:
-            if name.startswith("autograd::engine"):
-                return "backward"
-        return "loss" if LOSS in path else "activations"
-
     per_range = []
     for r in _step_ranges(prof):
         live: dict[int, tuple[int, str, bool]] = {}
@@ -456,7 +459,7 @@ def allocator_categories(prof) -> dict[str, float]:
             if old is not None and old[2]:
                 held[old[1]] -= old[0]
             if size > 0:
-                what = made_by(path)
+                what = _made_by(path)
                 if t >= r.start_time_ns and what != "activations" and what != "loss":
                     if start is None and what == "backward":
                         start = dict(held)

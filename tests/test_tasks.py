@@ -1,4 +1,6 @@
-"""The list scheduler: links loaded together are scheduled as one, with the same result."""
+"""The list scheduler: a transfer uses the idle time its links have in common (the
+transfers listed before it first); links loaded together are scheduled as one, with the
+same result."""
 
 from __future__ import annotations
 
@@ -76,6 +78,61 @@ def test_links_loaded_together_schedule_as_one(ordered):
     assert [(s.task, s.start, s.end) for s in merged.timeline] == [(s.task, s.start, s.end) for s in each.timeline]
     assert (merged.free, merged.end, merged.compute, merged.chain, merged.serial) == \
         (each.free, each.end, each.compute, each.chain, each.serial)
+
+
+def test_a_transfer_uses_the_idle_time_between_the_transfers_listed_before_it():
+    """Two devices, links 2 and 3: 1 s transfers on link 2 at 0, 10 and 20 (listed first;
+    device 0's waits time them), then a 25 s one ready at 0.5 (device 1's task) runs in
+    the gaps, 1-10, 11-20 and 21-28, and ends at 28, where a rule that waits for a gap
+    of its whole duration would end it at 46. A transfer listed after it, ready at 0,
+    waits for the link until 28; one over links 2 and 3 runs when both are idle."""
+    ordered = [Task("fwd", "w1", 10.0, (0,), (), (("k", 1),)), Task("fwd", "w2", 10.0, (0,), (), (("k", 2),))]
+    ordered += [Task("xfer", f"s{i}", 1.0, (2,), (("k", i),) if i else (), (("s", i),)) for i in range(3)]
+    ordered += [Task("fwd", "ready", 0.5, (1,), (), (("r",),)), Task("coll", "big", 25.0, (2,), (("r",),), (("b",),)),
+                Task("xfer", "after", 0.5, (2,), (), (("a",),)), Task("xfer", "two", 1.0, (2, 3), (), (("c",),))]
+    run = run_tasks(ordered, 2, 2)
+    times = {s.task.name: (s.start, s.end) for s in run.timeline}
+    assert [times[f"s{i}"] for i in range(3)] == [(0.0, 1.0), (10.0, 11.0), (20.0, 21.0)]
+    assert times["big"] == (1.0, 28.0)
+    assert [s.pieces for s in run.timeline if s.task.name in ("big", "after")] == \
+        [((1.0, 10.0), (11.0, 20.0), (21.0, 28.0)), ()]
+    assert times["after"] == (28.0, 28.5) and times["two"] == (28.5, 29.5)
+    assert run.free == [20.0, 0.5, 29.5, 29.5]
+    busy, free = {2: ([0.0, 10.0, 20.0], [1.0, 11.0, 21.0])}, [0.0, 0.0, 21.0, 0.0]
+    assert tasks._occupy(busy, free, (2,), 2, 0.5, 25.0) == (1.0, 28.0, [(1.0, 10.0), (11.0, 20.0), (21.0, 28.0)])
+    assert busy[2] == ([0.0, 1.0, 10.0, 11.0, 20.0, 21.0], [1.0, 10.0, 11.0, 20.0, 21.0, 28.0])
+
+
+@settings(max_examples=200, derandomize=True, deadline=None, database=None)
+@given(st.lists(st.tuples(st.sets(st.integers(1, 4), min_size=1), st.sampled_from([0.0, 0.5, 1.0, 2.5, 7.0]),
+                          st.sampled_from([0.0, 0.25, 1.0, 3.0])), max_size=30))
+def test_links_serve_transfers_in_list_order_without_idling(placements):
+    """Transfers placed one after another (links 1-4 of one device, each ready at some
+    time): every link's busy intervals stay sorted and disjoint, a transfer adds its
+    duration to each of its links' busy time, and from when it is ready until it ends
+    one of its links is busy at every moment (the links never idle while it waits)."""
+    busy, free = {}, [0.0] * 5
+
+    def busy_at(r: int, x: float) -> bool:
+        starts, ends = busy.get(r, ([], []))
+        return any(a <= x < b for a, b in zip(starts, ends, strict=True))
+
+    for links, ready, dur in placements:
+        res = tuple(sorted(links))
+        before = {r: sum(b - a for a, b in zip(*busy.get(r, ([], [])), strict=True)) for r in res}
+        start, stop, pieces = tasks._occupy(busy, free, res, 1, ready, dur)
+        assert pieces is None or (len(pieces) > 1 and sum(b - a for a, b in pieces) == pytest.approx(dur)
+                                  and (pieces[0][0], pieces[-1][1]) == (start, stop))
+        assert start >= ready and stop >= start + dur - 1e-12
+        for r in res:
+            starts, ends = busy.get(r, ([], []))
+            assert all(a < b for a, b in zip(starts, ends, strict=True))
+            assert all(b <= a for b, a in zip(ends, starts[1:], strict=False))
+            assert sum(b - a for a, b in zip(starts, ends, strict=True)) == pytest.approx(before[r] + dur)
+            assert free[r] >= max(ends, default=0.0)
+        if dur > 0:
+            cuts = sorted({ready, stop, *(x for r in res for x in (*busy[r][0], *busy[r][1]) if ready < x < stop)})
+            assert all(any(busy_at(r, (a + b) / 2) for r in res) for a, b in zip(cuts, cuts[1:], strict=False))
 
 
 def classes_of(ordered, devices: int, links: int) -> list[tuple[int, ...]]:

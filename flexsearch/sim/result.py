@@ -48,10 +48,11 @@ class Simulation:
         One track per device (process "devices") and per link (process "links"); times
         in microseconds. A slice per task and resource, its category the task's kind:
         compute (``fwd``, ``bwd``, ``update``) on the device tracks, communication
-        (``xfer``, ``coll``) on the tracks of every link it loads; and ``bubble`` slices:
-        each idle gap on a device between the start of its first task and the end of its
-        last one (pipeline bubbles, waits for communication). ``otherData`` holds the
-        iteration's summary."""
+        (``xfer``, ``coll``) on the tracks of every link it loads (a slice per piece of a
+        transfer that paused over others: :class:`~flexsearch.sim.tasks.Scheduled`); and
+        ``bubble`` slices: each idle gap on a device between the start of its first task
+        and the end of its last one (pipeline bubbles, waits for communication).
+        ``otherData`` holds the iteration's summary."""
         devices = len(self.memory_bytes)
         group = {"fwd": "compute", "bwd": "compute", "update": "compute",
                  "xfer": "communication", "coll": "communication"}
@@ -71,14 +72,16 @@ class Simulation:
         for s in self.timeline:
             t = s.task
             kind = group.get(t.kind, "compute")
-            start, end = s.start * 1e6, s.end * 1e6
             for r in t.resources:
                 pid, tid = (0, r) if r < devices else (1, r - devices)
-                slices.setdefault((pid, tid), []).append((start, end, {
-                    "name": f"{t.kind} {t.name}", "cat": t.kind, "ph": "X", "pid": pid, "tid": tid,
-                    "ts": start, "dur": end - start, "cname": colour[kind],
-                    "args": {"kind": kind, "detail": t.detail, "bytes": t.nbytes},
-                }))
+                # a transfer that paused over others holds its links for its pieces only
+                for a, b in s.pieces if s.pieces and r >= devices else ((s.start, s.end),):
+                    start, end = a * 1e6, b * 1e6
+                    slices.setdefault((pid, tid), []).append((start, end, {
+                        "name": f"{t.kind} {t.name}", "cat": t.kind, "ph": "X", "pid": pid, "tid": tid,
+                        "ts": start, "dur": end - start, "cname": colour[kind],
+                        "args": {"kind": kind, "detail": t.detail, "bytes": t.nbytes},
+                    }))
         for (pid, tid), track in sorted(slices.items()):
             track.sort(key=lambda x: (x[0], x[1]))
             busy_until = None

@@ -48,7 +48,7 @@ shifted by ``w``) is kept whole; the other replicas' own tasks are left out. A t
 that couples replicas otherwise raises :class:`NotPeriodic`. The premise: a collective
 over every replica loads each member's links alike (the ring, tree and hierarchical
 algorithms of :mod:`flexsearch.cost.comm` send and receive on every member), so the
-first replica's busy links stand for every replica's when it looks for a gap.
+first replica's busy links stand for every replica's when it looks for idle time.
 """
 
 from __future__ import annotations

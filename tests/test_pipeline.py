@@ -369,7 +369,6 @@ def test_backward_working_set():
     assert backward_working([0, 0, 5], [4, 4, 40], rebuilt=[10, 10, 0], units=[0, 0, -1]) == 24.0
 
 
-@functools.cache
 def test_an_fsdp2_stage_gathers_while_the_activations_come_in():
     """FSDP2 stages under 1F1B (4 pipeline ranks of 2 replicas, a node's 8 A100s each):
     a stage's all-gather, posted once its first input is in, shares its links with the
@@ -395,6 +394,7 @@ def test_an_fsdp2_stage_gathers_while_the_activations_come_in():
         assert max(s.end for s in gathers) - ready < 0.045
 
 
+@functools.cache
 def _gpt_tiny():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import zoo

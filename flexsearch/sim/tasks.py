@@ -213,7 +213,10 @@ def _pieces(busy: dict[int, tuple[list[float], list[float]]], resources: Sequenc
     docstring). Each link's busy intervals are disjoint, sorted and not empty (so are
     the pieces: a gap or a rest within ``1e-9`` of ``duration``, a rounding error, is not
     one); ``free``: per resource the end of its last interval (a link free by a time has
-    no interval after)."""
+    no interval after). Each link's intervals are walked once, from the first that ends
+    after ``start``; a link is dropped once the walk passes its last."""
+    lists = [busy[r] for r in resources if r >= devices and free[r] > start and r in busy]
+    at = [bisect.bisect_right(ends, start) for _, ends in lists]  # per link: its first interval ending after start
     pieces: list[tuple[float, float]] = []
     left = duration
     tiny = duration * 1e-9
@@ -222,17 +225,21 @@ def _pieces(busy: dict[int, tuple[list[float], list[float]]], resources: Sequenc
         while moved:  # to the first time no link is busy at; ``nxt``: the next busy start
             moved = False
             nxt = math.inf
-            for r in resources:
-                if r < devices or free[r] <= start or r not in busy:
-                    continue
-                starts, ends = busy[r]
-                i = bisect.bisect_right(ends, start)
-                if i < len(starts):
-                    if starts[i] <= start:
-                        start = ends[i]
-                        moved = True
-                    elif starts[i] < nxt:
-                        nxt = starts[i]
+            done = False
+            for k, (starts, ends) in enumerate(lists):
+                i = at[k]
+                if i < len(ends) and ends[i] <= start:
+                    i = at[k] = bisect.bisect_right(ends, start, i + 1)
+                if i == len(ends):
+                    done = True
+                elif starts[i] <= start:
+                    start = ends[i]
+                    moved = True
+                elif starts[i] < nxt:
+                    nxt = starts[i]
+            if done:  # drop the links with no interval left
+                kept = [k for k in range(len(lists)) if at[k] < len(lists[k][1])]
+                lists, at = [lists[k] for k in kept], [at[k] for k in kept]
         if nxt - start >= left - tiny:  # the rest fits (up to rounding: never a piece of nothing)
             pieces.append((start, min(start + left, nxt)))
             return pieces
@@ -242,12 +249,38 @@ def _pieces(busy: dict[int, tuple[list[float], list[float]]], resources: Sequenc
         start = nxt
 
 
+def _hold(starts: list[float], ends: list[float], a: float, b: float) -> None:
+    """Add the busy interval ``(a, b)`` to a link's sorted, disjoint ``starts``/``ends``,
+    joined to an interval it touches (a transfer that fills a gap leaves one interval,
+    not three: the lists stay as short as the link's idle gaps are many)."""
+    if a >= ends[-1]:
+        if a == ends[-1]:
+            ends[-1] = b
+        else:
+            starts.append(a)
+            ends.append(b)
+        return
+    i = bisect.bisect_left(starts, a)
+    after = i < len(starts) and starts[i] == b
+    if i and ends[i - 1] == a:
+        if after:
+            ends[i - 1] = ends[i]
+            del starts[i], ends[i]
+        else:
+            ends[i - 1] = b
+    elif after:
+        starts[i] = a
+    else:
+        starts.insert(i, a)
+        ends.insert(i, b)
+
+
 def _occupy(busy: dict[int, tuple[list[float], list[float]]], free: list[float], res: Sequence[int], devices: int,
             start: float, dur: float) -> tuple[float, float, list[tuple[float, float]] | None]:
     """:func:`run_tasks`'s placement of a task on links (and devices) ready at ``start``:
     after its devices are free, in the idle time its links have in common from then on
-    (:func:`_pieces`; ``busy``, ``free`` updated); its start, its end and, when it
-    paused, its pieces (else None)."""
+    (:func:`_pieces`; ``busy``, ``free`` updated: :func:`_hold`); its start, its end and,
+    when it paused, its pieces (else None)."""
     late = False
     for r in res:
         f = free[r]
@@ -262,17 +295,12 @@ def _occupy(busy: dict[int, tuple[list[float], list[float]]], free: list[float],
         if r >= devices and dur > 0:
             intervals = busy.get(r)
             if intervals is None:
-                busy[r] = ([a for a, _ in pieces], [b for _, b in pieces])
+                busy[r] = intervals = ([pieces[0][0]], [pieces[0][1]])
+                for a, b in pieces[1:]:
+                    _hold(*intervals, a, b)
             else:
-                starts, ends = intervals
                 for a, b in pieces:
-                    if a >= ends[-1]:
-                        starts.append(a)
-                        ends.append(b)
-                    else:
-                        i = bisect.bisect_left(starts, a)
-                        starts.insert(i, a)
-                        ends.insert(i, b)
+                    _hold(*intervals, a, b)
         if stop > free[r]:
             free[r] = stop
     return start, stop, pieces if len(pieces) > 1 else None

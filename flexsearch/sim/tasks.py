@@ -215,8 +215,14 @@ def _pieces(busy: dict[int, tuple[list[float], list[float]]], resources: Sequenc
     one); ``free``: per resource the end of its last interval (a link free by a time has
     no interval after). Each link's intervals are walked once, from the first that ends
     after ``start``; a link is dropped once the walk passes its last."""
-    lists = [busy[r] for r in resources if r >= devices and free[r] > start and r in busy]
-    at = [bisect.bisect_right(ends, start) for _, ends in lists]  # per link: its first interval ending after start
+    lists: list[tuple[list[float], list[float]]] = []
+    at: list[int] = []  # per link: its first interval ending after start
+    for r in resources:
+        if r >= devices and free[r] > start:
+            intervals = busy.get(r)
+            if intervals is not None:
+                lists.append(intervals)
+                at.append(bisect.bisect_right(intervals[1], start))
     pieces: list[tuple[float, float]] = []
     left = duration
     tiny = duration * 1e-9
@@ -289,21 +295,37 @@ def _occupy(busy: dict[int, tuple[list[float], list[float]]], free: list[float],
                 start = f
             else:
                 late = True
-    pieces = _pieces(busy, res, devices, start, dur, free) if late and dur > 0 else [(start, start + dur)]
-    start, stop = pieces[0][0], pieces[-1][1]
+    pieces = None
+    if late and dur > 0:
+        pieces = _pieces(busy, res, devices, start, dur, free)
+        start, stop = pieces[0][0], pieces[-1][1]
+        if len(pieces) == 1:
+            pieces = None
+    else:
+        stop = start + dur
     for r in res:
         if r >= devices and dur > 0:
             intervals = busy.get(r)
             if intervals is None:
-                busy[r] = intervals = ([pieces[0][0]], [pieces[0][1]])
-                for a, b in pieces[1:]:
+                busy[r] = intervals = ([start], [stop if pieces is None else pieces[0][1]])
+                for a, b in pieces[1:] if pieces else ():
                     _hold(*intervals, a, b)
+            elif pieces is None:  # _hold, its commonest cases inline: at or after the link's last interval
+                starts, ends = intervals
+                last = ends[-1]
+                if start > last:
+                    starts.append(start)
+                    ends.append(stop)
+                elif start == last:
+                    ends[-1] = stop
+                else:
+                    _hold(starts, ends, start, stop)
             else:
                 for a, b in pieces:
                     _hold(*intervals, a, b)
         if stop > free[r]:
             free[r] = stop
-    return start, stop, pieces if len(pieces) > 1 else None
+    return start, stop, pieces
 
 
 def busy_compute(ordered: Sequence[Task], devices: int,

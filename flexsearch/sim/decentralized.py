@@ -7,9 +7,9 @@ for that replica: forward and backward time of the ``B / n`` slice, the paramete
 ``P`` and the activation bytes kept for the backward (``stash_bytes``); the search
 (:func:`flexsearch.sim.stages.replica_cost`) costs it exactly as the
 data-parallel baseline costs its replica, so all of these plans compare on one scale.
-Tasks go to :func:`~flexsearch.sim.simulator.run_tasks`: a task starts when its
-dependencies have ended and its resources (its device; every link it loads) are free,
-so communication overlaps compute and queues on shared links.
+Tasks go to :func:`~flexsearch.sim.tasks.run_tasks`: a task starts when its
+dependencies have ended and its device is free, a transfer runs in the idle time its
+links have in common, so communication overlaps compute and queues on shared links.
 
 **D-PSGD** (Lian et al. 2017, REFERENCE section 3), one gossip step ``t`` of the
 topology (:mod:`flexsearch.strategy.topology`):

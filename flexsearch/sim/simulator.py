@@ -3,11 +3,12 @@
 **Schedule.** Tasks are taken in program order: the forward fragments
 (:mod:`flexsearch.sim.taskgraph`) in topological order, the backward fragments in
 reverse, then one optimizer update per device (:func:`flexsearch.sim.accounting.update_s`)
-after its gradient synchronisations. Each task starts at ``max(end of its
-dependencies, free time of each of its resources)`` and holds all its resources (its
-device; every link a transfer or collective loads) until it ends
-(:func:`flexsearch.sim.tasks.run_tasks`), so transfers queue on busy links and overlap
-with compute on the devices. The iteration time is the end of the last task.
+after its gradient synchronisations. Each task starts once its dependencies have
+ended and its device is free, and holds the device until it ends; a transfer or
+collective runs in the idle time its links have in common from then on, pausing over
+the tasks listed before it (:func:`flexsearch.sim.tasks.run_tasks`), so transfers queue
+on busy links and overlap with compute on the devices. The iteration time is the end of
+the last task.
 
 **Execution modes.** A plan the emitter runs on DTensors (SOAP) synchronises each
 layer's gradients on its own, and returns the whole output to every device, where the

@@ -109,9 +109,9 @@ def test_a_transfer_uses_the_idle_time_between_the_transfers_listed_before_it():
 def test_links_serve_transfers_in_list_order_without_idling(placements):
     """Transfers placed one after another (links 1-4 of one device, each ready at some
     time): every link's busy intervals stay sorted and disjoint (those that touch
-    joined), a transfer adds its
-    duration to each of its links' busy time, and from when it is ready until it ends
-    one of its links is busy at every moment (the links never idle while it waits)."""
+    joined), a transfer adds its duration to each of its links' busy time, and from when
+    it is ready until it ends one of its links is busy at every moment (the links never
+    idle while it waits)."""
     busy, free = {}, [0.0] * 5
 
     def busy_at(r: int, x: float) -> bool:

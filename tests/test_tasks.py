@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import sys
 
 import pytest
@@ -101,6 +102,23 @@ def test_a_transfer_uses_the_idle_time_between_the_transfers_listed_before_it():
     busy, free = {2: ([0.0, 10.0, 20.0], [1.0, 11.0, 21.0])}, [0.0, 0.0, 21.0, 0.0]
     assert tasks._occupy(busy, free, (2,), 2, 0.5, 25.0) == (1.0, 28.0, [(1.0, 10.0), (11.0, 20.0), (21.0, 28.0)])
     assert busy[2] == ([0.0], [28.0])  # the pieces fill the gaps: one interval
+
+
+def test_a_transfer_that_fills_a_gap_exactly_is_not_split_by_rounding():
+    """A 0.2 us transfer in the gap its link leaves from 20 s to the next transfer's start
+    at ``20 + 2e-7`` (a device's end): the gap, as a difference of times near 20, falls
+    short of 2e-7 by more than the duration's own rounding (``2e-7 * 1e-9``). It fits,
+    compared as end times, as the old rule had it, not 20 to 20.0000002 and an empty
+    piece after the 5 s transfer. And a transfer of infinite duration ends at inf."""
+    t0, d = 20.0, 2e-7
+    assert (t0 + d) - t0 < d - d * 1e-9
+    ordered = [Task("xfer", "a", t0, (1,), (), ("a",)), Task("fwd", "f", t0 + d, (0,), (), ("f",)),
+               Task("xfer", "b", 5.0, (1,), ("f",), ("b",)), Task("xfer", "c", d, (1,), (), ("c",))]
+    times = {s.task.name: (s.start, s.end, s.pieces) for s in run_tasks(ordered, 1, 1).timeline}
+    assert times["c"] == (t0, t0 + d, ())
+    assert times["b"][:2] == (t0 + d, t0 + d + 5.0)
+    ordered = [Task("xfer", "a", 1.0, (1,), (), ("a",)), Task("xfer", "b", math.inf, (1,), (), ("b",))]
+    assert [(s.start, s.end) for s in run_tasks(ordered, 1, 1).timeline] == [(0.0, 1.0), (1.0, math.inf)]
 
 
 @settings(max_examples=200, derandomize=True, deadline=None, database=None)

@@ -211,8 +211,8 @@ def _pieces(busy: dict[int, tuple[list[float], list[float]]], resources: Sequenc
     in pieces ``(begin, end)`` that add up to ``duration``: what a transfer ready at
     ``start`` uses when the links serve the transfers listed before it first (module
     docstring). Each link's busy intervals are disjoint, sorted and not empty (so are
-    the pieces: a gap or a rest within ``1e-9`` of ``duration``, a rounding error, is not
-    one); ``free``: per resource the end of its last interval (a link free by a time has
+    the pieces: a gap or a rest within rounding, ``1e-9`` of ``duration`` plus a few
+    units in the last place of the times, is not one); ``free``: per resource the end of its last interval (a link free by a time has
     no interval after). Each link's intervals are walked once, from the first that ends
     after ``start``; a link is dropped once the walk passes its last."""
     lists: list[tuple[list[float], list[float]]] = []
@@ -225,7 +225,7 @@ def _pieces(busy: dict[int, tuple[list[float], list[float]]], resources: Sequenc
                 at.append(bisect.bisect_right(intervals[1], start))
     pieces: list[tuple[float, float]] = []
     left = duration
-    tiny = duration * 1e-9
+    tiny = duration * 1e-9 if duration < math.inf else 0.0
     while True:
         moved = True
         while moved:  # to the first time no link is busy at; ``nxt``: the next busy start
@@ -246,10 +246,11 @@ def _pieces(busy: dict[int, tuple[list[float], list[float]]], resources: Sequenc
             if done:  # drop the links with no interval left
                 kept = [k for k in range(len(lists)) if at[k] < len(lists[k][1])]
                 lists, at = [lists[k] for k in kept], [at[k] for k in kept]
-        if nxt - start >= left - tiny:  # the rest fits (up to rounding: never a piece of nothing)
+        slack = tiny + 4 * math.ulp(nxt)  # rounding: the duration's, and the times' own (inf at the end)
+        if start + left <= nxt + slack:  # the rest fits, compared as end times (never a piece of nothing)
             pieces.append((start, min(start + left, nxt)))
             return pieces
-        if nxt - start > tiny:  # a gap of a rounding error is skipped
+        if nxt - start > slack:  # a gap of a rounding error is skipped
             pieces.append((start, nxt))
             left -= nxt - start
         start = nxt

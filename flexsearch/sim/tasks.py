@@ -212,9 +212,10 @@ def _pieces(busy: dict[int, tuple[list[float], list[float]]], resources: Sequenc
     ``start`` uses when the links serve the transfers listed before it first (module
     docstring). Each link's busy intervals are disjoint, sorted and not empty (so are
     the pieces: a gap or a rest within rounding, ``1e-9`` of ``duration`` plus a few
-    units in the last place of the times, is not one); ``free``: per resource the end of its last interval (a link free by a time has
-    no interval after). Each link's intervals are walked once, from the first that ends
-    after ``start``; a link is dropped once the walk passes its last."""
+    units in the last place of the times, is not one); ``free``: per resource the end
+    of its last interval (a link free by a time has no interval after). Each link's
+    intervals are walked once, from the first that ends after ``start``; a link is
+    dropped once the walk passes its last."""
     lists: list[tuple[list[float], list[float]]] = []
     at: list[int] = []  # per link: its first interval ending after start
     for r in resources:
@@ -307,10 +308,9 @@ def _occupy(busy: dict[int, tuple[list[float], list[float]]], free: list[float],
     for r in res:
         if r >= devices and dur > 0:
             intervals = busy.get(r)
-            if intervals is None:
-                busy[r] = intervals = ([start], [stop if pieces is None else pieces[0][1]])
-                for a, b in pieces[1:] if pieces else ():
-                    _hold(*intervals, a, b)
+            if intervals is None:  # the pieces are apart (other links' busy time between them)
+                spans = pieces or ((start, stop),)
+                busy[r] = ([a for a, _ in spans], [b for _, b in spans])
             elif pieces is None:  # _hold, its commonest cases inline: at or after the link's last interval
                 starts, ends = intervals
                 last = ends[-1]

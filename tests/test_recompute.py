@@ -344,6 +344,25 @@ def test_a_weight_read_inside_a_unit_does_not_split_it():
         assert loss == pytest.approx(ref, rel=1e-5)
 
 
+def test_the_models_output_stays_through_a_checkpointed_backward():
+    """:func:`~flexsearch.sim.footprint.backward_working` with ``held``: a unit of two
+    dropped nodes (rebuilding 5 bytes each, ``C`` = 10) before the node whose output
+    (10 bytes, its kept bytes) the model returns. Freed once the backward has passed
+    that node, the output makes room for the unit's gradients (``W`` 0); the step's
+    caller holds it, so the unit's rebuilt activations and its two gradients (2 + 2)
+    come on top of it: ``W`` = 4. The simulator holds a loss operand's output share
+    (``tests/test_memory_tracker.py``: Megatron's layout fully checkpointed, against
+    torch's allocator)."""
+    from flexsearch.sim.footprint import backward_working
+
+    kept, grads, rebuilt, units = [0, 0, 10], [2, 2, 3], [5, 5, 0], [0, 0, -1]
+    assert backward_working(kept, grads, rebuilt=rebuilt, units=units) == 0.0
+    assert backward_working(kept, grads, rebuilt=rebuilt, units=units, held=[0, 0, 10]) == 4.0
+    assert backward_working(kept, grads, rebuilt=rebuilt, units=units, held=[0, 0, 4]) == 0.0  # 6 freed: room
+    # unchecked, the returned output's own backward is the peak either way
+    assert backward_working([10, 10, 10], [4, 4, 4], held=[0, 0, 10]) == backward_working([10, 10, 10], [4, 4, 4])
+
+
 def test_selective_caches_a_matmuls_outputs_and_frees_those_no_op_saves():
     """:meth:`Checkpointing.cached_bytes`: a cached op keeps its outputs; its unit's
     recomputation rebuilds its weights' autocast copy and what it saved beside its

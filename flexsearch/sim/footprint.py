@@ -79,7 +79,8 @@ def rebuilt_peaks(rebuilt: Sequence[float], units: Sequence[int]) -> dict[int, f
 
 
 def backward_working(kept: Sequence[float], grads: Sequence[float], received: float = 0.0,
-                     views: Sequence[bool] = (), rebuilt: Sequence[float] = (), units: Sequence[int] = ()) -> float:
+                     views: Sequence[bool] = (), rebuilt: Sequence[float] = (), units: Sequence[int] = (),
+                     held: Sequence[float] = ()) -> float:
     """``W``: the gradient buffers of one backward through a sequence of nodes (forward
     order; ``kept[i]`` the activations node ``i`` keeps, ``grads[i]`` its output's
     gradient buffer, ``views[i]`` whether it is a view, :func:`aliases`) above the
@@ -101,12 +102,23 @@ def backward_working(kept: Sequence[float], grads: Sequence[float], received: fl
     Counting the gradients over the kept bytes alone (as without checkpointing) and
     adding ``C`` counted the rebuilt activations twice: the tiny AlexNet (one unit) at
     batch 128 was predicted 37% over torch's allocator with full checkpointing, 8% under
-    without it (``tests/test_memory_tracker.py``)."""
-    total = sum(kept)
+    without it (``tests/test_memory_tracker.py``).
+
+    ``held[i]``: of ``kept[i]``, the bytes the backward frees at no node, which stay
+    through it: the model's outputs, which the step's caller references until the
+    backward is over (``out = model(x); loss_fn(out, y).backward()``; torch's pipeline
+    schedule holds a microbatch's output through its backward), and which the tracer
+    counts among their producer's kept bytes (:mod:`flexsearch.graph.saved`).
+    Freeing them once the backward had passed their producer put the fully
+    checkpointed tiny GPT's rise (Megatron's layout, t = 2, fp32: its whole all-reduced
+    logits, 0.52 MB) 8-18% under torch's allocator, whose peak, in the last block's
+    recomputed backward, still held them (``tests/test_memory_tracker.py``)."""
+    freed = [k - (held[i] if i < len(held) else 0.0) for i, k in enumerate(kept)]
+    total = sum(freed)
     largest = max(rebuilt_peaks(rebuilt, units).values(), default=0.0)  # C
     alive: dict[int, float] = {}  # per unit, what it has rebuilt up to the node
     prefix = work = 0.0
-    for i, k in enumerate(kept):
+    for i, k in enumerate(freed):
         prefix += k
         here = 0.0
         if i < len(units) and units[i] >= 0:

@@ -339,7 +339,11 @@ def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float],
     is in a unit keeps the input it received; one unit's dropped activations are rebuilt
     at a time (``working_bytes``, the largest unit's,
     :func:`~flexsearch.sim.footprint.rebuilt_peaks`). ``extra_params``: the bytes of tied
-    weights another stage owns, and of those the bytes that train (:func:`tied_weights`)."""
+    weights another stage owns, and of those the bytes that train (:func:`tied_weights`).
+    The model's outputs (of the nodes with a ``loss_bytes``) stay through their
+    microbatch's backward (``held`` of :func:`~flexsearch.sim.footprint.backward_working`):
+    a step's caller holds them, and so does torch's pipeline schedule, whose
+    ``backward_one_chunk`` holds the stage's output while it runs the backward."""
     cp = recompute or Checkpointing.none(len(costs))
     seg = range(a, b)
     fwd = sum(costs[i].forward_s for i in seg)
@@ -370,7 +374,9 @@ def stage_cost(costs: Sequence[NodeCost], a: int, b: int, cuts: Sequence[float],
         loss_copy_bytes=sum(costs[i].loss_copy_bytes for i in seg),
         grad_working_bytes=backward_working(per_node, [costs[i].grad_bytes for i in seg], cuts[a] if a else 0.0,
                                             [costs[i].view for i in seg], again_bytes,
-                                            [cp.unit_of[i] for i in seg]),
+                                            [cp.unit_of[i] for i in seg],
+                                            [min(k, costs[i].output_bytes) if costs[i].loss_bytes else 0.0
+                                             for i, k in zip(seg, per_node, strict=True)]),
     )
 
 

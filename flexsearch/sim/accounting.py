@@ -18,7 +18,8 @@ output-sized fp32 tensor, and the fp32 copy of a lower-precision output:
 beside it (one output-sized fp32 tensor: :func:`~flexsearch.sim.footprint.loss_working_bytes`),
 ``W`` a backward's gradient buffers above the activations it still keeps
 (:func:`flexsearch.sim.footprint.backward_working`: in a pipeline stage, other
-microbatches' activations stay stashed meanwhile), ``B`` buffers (FSDP's gathered
+microbatches' activations stay stashed meanwhile, and the model's outputs stay until
+the backward is over), ``B`` buffers (FSDP's gathered
 parameters, a gossip snapshot and receive buffers, PipeDream's extra weight versions, a
 parameter server's accumulation buffer), ``L`` the largest parameter tensor it holds::
 

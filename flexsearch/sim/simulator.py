@@ -59,13 +59,8 @@ from flexsearch.sim.accounting import (
     update_s,
 )
 from flexsearch.sim.context import CostContext, collective_task, fsdp_collective_task
-from flexsearch.sim.footprint import (
-    backward_working,
-    loss_held_bytes,
-    loss_operands,
-    loss_working_bytes,
-)
 from flexsearch.sim.gradients import merged_reductions, without_gradient
+from flexsearch.sim.op_memory import backward_working_per_device, loss_terms
 from flexsearch.sim.result import Simulation
 from flexsearch.sim.taskgraph import (
     Fragment,
@@ -118,8 +113,6 @@ class Simulator:
         self._no_grad = without_gradient(graph.nodes, graph.frozen_params)
         index = {n.name: i for i, n in enumerate(graph.nodes)}
         self._inputs = [[index[i] for i in n.inputs] for n in graph.nodes]
-        self._outputs = [i for i, n in enumerate(graph.nodes) if n.kind == "output"]
-        self._returned = [index[name] for name in loss_operands(graph)]  # the nodes whose outputs the model returns
         # (ddp, replica width) -> the configurations and fragments of the last call
         self._last: dict[tuple[bool, int], tuple[list[Config], list[Fragment]]] = {}
 
@@ -430,73 +423,6 @@ class Simulator:
                 members, size, tensors, cap = [], 0.0, 0, cal.ddp_bucket_bytes.value
         return out
 
-    def _loss_terms(self, configs: Mapping[str, Config] | None,
-                    whole: bool = False) -> tuple[dict[int, float], dict[int, float]]:
-        """Per device, the bytes the loss holds over its share of the model's outputs
-        (``Y``, :func:`~flexsearch.sim.footprint.loss_held_bytes`) and its working
-        tensor (``T``, :func:`~flexsearch.sim.footprint.loss_working_bytes`); ``whole``:
-        over all of them on every device (the SOAP emitter's loss,
-        :func:`~flexsearch.sim.taskgraph.output_gather`)."""
-        held: dict[int, float] = {}
-        work: dict[int, float] = {}
-        if configs is None:
-            return held, work
-        for name in loss_operands(self.graph):
-            p, c = self.graph.node(name), configs.get(name)
-            if c is None or not p.outputs:
-                continue
-            share = p.outputs[0].nbytes / (1 if whole else activation_split(c, p))
-            y, t = loss_held_bytes(p, share), loss_working_bytes(p, share)
-            for d in range(self.cluster.devices) if whole else c.devices:
-                held[d] = held.get(d, 0.0) + y
-                work[d] = work.get(d, 0.0) + t
-        return held, work
-
-    def _output_shares(self, configs: Mapping[str, Config] | None) -> dict[int, float]:
-        """Per node index, the bytes of the model's outputs among what it keeps on each of
-        its devices: a loss operand's output share (:func:`~flexsearch.sim.footprint.loss_operands`;
-        the tracer counts a returned output as its producer's kept bytes), everything the
-        output node keeps (:func:`~flexsearch.sim.taskgraph.output_gather`)."""
-        out = dict.fromkeys(self._outputs, math.inf)
-        for i in self._returned if configs is not None else ():
-            p = self.graph.nodes[i]
-            c = configs.get(p.name)
-            if c is not None and p.outputs:
-                out[i] = p.outputs[0].nbytes / activation_split(c, p)
-        return out
-
-    def _backward_working(self, frags: list[Fragment], rebuilt: Rebuilt | None = None,
-                          configs: Mapping[str, Config] | None = None) -> dict[int, float]:
-        """``W`` per device (:func:`~flexsearch.sim.footprint.backward_working`) over the
-        nodes it keeps activations or gradients of or (checkpointed, ``rebuilt``)
-        rebuilds activations of, in graph order (one pass over the fragments' entries,
-        not devices x nodes). The model's outputs stay through the backward (``held``):
-        their producers' output shares (``configs``), and what the output node keeps
-        (the SOAP emitter's gathered outputs)."""
-        kept: dict[int, list[float]] = {}
-        grads: dict[int, list[float]] = {}
-        views: dict[int, list[bool]] = {}
-        held: dict[int, list[float]] = {}
-        again: dict[int, list[float]] = {}
-        units: dict[int, list[int]] = {}
-        outputs = self._output_shares(configs)
-        for i, f in enumerate(frags):
-            shares = rebuilt.per_node[i] if rebuilt is not None else {}
-            out = outputs.get(i, 0.0)
-            for d in f.activations.keys() | f.grads.keys() | shares.keys():
-                k, g, r = f.activations.get(d, 0.0), f.grads.get(d, 0.0), shares.get(d, 0.0)
-                if k or g or r:
-                    kept.setdefault(d, []).append(k)
-                    grads.setdefault(d, []).append(g)
-                    views.setdefault(d, []).append(f.view)
-                    held.setdefault(d, []).append(min(k, out))
-                    if rebuilt is not None:
-                        again.setdefault(d, []).append(r)
-                        units.setdefault(d, []).append(rebuilt.unit_of[i])
-        return {d: backward_working(kept[d], grads[d], views=views[d], rebuilt=again.get(d, ()), units=units.get(d, ()),
-                                    held=held[d])
-                for d in kept}
-
     def _schedule(self, frags: list[Fragment], ordered: list[Task], keep_timeline: bool, ddp: bool = False,
                   buckets: list[Task] = (), shards: int = 1, unsharded: float = 0.0,
                   configs: Mapping[str, Config] | None = None, rebuilt: Rebuilt | None = None,
@@ -581,9 +507,10 @@ class Simulator:
             if keep_timeline:
                 timeline.append(Scheduled(t, start, start + t.duration))
         makespan = max(free[:devices] + free[devices:], default=0.0)
-        loss_grad, loss_work = self._loss_terms(configs, whole=cal is not None and not ddp and shards == 1)
+        loss_grad, loss_work = loss_terms(self.graph, configs, self.cluster.devices,
+                                          whole=cal is not None and not ddp and shards == 1)
         buckets_held = ddp and shards == 1  # DDP keeps a flat copy of the gradients
-        backward = self._backward_working(frags, rebuilt, configs)
+        backward = backward_working_per_device(self.graph, frags, configs, rebuilt)
         working = rebuilt.working if rebuilt is not None else {}
         width = replica.width if replica is not None else devices
         terms = [DeviceMemory(params[d], trained[d], OPTIMIZER_STATE[self.optimizer] * owned[d], acts[d], largest[d],

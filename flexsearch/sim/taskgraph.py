@@ -389,7 +389,7 @@ def output_gather(producers: list[tuple[OpNode, Config]], ctx: CostContext, frag
     every device, an all-gather over its producer's block when split, then a broadcast
     to the devices outside the block. The loss's gradient of the output is ready when
     the gather ends (the loss runs on the gathered tensor), and every device keeps the
-    whole output (the loss saves it; :meth:`Simulator._loss_terms` counts the loss's
+    whole output (the loss saves it; :func:`flexsearch.sim.op_memory.loss_terms` counts the loss's
     own hold over the whole output too). From a block other than the whole runtime's
     mesh the emitter moves it (``_Move``): the calibration's ``move_s`` more.
 

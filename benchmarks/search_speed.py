@@ -23,7 +23,9 @@
    scheduled tasks a move retimes or rebuilds (:func:`retimed`), what an incremental
    schedule would still visit; ``delta_incremental_bound=``: a full simulation's time
    over the builds plus that share of the list schedule's time, the most such a
-   schedule could reach with everything else free.
+   schedule could reach with everything else free. ``delta_unscheduled_bound=``: a full
+   simulation's time over a delta simulation's less its list schedule (measured in the
+   same walk), the most a compiled list scheduler alone could reach.
 
    And MCMC iterations per second on the same graph and cluster, from the baselines'
    seeds, ``--mcmc-iters`` iterations (seeded) with one fragment kept per node against
@@ -74,7 +76,7 @@
     python benchmarks/search_speed.py --quick        # budgets 2 s and 3 s, one round (a smoke run)
 
 Last line: ``full_sims_per_s=... delta_sims_per_s=... delta_over_full=... delta_rebuilt=...
-delta_bound=... delta_retimed=... delta_incremental_bound=... mcmc_rebuilt_one=...
+delta_bound=... delta_retimed=... delta_incremental_bound=... delta_unscheduled_bound=... mcmc_rebuilt_one=...
 mcmc_rebuilt_kept=... mcmc_kept_speedup=... mcmc_cutoff_speedup=... mcmc_cut_share=...
 links_merged_speedup=... pipeline_links_merged_speedup=... gossip_generator_speedup=... converge_xl8_s=... converge_xl64_s=...`` (plus tracing, seeding and speedup-over-data figures) and the
 plan times of part 3.
@@ -163,12 +165,15 @@ def sim_rates(
     return full, delta
 
 
-def delta_build(graph, cluster: Cluster, moves: int, seed: int = 0) -> tuple[float, float, float]:
+def delta_build(graph, cluster: Cluster, moves: int, seed: int = 0) -> tuple[float, float, float, float]:
     """Seconds per delta simulation spent building fragments, fragments built per move,
-    and seconds per delta simulation spent in the list schedule (``run_tasks``), over
-    ``moves`` random moves (as :func:`sim_rates`' delta rounds). A delta simulation
-    cannot take less than its builds: a full simulation's time over this is the most
-    ``delta_over_full`` could reach with assembly and scheduling free."""
+    seconds per delta simulation spent in the list schedule (``run_tasks``), and seconds
+    per delta simulation in all (``Space.expand`` included, as :func:`sim_rates` times
+    it), over ``moves`` random moves (as :func:`sim_rates`' delta rounds). A delta
+    simulation cannot take less than its builds: a full simulation's time over this is
+    the most ``delta_over_full`` could reach with assembly and scheduling free; over the
+    whole less the schedule, the most it could reach with the schedule alone free (a
+    compiled list scheduler, everything else as it is)."""
     import flexsearch.sim.simulator as simulator
 
     space, units, cands, rng, dec = walk(graph, cluster, seed + 1)
@@ -185,15 +190,17 @@ def delta_build(graph, cluster: Cluster, moves: int, seed: int = 0) -> tuple[flo
                 spent[what] += time.perf_counter() - t0
         return run
 
-    before = sim.rebuilt
+    before, whole = sim.rebuilt, 0.0
     simulator.build_fragment, simulator.run_tasks = timed(build, "build"), timed(schedule, "schedule")
     try:
         for _ in range(moves):
             move(rng, units, cands, dec)
+            t0 = time.perf_counter()
             sim.simulate(space.expand(dec), timeline=False)
+            whole += time.perf_counter() - t0
     finally:
         simulator.build_fragment, simulator.run_tasks = build, schedule
-    return spent["build"] / moves, (sim.rebuilt - before) / moves, spent["schedule"] / moves
+    return spent["build"] / moves, (sim.rebuilt - before) / moves, spent["schedule"] / moves, whole / moves
 
 
 def retimed(graph, cluster: Cluster, moves: int, seed: int = 0) -> list[float]:
@@ -491,7 +498,7 @@ def main() -> None:
     print(f"  with the cyclic collector running: full {fg:.1f}, delta {dg:.1f} sims/s ({dg / fg:.1f}x); the pause "
           f"gains {f / fg:.2f}x and {d / dg:.2f}x")
     with cycles_paused():
-        build_s, rebuilt, schedule_s = delta_build(graph, cluster, 30 if q else 300, args.seed)
+        build_s, rebuilt, schedule_s, whole_s = delta_build(graph, cluster, 30 if q else 300, args.seed)
         shares = retimed(graph, cluster, 15 if q else 200, args.seed)
     share = statistics.median(shares)
     print(f"  a delta simulation builds {rebuilt:.1f} of {len(graph.nodes)} fragments in {build_s * 1e3:.2f} ms: "
@@ -502,6 +509,9 @@ def main() -> None:
           f"(median over {len(shares)} moves; quartiles {q1:.1%}, {q3:.1%}): an incremental schedule that visits "
           f"only those, with everything else but the builds free, would reach "
           f"{1 / (f * (build_s + share * schedule_s)):.1f}x")
+    print(f"  a delta simulation takes {whole_s * 1e3:.2f} ms in all, {(whole_s - schedule_s) * 1e3:.2f} ms of it "
+          f"outside the list schedule (the builds, looking fragments up, assembling the task list, the memory "
+          f"terms): with the schedule alone free (compiled), {1 / (f * (whole_s - schedule_s)):.1f}x")
     figures = [
         f"full_sims_per_s={f:.1f}",
         f"delta_sims_per_s={d:.1f}",
@@ -512,6 +522,7 @@ def main() -> None:
         f"delta_bound={1 / (f * build_s):.2f}",
         f"delta_retimed={share:.3f}",
         f"delta_incremental_bound={1 / (f * (build_s + share * schedule_s)):.2f}",
+        f"delta_unscheduled_bound={1 / (f * (whole_s - schedule_s)):.2f}",
     ]
     with cycles_paused():
         kept = mcmc_rates(graph, cluster, args.mcmc_iters or (30 if q else 400), args.seed)

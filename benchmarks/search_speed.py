@@ -25,7 +25,8 @@
    over the builds plus that share of the list schedule's time, the most such a
    schedule could reach with everything else free. ``delta_unscheduled_bound=``: a full
    simulation's time over a delta simulation's less its list schedule (measured in the
-   same walk), the most a compiled list scheduler alone could reach.
+   same walk), the most a compiled list scheduler alone could reach; ``delta_fed_bound=``,
+   the same with the time it takes to hand it each step's task list (:func:`task_arrays`).
 
    And MCMC iterations per second on the same graph and cluster, from the baselines'
    seeds, ``--mcmc-iters`` iterations (seeded) with one fragment kept per node against
@@ -76,7 +77,8 @@
     python benchmarks/search_speed.py --quick        # budgets 2 s and 3 s, one round (a smoke run)
 
 Last line: ``full_sims_per_s=... delta_sims_per_s=... delta_over_full=... delta_rebuilt=...
-delta_bound=... delta_retimed=... delta_incremental_bound=... delta_unscheduled_bound=... mcmc_rebuilt_one=...
+delta_bound=... delta_retimed=... delta_incremental_bound=... delta_unscheduled_bound=...
+delta_fed_bound=... mcmc_rebuilt_one=...
 mcmc_rebuilt_kept=... mcmc_kept_speedup=... mcmc_cutoff_speedup=... mcmc_cut_share=...
 links_merged_speedup=... pipeline_links_merged_speedup=... gossip_generator_speedup=... converge_xl8_s=... converge_xl64_s=...`` (plus tracing, seeding and speedup-over-data figures) and the
 plan times of part 3.
@@ -165,7 +167,34 @@ def sim_rates(
     return full, delta
 
 
-def delta_build(graph, cluster: Cluster, moves: int, seed: int = 0) -> tuple[float, float, float, float]:
+def task_arrays(ordered) -> tuple:
+    """The least Python work that hands a task list to a compiled list scheduler: each
+    task's kind, duration, resources, and its dependency and defined keys as integers
+    (each key interned on first sight), flattened into typed arrays with each task's
+    offsets. What a compiled ``run_tasks`` fed today's task lists would cost on top of
+    its own run (:func:`delta_build`)."""
+    from array import array
+
+    kinds = {"fwd": 0, "bwd": 1, "xfer": 2, "coll": 3, "update": 4}
+    ids: dict = {}
+    intern = ids.setdefault
+    kind, dur, res, deps, defs = array("b"), array("d"), array("i"), array("i"), array("i")
+    at_res, at_deps, at_defs = array("i"), array("i"), array("i")
+    for t in ordered:
+        kind.append(kinds[t.kind])
+        dur.append(t.duration)
+        at_res.append(len(res))
+        res.extend(t.resources)
+        at_deps.append(len(deps))
+        for k in t.deps:
+            deps.append(intern(k, len(ids)))
+        at_defs.append(len(defs))
+        for k in t.defines:
+            defs.append(intern(k, len(ids)))
+    return kind, dur, res, deps, defs, at_res, at_deps, at_defs
+
+
+def delta_build(graph, cluster: Cluster, moves: int, seed: int = 0) -> tuple[float, float, float, float, float]:
     """Seconds per delta simulation spent building fragments, fragments built per move,
     seconds per delta simulation spent in the list schedule (``run_tasks``), and seconds
     per delta simulation in all (``Space.expand`` included, as :func:`sim_rates` times
@@ -173,7 +202,9 @@ def delta_build(graph, cluster: Cluster, moves: int, seed: int = 0) -> tuple[flo
     simulation cannot take less than its builds: a full simulation's time over this is
     the most ``delta_over_full`` could reach with assembly and scheduling free; over the
     whole less the schedule, the most it could reach with the schedule alone free (a
-    compiled list scheduler, everything else as it is)."""
+    compiled list scheduler, everything else as it is). Last, seconds per delta
+    simulation that :func:`task_arrays` takes over the task lists the walk scheduled
+    (timed after the walk): what such a scheduler would also cost, fed today's lists."""
     import flexsearch.sim.simulator as simulator
 
     space, units, cands, rng, dec = walk(graph, cluster, seed + 1)
@@ -190,8 +221,14 @@ def delta_build(graph, cluster: Cluster, moves: int, seed: int = 0) -> tuple[flo
                 spent[what] += time.perf_counter() - t0
         return run
 
-    before, whole = sim.rebuilt, 0.0
-    simulator.build_fragment, simulator.run_tasks = timed(build, "build"), timed(schedule, "schedule")
+    before, whole, lists = sim.rebuilt, 0.0, []
+    timed_schedule = timed(schedule, "schedule")
+
+    def scheduled(ordered, *args, **kwargs):
+        lists.append(ordered)
+        return timed_schedule(ordered, *args, **kwargs)
+
+    simulator.build_fragment, simulator.run_tasks = timed(build, "build"), scheduled
     try:
         for _ in range(moves):
             move(rng, units, cands, dec)
@@ -200,7 +237,12 @@ def delta_build(graph, cluster: Cluster, moves: int, seed: int = 0) -> tuple[flo
             whole += time.perf_counter() - t0
     finally:
         simulator.build_fragment, simulator.run_tasks = build, schedule
-    return spent["build"] / moves, (sim.rebuilt - before) / moves, spent["schedule"] / moves, whole / moves
+    t0 = time.perf_counter()
+    for ordered in lists:
+        task_arrays(ordered)
+    feed = time.perf_counter() - t0
+    return (spent["build"] / moves, (sim.rebuilt - before) / moves, spent["schedule"] / moves, whole / moves,
+            feed / moves)
 
 
 def retimed(graph, cluster: Cluster, moves: int, seed: int = 0) -> list[float]:
@@ -498,7 +540,7 @@ def main() -> None:
     print(f"  with the cyclic collector running: full {fg:.1f}, delta {dg:.1f} sims/s ({dg / fg:.1f}x); the pause "
           f"gains {f / fg:.2f}x and {d / dg:.2f}x")
     with cycles_paused():
-        build_s, rebuilt, schedule_s, whole_s = delta_build(graph, cluster, 30 if q else 300, args.seed)
+        build_s, rebuilt, schedule_s, whole_s, feed_s = delta_build(graph, cluster, 30 if q else 300, args.seed)
         shares = retimed(graph, cluster, 15 if q else 200, args.seed)
     share = statistics.median(shares)
     print(f"  a delta simulation builds {rebuilt:.1f} of {len(graph.nodes)} fragments in {build_s * 1e3:.2f} ms: "
@@ -511,7 +553,9 @@ def main() -> None:
           f"{1 / (f * (build_s + share * schedule_s)):.1f}x")
     print(f"  a delta simulation takes {whole_s * 1e3:.2f} ms in all, {(whole_s - schedule_s) * 1e3:.2f} ms of it "
           f"outside the list schedule (the builds, looking fragments up, assembling the task list, the memory "
-          f"terms): with the schedule alone free (compiled), {1 / (f * (whole_s - schedule_s)):.1f}x")
+          f"terms): with the schedule alone free (compiled), {1 / (f * (whole_s - schedule_s)):.1f}x; handing "
+          f"its task list to such a scheduler (keys interned, typed arrays) takes {feed_s * 1e3:.2f} ms, which "
+          f"leaves {1 / (f * (whole_s - schedule_s + feed_s)):.1f}x")
     figures = [
         f"full_sims_per_s={f:.1f}",
         f"delta_sims_per_s={d:.1f}",
@@ -523,6 +567,7 @@ def main() -> None:
         f"delta_retimed={share:.3f}",
         f"delta_incremental_bound={1 / (f * (build_s + share * schedule_s)):.2f}",
         f"delta_unscheduled_bound={1 / (f * (whole_s - schedule_s)):.2f}",
+        f"delta_fed_bound={1 / (f * (whole_s - schedule_s + feed_s)):.2f}",
     ]
     with cycles_paused():
         kept = mcmc_rates(graph, cluster, args.mcmc_iters or (30 if q else 400), args.seed)
